@@ -1,0 +1,177 @@
+"""The one typed configuration tree, and its one loader.
+
+Sources, later ones winning: built-in defaults → a YAML file → ``KVTIER_*``
+environment variables. A nested key is named in the environment with double
+underscores: ``KVTIER_HOST__CAPACITY_BYTES=4GiB`` sets ``host.capacity_bytes``;
+``KVTIER_DATA_DIR`` sets the top-level ``data_dir``. An unknown key, in the
+file or the environment, is an error that names it: a typo must never be
+silently ignored and leave a default in force.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+
+from kvtier.policy.base import PolicyName
+
+ENV_PREFIX = "KVTIER_"
+ENV_NESTING = "__"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class FsyncMode(enum.StrEnum):
+    """When the disk tier forces payload bytes to stable storage.
+
+    ``always``: fsync after every block, before its index commit: no
+    acknowledged block is ever lost, at one device flush per block.
+    ``batch``: one fsync per batch (``put_many``) before the batch's single
+    index commit: the same guarantee for every acknowledged block, amortised.
+    ``never``: no fsync and a non-syncing index: fastest; after a power loss an
+    indexed block may point at stale bytes, which its checksum then turns into
+    a counted miss (never wrong KV). A process crash loses nothing either way.
+    """
+
+    ALWAYS = "always"
+    BATCH = "batch"
+    NEVER = "never"
+
+
+class WriteMode(enum.StrEnum):
+    """How blocks reach the disk tier.
+
+    ``write_back``: stored in host only; demoted to disk when host evicts
+    them (disk I/O only for blocks that outgrow host memory).
+    ``write_through``: written to disk as soon as they are stored (they
+    survive a restart at once, at the cost of disk bandwidth for every block).
+    """
+
+    WRITE_BACK = "write_back"
+    WRITE_THROUGH = "write_through"
+
+
+class OnMismatch(enum.StrEnum):
+    """What the disk tier does when its header does not match the model/layout."""
+
+    ERROR = "error"
+    WIPE = "wipe"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class HostConfig(_Section):
+    capacity_bytes: ByteSize = Field(ByteSize(2 * 1024**3), description="Host slab size; rounded down to whole slots.")
+    policy: PolicyName = PolicyName.LRU
+
+
+class DiskConfig(_Section):
+    enabled: bool = True
+    capacity_bytes: ByteSize = Field(ByteSize(16 * 1024**3), description="Total slab bytes on disk.")
+    path: Path | None = Field(None, description="Slab and index directory; default: <data_dir>/disk.")
+    file_bytes: ByteSize = Field(ByteSize(1024**3), description="Largest single slab file.")
+    policy: PolicyName = PolicyName.LRU
+    fsync: FsyncMode = FsyncMode.BATCH
+    on_mismatch: OnMismatch = OnMismatch.ERROR
+
+    @field_validator("path")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return None if v is None else v.expanduser()
+
+
+class TransferConfig(_Section):
+    workers: int = Field(2, ge=1, description="Transfer threads (CUDA streams: one per worker when a GPU exists).")
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(16, gt=0, description="Tokens per block.")
+    namespace: str = Field("default", min_length=1, description="Namespace used when a caller gives none.")
+    write_mode: WriteMode = WriteMode.WRITE_BACK
+
+
+def default_data_dir() -> Path:
+    """Under the user's cache directory (XDG on Linux), never the source tree."""
+    return Path(platformdirs.user_cache_dir("kvtier"))
+
+
+class Config(_Section):
+    data_dir: Path = Field(default_factory=default_data_dir)
+    cache: CacheConfig = CacheConfig()
+    host: HostConfig = HostConfig()
+    disk: DiskConfig = DiskConfig()
+    transfer: TransferConfig = TransferConfig()
+
+    @field_validator("data_dir")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+    @property
+    def disk_path(self) -> Path:
+        return self.disk.path if self.disk.path is not None else self.data_dir / "disk"
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split(ENV_NESTING)
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {part!r} is both a value and a section")
+        node[path[-1]] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _describe(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        what = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{where}: {what}")
+    return f"invalid kvtier config ({origin}):\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Defaults, then ``path`` (YAML), then ``KVTIER_*`` variables of ``environ`` (default: os.environ)."""
+    tree: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        tree = loaded
+        origin = str(path)
+    env = _env_overrides(os.environ if environ is None else environ)
+    if env:
+        tree = _merge(tree, env)
+        origin += " + KVTIER_* environment"
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, origin)) from None
