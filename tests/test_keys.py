@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.keys import KEY_BYTES, KeyHasher, Secret
+
+TOKENS = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=96)
+
+
+def hasher(secret: Secret, *, fingerprint: str = "m", layout: str = "L", block_size: int = 4) -> KeyHasher:
+    return KeyHasher(secret, model_fingerprint=fingerprint, layout_descriptor=layout, block_size=block_size)
+
+
+@pytest.fixture(scope="module")
+def secret(tmp_path_factory: pytest.TempPathFactory) -> Secret:
+    return Secret.load_or_create(tmp_path_factory.mktemp("data"))
+
+
+def test_secret_is_created_once_with_mode_0600(tmp_path: Path) -> None:
+    first = Secret.load_or_create(tmp_path)
+    assert stat.S_IMODE(os.stat(tmp_path / "secret").st_mode) == 0o600
+    assert Secret.load_or_create(tmp_path) == first
+    assert len(first.raw) == 32
+
+
+def test_keys_identical_across_processes(tmp_path: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path; from kvtier.keys import KeyHasher, Secret\n"
+        "h = KeyHasher(Secret.load_or_create(Path(sys.argv[1])), model_fingerprint='m', layout_descriptor='L',"
+        " block_size=4)\n"
+        "print(','.join(k.hex() for k in h.keys(list(range(1000, 1042)), 'tenant')))\n"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout.strip()
+        for seed in (1, 2)
+    ]
+    assert runs[0] == runs[1]
+    here = hasher(Secret.load_or_create(tmp_path)).keys(list(range(1000, 1042)), "tenant")
+    assert runs[0] == ",".join(k.hex() for k in here)
+    assert len(here) == 10  # 42 tokens, block 4: the 2-token tail gets no key
+
+
+def test_key_bytes_follow_the_written_spec(secret: Secret) -> None:
+    h = hasher(secret)
+    tokens = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int32)
+    root = h.root("ns")
+    k0 = xxhash.xxh3_128_digest(root + tokens[:4].astype("<i4").tobytes(), secret.seed)
+    k1 = xxhash.xxh3_128_digest(k0 + tokens[4:].astype("<i4").tobytes(), secret.seed)
+    assert h.keys(tokens, "ns") == [k0, k1]
+    assert all(len(k) == KEY_BYTES for k in (root, k0, k1))
+
+
+@given(tokens=TOKENS)
+def test_partial_tail_gets_no_key(secret: Secret, tokens: list[int]) -> None:
+    h = hasher(secret)
+    keys = h.keys(tokens, "ns")
+    assert len(keys) == len(tokens) // 4
+    assert h.keys(tokens[: len(keys) * 4], "ns") == keys
+
+
+@settings(max_examples=60)
+@given(tokens=TOKENS.filter(lambda t: len(t) >= 4), data=st.data())
+def test_changing_one_token_changes_its_block_and_every_later_one(
+    secret: Secret, tokens: list[int], data: st.DataObject
+) -> None:
+    h = hasher(secret)
+    n_full = len(tokens) // 4 * 4
+    pos = data.draw(st.integers(0, n_full - 1))
+    changed = list(tokens)
+    changed[pos] = data.draw(st.integers(0, 2**31 - 1).filter(lambda v: v != tokens[pos]))
+    before, after = h.keys(tokens, "ns"), h.keys(changed, "ns")
+    block = pos // 4
+    assert before[:block] == after[:block]
+    assert all(a != b for a, b in zip(before[block:], after[block:], strict=True))
+
+
+@settings(max_examples=30)
+@given(tokens=TOKENS.filter(lambda t: len(t) >= 8), which=st.sampled_from(["namespace", "fingerprint", "layout"]))
+def test_root_fields_change_every_key(secret: Secret, tokens: list[int], which: str) -> None:
+    base = hasher(secret).keys(tokens, "ns")
+    if which == "namespace":
+        other = hasher(secret).keys(tokens, "ns2")
+    elif which == "fingerprint":
+        other = hasher(secret, fingerprint="m2").keys(tokens, "ns")
+    else:
+        other = hasher(secret, layout="L2").keys(tokens, "ns")
+    assert all(a != b for a, b in zip(base, other, strict=True))
+
+
+@settings(max_examples=30)
+@given(tokens=st.lists(st.integers(0, 2**31 - 1), min_size=16, max_size=64))
+def test_block_size_changes_every_key(secret: Secret, tokens: list[int]) -> None:
+    k4 = hasher(secret, block_size=4).keys(tokens, "ns")
+    k8 = hasher(secret, block_size=8).keys(tokens, "ns")
+    assert not set(k4) & set(k8)
+
+
+def test_secret_changes_every_key(tmp_path: Path, secret: Secret) -> None:
+    other = Secret.load_or_create(tmp_path)
+    tokens = list(range(64))
+    assert not set(hasher(secret).keys(tokens, "ns")) & set(hasher(other).keys(tokens, "ns"))
+
+
+def test_no_key_for_short_input(secret: Secret) -> None:
+    assert hasher(secret).keys([1, 2, 3], "ns") == []
+    assert hasher(secret).keys([], "ns") == []
