@@ -1,0 +1,83 @@
+"""The eviction-policy contract: policies rank keys, they never move bytes.
+
+A policy tracks the keys resident in one tier and answers one question,
+"which keys should leave first?". It never touches tensors or tiers, and
+answering never changes its state (ask before acting): the manager calls
+:meth:`EvictionPolicy.victims`, evicts what it decides to, then reports each
+eviction back through :meth:`EvictionPolicy.on_remove`.
+
+Policies are not thread-safe; the manager calls them under its lock. Their
+notion of time is a logical clock (one tick per event), never the wall clock,
+so victim order is deterministic and testable.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Container
+
+from kvtier.keys import BlockKey
+
+
+class PolicyName(enum.StrEnum):
+    LRU = "lru"
+    LFU = "lfu"
+    S3FIFO = "s3fifo"
+    PREFIX_LRU = "prefix_lru"
+
+
+class EvictionPolicy(ABC):
+    name: PolicyName
+
+    @abstractmethod
+    def on_insert(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """``key`` entered the tier; ``parent`` is the previous block's key (None for block 0)."""
+
+    @abstractmethod
+    def on_access(self, key: BlockKey) -> None:
+        """``key`` was hit by a lookup or read. Unknown keys are ignored."""
+
+    @abstractmethod
+    def on_remove(self, key: BlockKey) -> None:
+        """``key`` left the tier (evicted or removed). Unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self, n: int, exclude: Container[BlockKey] = frozenset()) -> list[BlockKey]:
+        """Up to ``n`` keys to evict, first victim first, skipping ``exclude``.
+
+        Must not change any state: calling it twice in a row returns the same
+        list, and the policy behaves afterwards as if it had not been called.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+
+_REGISTRY: dict[PolicyName, Callable[[], EvictionPolicy]] = {}
+
+
+def register(name: PolicyName) -> Callable[[type[EvictionPolicy]], type[EvictionPolicy]]:
+    def deco(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def registered() -> list[PolicyName]:
+    return list(_REGISTRY)
+
+
+def make_policy(name: PolicyName) -> EvictionPolicy:
+    try:
+        factory = _REGISTRY[PolicyName(name)]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {[p.value for p in _REGISTRY]}") from None
+    return factory()
