@@ -1,0 +1,88 @@
+"""Counters every tier keeps, and the latency histogram behind its percentiles.
+
+Tiers own the I/O counters (bytes moved, checksum failures) because only they
+see them; the manager adds the lookup-side counters (hits, misses, confirm
+mismatches, evictions) to the same object, so one snapshot per tier tells the
+whole story. Increments take a small lock: transfer threads and the engine's
+thread update the same counters.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field, fields
+
+# Upper bounds in seconds, log-spaced from 10 µs to 10 s; the last bucket is open.
+LATENCY_BUCKETS_S: tuple[float, ...] = (*(m * 10.0**e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)), 10.0)
+
+
+class Histogram:
+    """Fixed-bucket histogram: O(log buckets) to record, mergeable, Prometheus-shaped."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding the q-quantile (None when empty)."""
+        if self.n == 0:
+            return None
+        rank = q * self.n
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank and c:
+                return self.bounds[i] if i < len(self.bounds) else float("inf")
+        return float("inf")
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "count": self.n,
+            "sum_s": self.total,
+            "p50_s": self.quantile(0.5),
+            "p90_s": self.quantile(0.9),
+            "p99_s": self.quantile(0.99),
+            "buckets": [[b, c] for b, c in zip((*self.bounds, float("inf")), self.counts, strict=True)],
+        }
+
+
+@dataclass
+class TierStats:
+    lookups: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    confirm_mismatch: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    checksum_failures: int = 0
+    errors: int = 0
+    rejected_stores: int = 0
+    load_latency: Histogram = field(default_factory=Histogram)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def observe_load(self, seconds: float) -> None:
+        with self._lock:
+            self.load_latency.observe(seconds)
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            out: dict[str, object] = {
+                f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("load_latency", "_lock")
+            }
+            out["load_latency"] = self.load_latency.snapshot()
+        return out

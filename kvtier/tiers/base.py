@@ -1,0 +1,112 @@
+"""The protocol every tier implements, and the types it speaks.
+
+Tiers are mechanism only: they hold bytes in fixed-size slots and answer
+contains / get / put / remove (and batch forms). They never decide what to
+evict or where a block goes (that is the manager's and the policies' job),
+and they never import the manager.
+
+Failure contract: a tier raises nothing for a block it cannot serve. An absent
+block, a failed read, a checksum mismatch are all ``False`` from ``get``,
+counted in :attr:`Tier.stats` and logged once; the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.stats import TierStats
+
+
+class TierKind(enum.StrEnum):
+    """Tiers from fastest to slowest; the manager keeps them in this order."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """What a tier keeps beside a block's payload.
+
+    ``tokens`` (int32, ``block_size`` long) let every hit be confirmed against
+    the request's tokens: a key is only a hint. ``parent`` is the previous
+    block's key (None for block 0), kept for prefix-aware eviction.
+    """
+
+    tokens: np.ndarray
+    parent: BlockKey | None
+
+    @classmethod
+    def of(cls, tokens: np.ndarray | Sequence[int], parent: BlockKey | None) -> BlockRecord:
+        return cls(np.ascontiguousarray(tokens, dtype=np.int32), parent)
+
+    def matches(self, tokens: np.ndarray) -> bool:
+        return bool(np.array_equal(self.tokens, tokens))
+
+
+@runtime_checkable
+class Tier(Protocol):
+    kind: TierKind
+    layout: KVLayout
+    stats: TierStats
+
+    @property
+    def capacity_blocks(self) -> int: ...
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one block occupies in this tier (payload rounded up to the tier's alignment)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def free_blocks(self) -> int: ...
+
+    def contains(self, key: BlockKey) -> bool: ...
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+    def record(self, key: BlockKey) -> BlockRecord | None: ...
+
+    def get(self, key: BlockKey, out: torch.Tensor) -> bool:
+        """Copy the block's payload into ``out`` (uint8, ``layout.block_bytes``)."""
+        ...
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]: ...
+
+    def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
+        """Copy one layer's K and V (``layout.layer_bytes``) into ``out``."""
+        ...
+
+    def put(self, key: BlockKey, payload: torch.Tensor, record: BlockRecord) -> bool:
+        """Store a block; False when full, failed, or the key holds other tokens.
+
+        A key that already holds the same tokens is a successful no-op. A key
+        holding different tokens (a hash collision) keeps its first block: the
+        second is refused, so neither can ever be served for the other.
+        """
+        ...
+
+    def put_many(
+        self, keys: Sequence[BlockKey], payloads: Sequence[torch.Tensor], records: Sequence[BlockRecord]
+    ) -> list[bool]: ...
+
+    def remove(self, key: BlockKey) -> bool: ...
+
+    def remove_many(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def entries(self) -> Iterator[tuple[BlockKey, BlockRecord]]:
+        """Every resident block, oldest store first (rebuilds policies after a restart)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import BlockRecord
+from kvtier.tiers.host import HostTier
+from tests.helpers import as_bytes, payload, toy_layout
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(16, "little"))
+
+
+def rec(i: int) -> BlockRecord:
+    return BlockRecord.of([i, i + 1, i + 2, i + 3], None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    layout = toy_layout(dtype)
+    tier = HostTier(layout, 8 * 4096)
+    blocks = [payload(layout, i) for i in range(5)]
+    assert tier.put_many([key(i) for i in range(5)], blocks, [rec(i) for i in range(5)]) == [True] * 5
+    for i, block in enumerate(blocks):
+        out = torch.empty(layout.block_bytes, dtype=torch.uint8)
+        assert tier.get(key(i), out)
+        assert torch.equal(out, as_bytes(block))
+        assert torch.equal(layout.as_blocks(out), block)
+        layer = torch.empty(layout.layer_bytes, dtype=torch.uint8)
+        assert tier.get_layer(key(i), 1, layer)
+        assert torch.equal(layer.view(dtype).view(layout.layer_shape), block[1])
+
+
+def test_capacity_is_never_exceeded() -> None:
+    layout = toy_layout()
+    tier = HostTier(layout, 3 * 4096 + 100)
+    assert tier.capacity_blocks == 3 and tier.capacity_bytes == 3 * 4096
+    results = [tier.put(key(i), payload(layout, i), rec(i)) for i in range(5)]
+    assert results == [True, True, True, False, False]
+    assert tier.used_bytes == tier.capacity_bytes and len(tier) == 3
+    assert tier.stats.rejected_stores == 2
+    assert tier.remove(key(1)) and tier.put(key(4), payload(layout, 4), rec(4))
+    assert len(tier) == 3
+
+
+def test_colliding_key_keeps_the_first_block() -> None:
+    layout = toy_layout()
+    tier = HostTier(layout, 4 * 4096)
+    assert tier.put(key(0), payload(layout, 0), rec(0))
+    assert tier.put(key(0), payload(layout, 0), rec(0))  # same tokens: a no-op success
+    assert not tier.put(key(0), payload(layout, 1), rec(9))  # other tokens: refused
+    out = torch.empty(layout.block_bytes, dtype=torch.uint8)
+    assert tier.get(key(0), out) and torch.equal(out, as_bytes(payload(layout, 0)))
+
+
+def test_reserved_slot_is_invisible_until_commit_and_abort_frees_it() -> None:
+    layout = toy_layout()
+    tier = HostTier(layout, 2 * 4096)
+    buf = tier.reserve(key(0), rec(0))
+    assert buf is not None and not tier.contains(key(0)) and tier.free_blocks() == 1
+    tier.abort(key(0))
+    assert tier.free_blocks() == 2 and not tier.contains(key(0))
+    buf = tier.reserve(key(1), rec(1))
+    assert buf is not None
+    buf.copy_(as_bytes(payload(layout, 1)))
+    tier.commit(key(1))
+    assert tier.contains(key(1)) and tier.record(key(1)).matches(rec(1).tokens)
+
+
+def test_too_small_capacity_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="holds no block"):
+        HostTier(toy_layout(), 100)
