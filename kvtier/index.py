@@ -1,0 +1,86 @@
+"""Step ② of the data path: the longest confirmed run of cached blocks.
+
+A key is only a hint. A block counts as a hit only when the tokens the tier
+stored beside it equal the request's tokens for that block, so no hash
+collision (accidental or forced) can ever serve one prompt's KV to another.
+Only consecutive blocks from the start count: block *i*'s KV is a function of
+every token before it, so a hit after a miss is useless.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import Tier, TierKind
+
+
+class MissReason(enum.StrEnum):
+    """Why the cached run stopped where it did (the "why miss" answer)."""
+
+    NONE = "none"  # every full block hit; only the partial tail (if any) is uncached
+    ABSENT = "absent"  # no tier holds the first missing block's key
+    CONFIRM_MISMATCH = "confirm_mismatch"  # a tier holds the key, but for other tokens
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """How much of a request is cached, and where; hides keys-to-slots internals."""
+
+    namespace: str
+    block_size: int
+    num_tokens: int
+    keys: tuple[BlockKey, ...]  # every full block of the request
+    tiers: tuple[TierKind, ...]  # tier serving each leading cached block
+    miss_reason: MissReason
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self.tiers)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.tiers) * self.block_size
+
+    @property
+    def first_miss_block(self) -> int | None:
+        return None if self.miss_reason is MissReason.NONE else len(self.tiers)
+
+    def tokens_by_tier(self) -> dict[TierKind, int]:
+        out: dict[TierKind, int] = {}
+        for kind in self.tiers:
+            out[kind] = out.get(kind, 0) + self.block_size
+        return out
+
+
+@dataclass(frozen=True)
+class Probe:
+    tiers: list[TierKind]
+    reason: MissReason
+    mismatched: TierKind | None  # the tier whose stored tokens disagreed
+
+
+def longest_prefix(keys: Sequence[BlockKey], blocks: np.ndarray, tiers: Sequence[Tier]) -> Probe:
+    """Walk ``keys`` in order; each block is served by the first (fastest) tier holding it, confirmed.
+
+    ``blocks`` is the request's tokens as ``[len(keys), block_size]`` int32.
+    A tier whose record disagrees ends the run (the lower tiers were written
+    from the same colliding key and cannot be trusted to differ).
+    """
+    found: list[TierKind] = []
+    for i, key in enumerate(keys):
+        for tier in tiers:
+            record = tier.record(key)
+            if record is None:
+                continue
+            if not record.matches(blocks[i]):
+                return Probe(found, MissReason.CONFIRM_MISMATCH, tier.kind)
+            found.append(tier.kind)
+            break
+        else:
+            return Probe(found, MissReason.ABSENT, None)
+    return Probe(found, MissReason.NONE, None)

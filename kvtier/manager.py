@@ -1,0 +1,436 @@
+"""The cache manager: the one module that combines keys, index, tiers, policies and transfers.
+
+Engines talk to kvtier through this class (steps ②, ③ and ⑤ of the data
+path): :meth:`CacheManager.lookup` says how many leading tokens are cached and
+where; :meth:`CacheManager.load` promotes them to host memory and pins them
+for the engine to copy; :meth:`CacheManager.store` offers new full blocks,
+asynchronously.
+
+Invariants:
+
+* Metadata (tier indexes, policies, pins) changes only under ``self._lock``.
+  Payload copies in and out of host slots run outside it; a slot being read
+  is pinned (ref-counted) so eviction cannot free it, and a slot being filled
+  is reserved and invisible until committed.
+* Stores are two-phase (:meth:`prepare_store` / :meth:`complete_store`); a
+  failed store is never indexed.
+* Victims come from the tier's policy; a host victim is demoted to disk
+  (write-back) unless disk already holds it; a disk victim is dropped.
+* The tier list is ordered fastest first, so an engine's own pool (the device
+  tier) can be put in front of host without changing any of this.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.config import Config, WriteMode
+from kvtier.index import LookupResult, MissReason, longest_prefix
+from kvtier.keys import BlockKey, KeyHasher, Secret, block_tokens
+from kvtier.layout import KVLayout
+from kvtier.policy import EvictionPolicy, make_policy
+from kvtier.stats import TierStats
+from kvtier.tiers.base import BlockRecord, Tier, TierKind
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier
+from kvtier.transfer import JobId, JobStatus, TransferWorker
+
+
+@dataclass
+class LoadHandle:
+    """Pinned host copies of a request's leading cached blocks; release when copied.
+
+    ``blocks[i]`` is block *i*'s payload (uint8, ``layout.block_bytes``), a view
+    of its host slot: zero-copy, valid until :meth:`CacheManager.complete_load`.
+    ``served_from[i]`` is the tier the block was found in before the load.
+    """
+
+    namespace: str
+    block_size: int
+    keys: list[BlockKey]
+    blocks: list[torch.Tensor]
+    served_from: list[TierKind]
+    _release: Callable[[LoadHandle], None] = field(repr=False)
+    released: bool = False
+
+    def __enter__(self) -> LoadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release(self)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self.block_size
+
+
+@dataclass
+class StorePlan:
+    """Host slots reserved for a request's new blocks; fill ``buffers`` then complete."""
+
+    keys: list[BlockKey]
+    records: list[BlockRecord]
+    block_indices: list[int]  # index of each planned block in the request
+    buffers: list[torch.Tensor]
+    already_cached: int = 0
+    next_block: int = 0  # first block of the request this plan did not cover
+    done: bool = field(default=False, repr=False)
+
+
+class CacheManager:
+    def __init__(
+        self,
+        config: Config,
+        layout: KVLayout,
+        *,
+        model_fingerprint: str,
+        hasher: KeyHasher | None = None,
+    ) -> None:
+        if layout.block_size != config.cache.block_size:
+            raise ValueError(f"layout block size {layout.block_size} != cache.block_size {config.cache.block_size}")
+        self.config = config
+        self.layout = layout
+        self.hasher = hasher or KeyHasher(
+            Secret.load_or_create(config.data_dir),
+            model_fingerprint=model_fingerprint,
+            layout_descriptor=layout.descriptor,
+            block_size=layout.block_size,
+        )
+        self.host = HostTier(layout, int(config.host.capacity_bytes))
+        self.disk: DiskTier | None = None
+        if config.disk.enabled:
+            self.disk = DiskTier(
+                config.disk_path,
+                layout,
+                int(config.disk.capacity_bytes),
+                model_fingerprint=model_fingerprint,
+                file_bytes=int(config.disk.file_bytes),
+                fsync=config.disk.fsync,
+                on_mismatch=config.disk.on_mismatch,
+            )
+        self.tiers: list[Tier] = [t for t in (self.host, self.disk) if t is not None]
+        self._policies: dict[TierKind, EvictionPolicy] = {
+            TierKind.HOST: make_policy(config.host.policy),
+            TierKind.DISK: make_policy(config.disk.policy),
+        }
+        for tier in self.tiers:
+            for key, record in tier.entries():
+                self._policies[tier.kind].on_insert(key, record.parent)
+        self._pins: Counter[BlockKey] = Counter()
+        self._lock = threading.RLock()
+        self.worker = TransferWorker(config.transfer.workers)
+        self.write_mode = config.cache.write_mode
+
+    # -- ② lookup ------------------------------------------------------------
+    def keys(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> list[BlockKey]:
+        return self.hasher.keys(tokens, namespace or self.config.cache.namespace)
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> LookupResult:
+        """How many leading tokens are cached, confirmed against ``tokens``, and in which tier."""
+        ns = namespace or self.config.cache.namespace
+        keys = self.hasher.keys(tokens, ns)
+        blocks = block_tokens(tokens, self.layout.block_size)
+        bs = self.layout.block_size
+        with self._lock:
+            probe = longest_prefix(keys, blocks, self.tiers)
+            served = Counter(probe.tiers)
+            for key, kind in zip(keys, probe.tiers, strict=False):
+                self._policies[kind].on_access(key)
+        remaining = len(keys)  # blocks that reached this tier: not served by a faster one
+        for tier in self.tiers:
+            hit = served[tier.kind]
+            tier.stats.add(lookups=1, hit_tokens=hit * bs, miss_tokens=(remaining - hit) * bs)
+            remaining -= hit
+        if probe.mismatched is not None:
+            self._stats(probe.mismatched).add(confirm_mismatch=1)
+        return LookupResult(ns, bs, len(tokens), tuple(keys), tuple(probe.tiers), probe.reason)
+
+    # -- ③ load ----------------------------------------------------------------
+    def load(self, result: LookupResult) -> LoadHandle:
+        """Pin the cached blocks in host memory, promoting disk blocks first.
+
+        Blocks are taken in order and the handle stops at the first block that
+        can no longer be served (evicted since the lookup, failed its checksum,
+        no host slot free): the engine recomputes from there, never around a
+        gap. Release with :meth:`complete_load` (or use the handle's ``with``).
+        """
+        handle = LoadHandle(result.namespace, result.block_size, [], [], [], self.complete_load)
+        for key in result.keys[: result.cached_blocks]:
+            started = time.perf_counter()
+            with self._lock:
+                view = self.host.view(key)
+                if view is not None:
+                    self._pins[key] += 1
+                    self._policies[TierKind.HOST].on_access(key)
+                    handle.keys.append(key)
+                    handle.blocks.append(view)
+                    handle.served_from.append(TierKind.HOST)
+                    self.host.stats.observe_load(time.perf_counter() - started)
+                    continue
+            view = self._promote(key)
+            if view is None:
+                break
+            handle.keys.append(key)
+            handle.blocks.append(view)
+            handle.served_from.append(TierKind.DISK)
+            if self.disk is not None:
+                self.disk.stats.observe_load(time.perf_counter() - started)
+        return handle
+
+    def _promote(self, key: BlockKey) -> torch.Tensor | None:
+        """Copy one block disk → host and return its pinned host slot, or None (a miss)."""
+        disk = self.disk
+        if disk is None:
+            return None
+        with self._lock:
+            record = disk.record(key)
+            if record is None or not self._make_room(self.host, 1):
+                return None  # host is pinned full
+            slot = self.host.reserve(key, record)
+            if slot is None:
+                return None
+        if not disk.get(key, slot):
+            with self._lock:
+                self.host.abort(key)
+            return None
+        with self._lock:
+            self.host.commit(key)
+            self._policies[TierKind.HOST].on_insert(key, record.parent)
+            self._policies[TierKind.DISK].on_access(key)
+            self._pins[key] += 1
+        return slot
+
+    def complete_load(self, handle: LoadHandle) -> None:
+        """Unpin a load's blocks; after this their host slots may be evicted and reused."""
+        if handle.released:
+            return
+        handle.released = True
+        with self._lock:
+            for key in handle.keys:
+                self._pins[key] -= 1
+                if self._pins[key] == 0:
+                    del self._pins[key]
+
+    def pinned(self, key: BlockKey) -> int:
+        with self._lock:
+            return self._pins.get(key, 0)
+
+    # -- ⑤ store -----------------------------------------------------------------
+    def prepare_store(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        namespace: str | None = None,
+        *,
+        first_block: int = 0,
+        num_blocks: int | None = None,
+    ) -> StorePlan:
+        """Reserve host slots for the full blocks ``first_block ..`` of ``tokens`` not yet cached.
+
+        The plan stops early when host memory cannot make room (everything
+        pinned, or the range is larger than the tier) or at a block whose key
+        holds other tokens: ``plan.next_block`` says where, and later blocks
+        are useless without the missing one anyway.
+        """
+        keys = self.hasher.keys(tokens, namespace or self.config.cache.namespace)
+        last = len(keys) if num_blocks is None else min(len(keys), first_block + num_blocks)
+        return self._prepare(keys, block_tokens(tokens, self.layout.block_size), first_block, last)
+
+    def _prepare(self, keys: list[BlockKey], blocks: np.ndarray, start: int, stop: int) -> StorePlan:
+        plan = StorePlan([], [], [], [], next_block=start)
+        with self._lock:
+            new = sum(not self.host.contains(keys[i]) for i in range(start, stop))
+            self._make_room(self.host, new)  # one batch of evictions (and demotions) for the plan
+            for i in range(start, stop):
+                existing = self.host.record(keys[i])
+                if existing is not None:
+                    if not existing.matches(blocks[i]):
+                        self.host.stats.add(confirm_mismatch=1)
+                        break
+                    plan.already_cached += 1
+                    plan.next_block = i + 1
+                    continue
+                record = BlockRecord.of(blocks[i], keys[i - 1] if i else None)
+                buf = self.host.reserve(keys[i], record)
+                if buf is None:
+                    break
+                plan.keys.append(keys[i])
+                plan.records.append(record)
+                plan.block_indices.append(i)
+                plan.buffers.append(buf)
+                plan.next_block = i + 1
+        return plan
+
+    def complete_store(self, plan: StorePlan, success: bool) -> int:
+        """Publish (``success``) or discard the plan's blocks; returns how many were indexed."""
+        if plan.done:
+            raise RuntimeError("store plan completed twice")
+        plan.done = True
+        with self._lock:
+            if not success:
+                for key in plan.keys:
+                    self.host.abort(key)
+                return 0
+            for key, record in zip(plan.keys, plan.records, strict=True):
+                self.host.commit(key)
+                self._policies[TierKind.HOST].on_insert(key, record.parent)
+            if self.write_mode is WriteMode.WRITE_THROUGH and self.disk is not None:
+                self._write_disk(plan.keys, plan.records)
+        return len(plan.keys)
+
+    def store_now(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Sequence[torch.Tensor] | torch.Tensor,
+        namespace: str | None = None,
+        *,
+        first_block: int = 0,
+    ) -> int:
+        """Synchronous store: ``blocks[j]`` is the payload of block ``first_block + j``.
+
+        Runs as a series of plans of at most half the host tier each, so a
+        request larger than host memory still lands whole: its own earlier
+        blocks become evictable (and, write-back, go down to disk) once committed.
+        """
+        want = self.layout.block_bytes
+        for j, block in enumerate(blocks):
+            if block.numel() * block.element_size() != want:
+                raise ValueError(
+                    f"block {first_block + j}: payload of {block.numel() * block.element_size()} B, "
+                    f"layout wants {want} B"
+                )
+        keys = self.hasher.keys(tokens, namespace or self.config.cache.namespace)
+        table = block_tokens(tokens, self.layout.block_size)
+        last = min(len(keys), first_block + len(blocks))
+        chunk = max(1, self.host.capacity_blocks // 2)
+        stored, i = 0, first_block
+        while i < last:
+            plan = self._prepare(keys, table, i, min(last, i + chunk))
+            try:
+                for buf, b in zip(plan.buffers, plan.block_indices, strict=True):
+                    buf.copy_(blocks[b - first_block].reshape(-1).view(torch.uint8))
+            except BaseException:
+                self.complete_store(plan, success=False)
+                raise
+            stored += self.complete_store(plan, success=True)
+            if plan.next_block == i:
+                break  # no progress: host is pinned full, or a key holds other tokens
+            i = plan.next_block
+        return stored
+
+    def store(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Sequence[torch.Tensor] | torch.Tensor,
+        namespace: str | None = None,
+        *,
+        first_block: int = 0,
+    ) -> JobId:
+        """Asynchronous :meth:`store_now` on the transfer worker; the engine's step never waits.
+
+        ``blocks`` must stay unchanged until :meth:`poll` reports the job done.
+        """
+        tokens = np.array(tokens, dtype=np.int32)  # the caller may reuse its list
+        return self.worker.submit(lambda: self.store_now(tokens, blocks, namespace, first_block=first_block))
+
+    def poll(self, job: JobId) -> JobStatus:
+        return self.worker.poll(job)
+
+    def wait(self, job: JobId) -> Any:
+        return self.worker.wait(job)
+
+    # -- eviction and demotion (call with the lock held) -----------------------
+    def _make_room(self, tier: Tier, n: int) -> bool:
+        """Evict (demoting host victims) until ``n`` slots are free or nothing more may go."""
+        short = n - tier.free_blocks()
+        if short <= 0:
+            return True
+        exclude = self._pins if tier.kind is TierKind.HOST else frozenset()
+        policy = self._policies[tier.kind]
+        victims = policy.victims(short, exclude)
+        if tier is self.host:
+            self._demote(victims)
+        tier.remove_many(victims)
+        for key in victims:
+            policy.on_remove(key)
+        tier.stats.add(evictions=len(victims))
+        return len(victims) == short
+
+    def _demote(self, victims: list[BlockKey]) -> None:
+        """Write-back: host victims go down to disk unless disk already has them."""
+        if self.disk is None or self.write_mode is not WriteMode.WRITE_BACK:
+            return
+        down = [k for k in victims if not self.disk.contains(k)]
+        records = [self.host.record(k) for k in down]
+        keep = [(k, r) for k, r in zip(down, records, strict=True) if r is not None]
+        if keep:
+            written = self._write_disk([k for k, _ in keep], [r for _, r in keep])
+            self.host.stats.add(demotions=written)
+
+    def _write_disk(self, keys: list[BlockKey], records: list[BlockRecord]) -> int:
+        disk = self.disk
+        assert disk is not None
+        new = [(k, r) for k, r in zip(keys, records, strict=True) if not disk.contains(k)]
+        if not new:
+            return 0
+        self._make_room(disk, min(len(new), disk.capacity_blocks))
+        payloads = [self.host.view(k) for k, _ in new]
+        ok = disk.put_many([k for k, _ in new], payloads, [r for _, r in new])
+        policy = self._policies[TierKind.DISK]
+        for (key, record), stored in zip(new, ok, strict=True):
+            if stored and key not in policy:
+                policy.on_insert(key, record.parent)
+        return sum(ok)
+
+    # -- admin -------------------------------------------------------------------
+    def clear(self, kind: TierKind | None = None) -> int:
+        """Drop every unpinned block of one tier (or all); returns how many."""
+        dropped = 0
+        with self._lock:
+            for tier in self.tiers:
+                if kind is not None and tier.kind is not kind:
+                    continue
+                keys = [k for k, _ in tier.entries() if not (tier is self.host and k in self._pins)]
+                dropped += tier.remove_many(keys)
+                for key in keys:
+                    self._policies[tier.kind].on_remove(key)
+        return dropped
+
+    def _stats(self, kind: TierKind) -> TierStats:
+        return next(t.stats for t in self.tiers if t.kind is kind)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for tier in self.tiers:
+            snap = tier.stats.snapshot()
+            snap.update(
+                capacity_bytes=tier.capacity_blocks * tier.slot_bytes,
+                used_bytes=(tier.capacity_blocks - tier.free_blocks()) * tier.slot_bytes,
+                blocks=len(tier),
+                capacity_blocks=tier.capacity_blocks,
+            )
+            out[tier.kind.value] = snap
+        with self._lock:
+            out["pinned_blocks"] = len(self._pins)
+        return out
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> CacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["CacheManager", "LoadHandle", "LookupResult", "MissReason", "StorePlan"]

@@ -1,0 +1,211 @@
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.config import WriteMode
+from kvtier.index import MissReason
+from kvtier.manager import CacheManager
+from kvtier.tiers.base import TierKind
+from kvtier.transfer import JobStatus
+from tests.helpers import BLOCK, as_bytes, make_config, make_hasher, payload, prompt, toy_layout
+
+H, D = TierKind.HOST, TierKind.DISK
+
+
+def manager(tmp: Path, host_blocks: int = 8, disk_blocks: int = 16, **kw) -> CacheManager:
+    cache = {"write_mode": kw.pop("write_mode", WriteMode.WRITE_BACK)}
+    cfg = make_config(
+        tmp,
+        host={"capacity_bytes": host_blocks * 4096, **kw.pop("host", {})},
+        disk={"capacity_bytes": disk_blocks * 4096, **kw.pop("disk", {})},
+        cache=cache,
+    )
+    layout = kw.pop("layout", toy_layout())
+    return CacheManager(cfg, layout, model_fingerprint="toy-model", **kw)
+
+
+def kv(n_blocks: int, seed: int, layout=None) -> list[torch.Tensor]:
+    layout = layout or toy_layout()
+    return [payload(layout, seed * 1000 + i) for i in range(n_blocks)]
+
+
+def loaded_bytes(m: CacheManager, tokens: np.ndarray) -> list[torch.Tensor]:
+    with m.load(m.lookup(tokens)) as handle:
+        return [b.clone() for b in handle.blocks]
+
+
+def test_store_then_lookup_and_load_round_trip(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        tokens = prompt(5 * BLOCK + 3)
+        blocks = kv(5, seed=1)
+        assert m.lookup(tokens).cached_tokens == 0
+        assert m.store_now(tokens, blocks) == 5
+        result = m.lookup(tokens)
+        assert (result.cached_tokens, result.tiers, result.miss_reason) == (20, (H,) * 5, MissReason.NONE)
+        got = loaded_bytes(m, tokens)
+        assert all(torch.equal(g, as_bytes(b)) for g, b in zip(got, blocks, strict=True))
+        longer = np.concatenate([tokens[:12], prompt(9, seed=7)])
+        partial = m.lookup(longer)
+        assert (partial.cached_tokens, partial.miss_reason, partial.first_miss_block) == (12, MissReason.ABSENT, 3)
+        assert m.lookup(tokens, namespace="other-tenant").cached_tokens == 0
+        stats = m.stats()["host"]
+        assert stats["hit_tokens"] == 20 + 20 + 12 and stats["blocks"] == 5
+
+
+def test_write_back_demotes_lru_victims_to_disk(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=3) as m:
+        tokens = prompt(5 * BLOCK)
+        blocks = kv(5, seed=2)
+        assert m.store_now(tokens, blocks) == 5
+        assert m.lookup(tokens).tiers == (D, D, H, H, H)
+        assert m.stats()["host"]["evictions"] == 2 and m.stats()["host"]["demotions"] == 2
+        # Loading promotes 0 and 1 (evicting and demoting 2, 3), then 2 back (evicting 4);
+        # block 3 finds every host slot pinned by this load, so the load stops there.
+        handle = m.load(m.lookup(tokens))
+        assert handle.served_from == [D, D, D]
+        assert all(torch.equal(g, as_bytes(b)) for g, b in zip(handle.blocks, blocks, strict=False))
+        m.complete_load(handle)
+        assert m.lookup(tokens).tiers == (H, H, H, D, D)
+
+
+def test_load_stops_at_first_block_it_cannot_place(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=2) as m:
+        tokens = prompt(4 * BLOCK)
+        m.store_now(tokens, kv(4, seed=3))
+        assert m.lookup(tokens).tiers == (D, D, H, H)
+        handle = m.load(m.lookup(tokens))
+        # both host slots end up pinned by this load (0 and 1 promoted); 2 and 3 cannot be placed
+        assert handle.served_from == [D, D] and handle.num_tokens == 2 * BLOCK
+        assert m.lookup(tokens).tiers == (H, H, D, D)
+        m.complete_load(handle)
+        assert m.pinned(handle.keys[0]) == 0
+
+
+def test_write_through_stores_to_disk_at_once_and_survives_restart(tmp_path: Path) -> None:
+    tokens = prompt(6 * BLOCK)
+    blocks = kv(6, seed=4)
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        m.store_now(tokens, blocks)
+        assert len(m.disk) == 6
+    with manager(tmp_path) as m:  # a new manager over the same data_dir: host is empty
+        result = m.lookup(tokens)
+        assert result.tiers == (D,) * 6
+        got = loaded_bytes(m, tokens)
+        assert all(torch.equal(g, as_bytes(b)) for g, b in zip(got, blocks, strict=True))
+        assert m.lookup(tokens).tiers == (H,) * 6
+
+
+def test_pinned_blocks_are_never_evicted(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=2, disk={"enabled": False}) as m:
+        a, b = prompt(2 * BLOCK, seed=1), prompt(2 * BLOCK, seed=2)
+        m.store_now(a, kv(2, seed=5))
+        handle = m.load(m.lookup(a))
+        assert m.store_now(b, kv(2, seed=6)) == 0  # no room: both slots are pinned
+        assert m.lookup(a).cached_tokens == 2 * BLOCK
+        m.complete_load(handle)
+        assert m.store_now(b, kv(2, seed=6)) == 2
+        assert m.lookup(a).cached_tokens == 0 and m.lookup(b).cached_tokens == 2 * BLOCK
+
+
+def test_failed_store_is_never_indexed(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        tokens = prompt(3 * BLOCK)
+        plan = m.prepare_store(tokens)
+        assert len(plan.buffers) == 3 and m.lookup(tokens).cached_tokens == 0
+        for buf, block in zip(plan.buffers, kv(3, seed=7), strict=True):
+            buf.copy_(as_bytes(block))
+        assert m.complete_store(plan, success=False) == 0
+        assert m.lookup(tokens).cached_tokens == 0
+        assert m.host.free_blocks() == m.host.capacity_blocks
+        with pytest.raises(RuntimeError, match="twice"):
+            m.complete_store(plan, success=True)
+
+
+def test_async_store_reports_by_job_id(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        tokens = prompt(4 * BLOCK)
+        job = m.store(tokens, kv(4, seed=8))
+        assert m.wait(job) == 4
+        bad = m.store(prompt(4 * BLOCK, seed=99), [torch.zeros(3)] * 4)  # wrong payload size: the job fails
+        m.worker.drain()
+        assert m.poll(bad) is JobStatus.FAILED
+        with pytest.raises(ValueError, match="layout wants"):
+            m.wait(bad)
+        assert m.lookup(tokens).cached_tokens == 4 * BLOCK
+
+
+def test_only_new_blocks_are_stored(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        turn1 = prompt(3 * BLOCK + 1)
+        m.store_now(turn1, kv(3, seed=9))
+        turn2 = np.concatenate([turn1, prompt(2 * BLOCK, seed=11)])
+        plan = m.prepare_store(turn2)
+        assert plan.already_cached == 3 and plan.block_indices == [3, 4]
+        m.complete_store(plan, success=False)
+        assert m.store_now(turn2, kv(2, seed=10), first_block=3) == 2
+        assert m.lookup(turn2).cached_tokens == 5 * BLOCK
+
+
+def test_forced_collision_never_serves_foreign_bytes(tmp_path: Path) -> None:
+    layout = toy_layout()
+    colliding = make_hasher(tmp_path, layout, hash128=lambda data, seed: b"\x00" * 16)
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH, hasher=colliding) as m:
+        a, b = prompt(BLOCK, seed=1), prompt(BLOCK, seed=2)
+        assert m.keys(a) == m.keys(b)  # the hook made every key the same
+        a_kv, b_kv = kv(1, seed=12), kv(1, seed=13)
+        m.store_now(a, a_kv)
+        miss = m.lookup(b)
+        assert (miss.cached_tokens, miss.miss_reason) == (0, MissReason.CONFIRM_MISMATCH)
+        assert m.stats()["host"]["confirm_mismatch"] == 1
+        assert m.store_now(b, b_kv) == 0  # refused: the key holds a's tokens
+        m.clear(TierKind.HOST)  # a now lives on disk only: the disk tier must confirm too
+        assert m.lookup(b).miss_reason is MissReason.CONFIRM_MISMATCH
+        assert m.stats()["disk"]["confirm_mismatch"] == 1
+        assert m.lookup(a).tiers == (D,)
+        assert torch.equal(loaded_bytes(m, a)[0], as_bytes(a_kv[0]))
+
+
+def test_concurrent_readers_and_writer_keep_pins_sound(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=6, disk_blocks=64) as m:
+        prompts = [prompt(3 * BLOCK, seed=s) for s in range(6)]
+        blocks = {s: kv(3, seed=100 + s) for s in range(6)}
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def reader(seed: int) -> None:
+            try:
+                for _ in range(150):
+                    s = (seed * 7 + _) % 6
+                    with m.load(m.lookup(prompts[s])) as handle:
+                        for i, view in enumerate(handle.blocks):
+                            assert m.pinned(handle.keys[i]) > 0
+                            assert torch.equal(view, as_bytes(blocks[s][i])), "a pinned slot changed under a reader"
+            except BaseException as err:  # surfaced below; a thread cannot fail the test itself
+                errors.append(err)
+
+        def writer() -> None:
+            try:
+                while not stop.is_set():
+                    for s in range(6):
+                        m.store_now(prompts[s], blocks[s])
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=reader, args=(r,)) for r in range(3)]
+        w = threading.Thread(target=writer)
+        w.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        w.join()
+        assert errors == []
+        assert m.stats()["pinned_blocks"] == 0
+        assert len(m.host) <= 6 and m.host.used_bytes <= m.host.capacity_bytes
+        assert m.stats()["host"]["evictions"] > 0
