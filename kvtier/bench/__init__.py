@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvtier bench``: ratios measured in one run against a baseline."""

@@ -1,0 +1,306 @@
+"""`kvtier bench tiers`: each tier's bandwidth next to the raw hardware, in one run.
+
+Every figure is a ratio's two halves measured back to back on the same bytes:
+
+* host put/get vs one plain ``torch`` copy of the same number of bytes;
+* disk put/get vs a sequential read of a same-size file in the same directory,
+  both through ``os.preadv`` with the page cache dropped first
+  (``posix_fadvise(DONTNEED)`` after an fsync, allowed to any process; the
+  JSON says ``"cold": false`` if that failed);
+* block keys for 128k tokens vs one xxh3-128 pass over the same token bytes.
+
+Medians over ``reps`` repetitions after one warm-up, because the machine is
+shared and noisy. The payload shape is SmolLM2-135M's KV in bf16 (30 layers,
+3 KV heads, head dim 64): 23,040 bytes per token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from tqdm import tqdm
+
+from kvtier.config import Config, FsyncMode
+from kvtier.keys import BlockKey, KeyHasher, Secret
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import BlockRecord
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier, align_up
+
+KEY_TOKENS = 131072
+RAW_CHUNK = 8 * 1024**2
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    mib: int = 256
+    reps: int = 5
+    block_sizes: tuple[int, ...] = ()  # extra block sizes to sweep (host/disk get, keys)
+
+
+def smollm2_layout(block_size: int, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
+    return KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=block_size, dtype=dtype)
+
+
+def _median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first run warms caches and page tables; it is dropped
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def _keys(n: int) -> list[BlockKey]:
+    return [BlockKey(i.to_bytes(16, "little")) for i in range(n)]
+
+
+def _records(layout: KVLayout, n: int) -> list[BlockRecord]:
+    tokens = np.arange(n * layout.block_size, dtype=np.int32).reshape(n, layout.block_size)
+    return [BlockRecord.of(tokens[i], None) for i in range(n)]
+
+
+def bench_host(layout: KVLayout, n: int, reps: int) -> dict[str, float]:
+    tier = HostTier(layout, n * tier_slot(layout))
+    src = torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    keys, records = _keys(n), _records(layout, n)
+    blocks, outs = list(src), list(dst)
+    nbytes = n * layout.block_bytes
+    put = _median_s(lambda: tier.put_many(keys, blocks, records), reps, before=lambda: tier.remove_many(keys))
+    get = _median_s(lambda: tier.get_many(keys, outs), reps)
+    assert torch.equal(dst, src), "host tier returned other bytes"
+    memcpy = _median_s(lambda: dst.copy_(src), reps)
+    return {"put_gbps": _gbps(nbytes, put), "get_gbps": _gbps(nbytes, get), "memcpy_gbps": _gbps(nbytes, memcpy)}
+
+
+def tier_slot(layout: KVLayout) -> int:
+    return align_up(layout.block_bytes)
+
+
+def _drop(fd: int) -> bool:
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    return True
+
+
+def _raw_read(path: Path, buf: np.ndarray) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = memoryview(buf)
+        for off in range(0, buf.nbytes, RAW_CHUNK):
+            os.preadv(fd, [view[off : off + RAW_CHUNK]], off)
+    finally:
+        os.close(fd)
+
+
+def bench_disk(layout: KVLayout, n: int, reps: int, where: Path) -> dict[str, Any]:
+    tier = DiskTier(
+        where / "tier",
+        layout,
+        n * tier_slot(layout),
+        model_fingerprint="bench",
+        fsync=FsyncMode.BATCH,
+        file_bytes=n * tier_slot(layout),
+    )
+    src = torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    keys, records = _keys(n), _records(layout, n)
+    blocks, outs = list(src), list(dst)
+    nbytes = n * layout.block_bytes
+    put = _median_s(lambda: tier.put_many(keys, blocks, records), reps, before=lambda: tier.remove_many(keys))
+    cold = [tier.drop_page_cache()]
+    get = _median_s(lambda: tier.get_many(keys, outs), reps, before=lambda: cold.append(tier.drop_page_cache()))
+    assert torch.equal(dst, src), "disk tier returned other bytes"
+    tier.close()
+
+    raw_path = where / "raw.bin"
+    raw = np.empty(nbytes, dtype=np.uint8)
+    with open(raw_path, "wb") as f:
+        f.write(src.numpy().tobytes())
+        f.flush()
+        cold.append(_drop(f.fileno()))
+
+    def drop_raw() -> None:
+        fd = os.open(raw_path, os.O_RDONLY)
+        cold.append(_drop(fd))
+        os.close(fd)
+
+    raw_s = _median_s(lambda: _raw_read(raw_path, raw), reps, before=drop_raw)
+    return {
+        "put_gbps": _gbps(nbytes, put),
+        "get_gbps": _gbps(nbytes, get),
+        "raw_read_gbps": _gbps(nbytes, raw_s),
+        "cold": all(cold),
+        "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) after fsync",
+        "fsync": FsyncMode.BATCH.value,
+    }
+
+
+def bench_keys(data_dir: Path, reps: int, block_size: int) -> dict[str, float | int]:
+    secret = Secret.load_or_create(data_dir)
+    hasher = KeyHasher(secret, model_fingerprint="bench", layout_descriptor="bench", block_size=block_size)
+    tokens = np.random.default_rng(0).integers(0, 49152, KEY_TOKENS, dtype=np.int32)
+    raw = tokens.astype("<i4").tobytes()
+    keys_s = _median_s(lambda: hasher.keys(tokens, "bench"), reps)
+    raw_s = _median_s(lambda: xxhash.xxh3_128_digest(raw, secret.seed), reps)
+    return {
+        "tokens": KEY_TOKENS,
+        "block_size": block_size,
+        "keys_ms": round(keys_s * 1e3, 3),
+        "raw_xxh3_ms": round(raw_s * 1e3, 4),
+    }
+
+
+def run(config: Config, spec: BenchSpec) -> dict[str, Any]:
+    bs = config.cache.block_size
+    layout = smollm2_layout(bs)
+    n = max(8, spec.mib * 1024**2 // layout.block_bytes)
+    parent = config.data_dir
+    parent.mkdir(parents=True, exist_ok=True)
+    where = Path(tempfile.mkdtemp(prefix="bench-", dir=parent))
+    steps = ["host", "disk", "keys", *(f"block_size={b}" for b in spec.block_sizes)]
+    result: dict[str, Any] = {}
+    try:
+        with tqdm(total=len(steps), desc="bench tiers", unit="step", leave=False) as bar:
+            result["host"] = bench_host(layout, n, spec.reps)
+            bar.update()
+            result["disk"] = bench_disk(layout, n, spec.reps, where)
+            bar.update()
+            result["keys"] = bench_keys(where, spec.reps, bs)
+            bar.update()
+            sweep = []
+            for b in spec.block_sizes:
+                lay = smollm2_layout(b)
+                nb = max(8, spec.mib * 1024**2 // lay.block_bytes)
+                sub = where / f"bs{b}"
+                sub.mkdir()
+                sweep.append(
+                    {
+                        "block_size": b,
+                        "block_bytes": lay.block_bytes,
+                        "host_get_gbps": bench_host(lay, nb, spec.reps)["get_gbps"],
+                        "disk_get_gbps": bench_disk(lay, nb, spec.reps, sub)["get_gbps"],
+                        "keys_ms": bench_keys(sub, spec.reps, b)["keys_ms"],
+                    }
+                )
+                bar.update()
+            if sweep:
+                result["block_size_sweep"] = sweep
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    result["setup"] = {
+        "block_size": bs,
+        "block_bytes": layout.block_bytes,
+        "blocks": n,
+        "bytes": n * layout.block_bytes,
+        "reps": spec.reps,
+        "statistic": "median",
+        "dir": str(parent),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    return result
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float]:
+    h, d, k = result["host"], result["disk"], result["keys"]
+    return {
+        "host_get_vs_memcpy": round(h["get_gbps"] / h["memcpy_gbps"], 3),
+        "host_put_vs_memcpy": round(h["put_gbps"] / h["memcpy_gbps"], 3),
+        "disk_get_vs_raw_read": round(d["get_gbps"] / d["raw_read_gbps"], 3),
+        "keys_vs_raw_xxh3": round(k["keys_ms"] / max(k["raw_xxh3_ms"], 1e-6), 1),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    h, d, k, r = result["host"], result["disk"], result["keys"], ratios(result)
+    s = result["setup"]
+    lines = [
+        f"kvtier tier benchmark: {s['blocks']} blocks x {s['block_bytes']:,} B ({s['bytes'] / 2**20:.0f} MiB), "
+        f"block_size {s['block_size']}, median of {s['reps']}",
+        f"  host  put {h['put_gbps']:7.2f} GB/s   get {h['get_gbps']:7.2f} GB/s"
+        f"   torch copy {h['memcpy_gbps']:7.2f} GB/s   get/copy = {r['host_get_vs_memcpy']:.2f}",
+        f"  disk  put {d['put_gbps']:7.2f} GB/s   get {d['get_gbps']:7.2f} GB/s"
+        f"   raw read   {d['raw_read_gbps']:7.2f} GB/s   get/raw  = {r['disk_get_vs_raw_read']:.2f}"
+        f"   (cold page cache: {d['cold']})",
+        f"  keys  {k['tokens']:,} tokens in {k['keys_ms']:.3f} ms"
+        f"   raw xxh3-128 over the same bytes {k['raw_xxh3_ms']:.4f} ms",
+    ]
+    for row in result.get("block_size_sweep", []):
+        lines.append(
+            f"  block_size {row['block_size']:4d}: host get {row['host_get_gbps']:6.2f} GB/s, "
+            f"disk get {row['disk_get_gbps']:6.2f} GB/s, keys {row['keys_ms']:.3f} ms"
+        )
+    return "\n".join(lines)
+
+
+def save(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path | None]:
+    """Write ``tiers-<date>.json`` (and ``tiers-latest.json``) plus a PNG plot when matplotlib is present."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = result["setup"]["date"].replace(":", "").replace("-", "")
+    body = json.dumps({**result, "ratios": ratios(result)}, indent=2)
+    path = out_dir / f"tiers-{stamp}.json"
+    path.write_text(body)
+    (out_dir / "tiers-latest.json").write_text(body)
+    return path, plot(result, out_dir / f"tiers-{stamp}.png")
+
+
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    h, d, k = result["host"], result["disk"], result["keys"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 3, 2]})
+    ax1.bar(
+        ["put", "get", "torch copy"],
+        [h["put_gbps"], h["get_gbps"], h["memcpy_gbps"]],
+        color=["#4c72b0", "#4c72b0", "#999999"],
+    )
+    ax1.set_title("host tier vs memcpy")
+    ax1.set_ylabel("GB/s")
+    ax2.bar(
+        ["put", "get (cold)", "raw read (cold)"],
+        [d["put_gbps"], d["get_gbps"], d["raw_read_gbps"]],
+        color=["#dd8452", "#dd8452", "#999999"],
+    )
+    ax2.set_title(f"disk tier vs raw read (cold={d['cold']})")
+    ax3.bar(["block keys", "raw xxh3"], [k["keys_ms"], k["raw_xxh3_ms"]], color=["#55a868", "#999999"])
+    ax3.set_title(f"keys for {k['tokens']:,} tokens")
+    ax3.set_ylabel("ms")
+    s = result["setup"]
+    fig.suptitle(
+        f"kvtier bench tiers: {s['bytes'] / 2**20:.0f} MiB, block {s['block_size']}, {s['machine']}, {s['date']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
