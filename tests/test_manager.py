@@ -10,6 +10,7 @@ import torch
 from kvtier.config import WriteMode
 from kvtier.index import MissReason
 from kvtier.manager import CacheManager
+from kvtier.policy import PolicyName, make_policy, registered
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobStatus
 from tests.helpers import BLOCK, as_bytes, make_config, make_hasher, payload, prompt, toy_layout
@@ -209,3 +210,27 @@ def test_concurrent_readers_and_writer_keep_pins_sound(tmp_path: Path) -> None:
         assert m.stats()["pinned_blocks"] == 0
         assert len(m.host) <= 6 and m.host.used_bytes <= m.host.capacity_bytes
         assert m.stats()["host"]["evictions"] > 0
+
+
+@pytest.mark.parametrize("policy", registered())
+def test_host_eviction_under_pressure_follows_the_policy_exactly(tmp_path: Path, policy: PolicyName) -> None:
+    """The manager evicts exactly the victims a twin policy, fed the same events, predicts."""
+    with manager(tmp_path, host_blocks=4, host={"policy": policy}, disk={"enabled": False}) as m:
+        twin = make_policy(policy)
+        prompts = [prompt(BLOCK, seed=s) for s in range(10)]
+        resident: list = []
+        for step, s in enumerate([0, 1, 2, 3, 1, 1, 4, 2, 5, 6, 1, 7, 8, 3, 9]):
+            key = m.keys(prompts[s])[0]
+            if key in resident:
+                assert m.lookup(prompts[s]).cached_tokens == BLOCK
+                twin.on_access(key)
+                continue
+            if len(resident) == 4:
+                (victim,) = twin.victims(1)
+                twin.on_remove(victim)
+                resident.remove(victim)
+            assert m.store_now(prompts[s], kv(1, seed=s)) == 1, f"step {step}"
+            twin.on_insert(key, None)
+            resident.append(key)
+            assert sorted(k for k, _ in m.host.entries()) == sorted(resident), f"step {step}"
+            assert m.host.used_bytes <= m.host.capacity_bytes
