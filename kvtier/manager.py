@@ -281,9 +281,30 @@ class CacheManager:
             for key, record in zip(plan.keys, plan.records, strict=True):
                 self.host.commit(key)
                 self._policies[TierKind.HOST].on_insert(key, record.parent)
-            if self.write_mode is WriteMode.WRITE_THROUGH and self.disk is not None:
-                self._write_disk(plan.keys, plan.records)
+            through = self.write_mode is WriteMode.WRITE_THROUGH and self.disk is not None and plan.keys
+            if through:
+                self._pins.update(plan.keys)  # keep the slots alive while disk reads them, lock released
+        if through:
+            try:
+                self._write_through(plan.keys, plan.records)
+            finally:
+                with self._lock:
+                    self._pins.subtract(plan.keys)
+                    self._pins += Counter()  # drop zero counts
         return len(plan.keys)
+
+    def _write_through(self, keys: list[BlockKey], records: list[BlockRecord]) -> None:
+        """Copy freshly committed host blocks to disk without holding the manager lock during I/O."""
+        disk = self.disk
+        assert disk is not None
+        with self._lock:
+            new = [(k, r) for k, r in zip(keys, records, strict=True) if not disk.contains(k)]
+            self._make_room(disk, min(len(new), disk.capacity_blocks))
+        if not new:
+            return
+        ok = disk.put_many([k for k, _ in new], [self.host.view(k) for k, _ in new], [r for _, r in new])
+        with self._lock:
+            self._index_disk(new, ok)
 
     def store_now(
         self,
@@ -364,30 +385,28 @@ class CacheManager:
         return len(victims) == short
 
     def _demote(self, victims: list[BlockKey]) -> None:
-        """Write-back: host victims go down to disk unless disk already has them."""
-        if self.disk is None or self.write_mode is not WriteMode.WRITE_BACK:
-            return
-        down = [k for k in victims if not self.disk.contains(k)]
-        records = [self.host.record(k) for k in down]
-        keep = [(k, r) for k, r in zip(down, records, strict=True) if r is not None]
-        if keep:
-            written = self._write_disk([k for k, _ in keep], [r for _, r in keep])
-            self.host.stats.add(demotions=written)
+        """Write-back: host victims go down to disk unless disk already has them.
 
-    def _write_disk(self, keys: list[BlockKey], records: list[BlockRecord]) -> int:
+        This runs under the lock (the victims' slots are about to be freed, so
+        they cannot be pinned and written later); it is the one place where
+        disk I/O holds the lock, and only when host memory is full.
+        """
         disk = self.disk
-        assert disk is not None
-        new = [(k, r) for k, r in zip(keys, records, strict=True) if not disk.contains(k)]
-        if not new:
-            return 0
-        self._make_room(disk, min(len(new), disk.capacity_blocks))
-        payloads = [self.host.view(k) for k, _ in new]
-        ok = disk.put_many([k for k, _ in new], payloads, [r for _, r in new])
+        if disk is None or self.write_mode is not WriteMode.WRITE_BACK:
+            return
+        down = [(k, r) for k in victims if not disk.contains(k) and (r := self.host.record(k)) is not None]
+        if not down:
+            return
+        self._make_room(disk, min(len(down), disk.capacity_blocks))
+        ok = disk.put_many([k for k, _ in down], [self.host.view(k) for k, _ in down], [r for _, r in down])
+        self._index_disk(down, ok)
+        self.host.stats.add(demotions=sum(ok))
+
+    def _index_disk(self, written: list[tuple[BlockKey, BlockRecord]], ok: list[bool]) -> None:
         policy = self._policies[TierKind.DISK]
-        for (key, record), stored in zip(new, ok, strict=True):
+        for (key, record), stored in zip(written, ok, strict=True):
             if stored and key not in policy:
                 policy.on_insert(key, record.parent)
-        return sum(ok)
 
     # -- admin -------------------------------------------------------------------
     def clear(self, kind: TierKind | None = None) -> int:

@@ -1,0 +1,41 @@
+"""CUDA-only paths: pinned host slab, transfers on a dedicated stream. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import BlockRecord
+from kvtier.tiers.host import HostTier
+from kvtier.transfer import JobStatus, TransferWorker
+from tests.helpers import as_bytes, payload, toy_layout
+
+pytestmark = pytest.mark.cuda
+
+
+def test_host_slab_is_pinned_when_cuda_exists() -> None:
+    tier = HostTier(toy_layout(), 4 * 4096)
+    assert tier.pinned and tier._slab.is_pinned()
+
+
+def test_transfer_runs_on_its_own_stream_and_reports_done_after_the_copy() -> None:
+    layout = toy_layout()
+    tier = HostTier(layout, 4 * 4096)
+    block = payload(layout, 1)
+    key = BlockKey(bytes(16))
+    tier.put(key, block, BlockRecord.of(range(layout.block_size), None))
+    device = torch.empty(layout.block_bytes, dtype=torch.uint8, device="cuda")
+    worker = TransferWorker(1)
+    seen: list[torch.cuda.Stream] = []
+
+    def h2d() -> None:
+        seen.append(torch.cuda.current_stream())
+        device.copy_(tier.view(key), non_blocking=True)
+
+    job = worker.submit(h2d)
+    worker.drain()
+    assert worker.poll(job) is JobStatus.DONE
+    assert seen[0] != torch.cuda.default_stream()
+    assert torch.equal(device.cpu(), as_bytes(block))
+    worker.shutdown()
