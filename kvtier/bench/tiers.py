@@ -71,23 +71,33 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def _keys(n: int) -> list[BlockKey]:
-    return [BlockKey(i.to_bytes(16, "little")) for i in range(n)]
+@dataclass(frozen=True)
+class _Workload:
+    """``n`` random blocks to store (``src`` rows) and room to read them back (``dst`` rows)."""
 
+    src: torch.Tensor
+    dst: torch.Tensor
+    keys: list[BlockKey]
+    records: list[BlockRecord]
+    blocks: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    nbytes: int
 
-def _records(layout: KVLayout, n: int) -> list[BlockRecord]:
-    tokens = np.arange(n * layout.block_size, dtype=np.int32).reshape(n, layout.block_size)
-    return [BlockRecord.of(tokens[i], None) for i in range(n)]
+    @classmethod
+    def make(cls, layout: KVLayout, n: int) -> _Workload:
+        src = torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        tokens = np.arange(n * layout.block_size, dtype=np.int32).reshape(n, layout.block_size)
+        keys = [BlockKey(i.to_bytes(16, "little")) for i in range(n)]
+        records = [BlockRecord.of(tokens[i], None) for i in range(n)]
+        return cls(src, dst, keys, records, list(src), list(dst), n * layout.block_bytes)
 
 
 def bench_host(layout: KVLayout, n: int, reps: int) -> dict[str, float]:
     tier = HostTier(layout, n * tier_slot(layout))
-    src = torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    keys, records = _keys(n), _records(layout, n)
-    blocks, outs = list(src), list(dst)
-    nbytes = n * layout.block_bytes
-    put = _median_s(lambda: tier.put_many(keys, blocks, records), reps, before=lambda: tier.remove_many(keys))
+    w = _Workload.make(layout, n)
+    src, dst, keys, outs, nbytes = w.src, w.dst, w.keys, w.outs, w.nbytes
+    put = _median_s(lambda: tier.put_many(keys, w.blocks, w.records), reps, before=lambda: tier.remove_many(keys))
     get = _median_s(lambda: tier.get_many(keys, outs), reps)
     assert torch.equal(dst, src), "host tier returned other bytes"
     memcpy = _median_s(lambda: dst.copy_(src), reps)
@@ -126,12 +136,9 @@ def bench_disk(layout: KVLayout, n: int, reps: int, where: Path) -> dict[str, An
         fsync=FsyncMode.BATCH,
         file_bytes=n * tier_slot(layout),
     )
-    src = torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    keys, records = _keys(n), _records(layout, n)
-    blocks, outs = list(src), list(dst)
-    nbytes = n * layout.block_bytes
-    put = _median_s(lambda: tier.put_many(keys, blocks, records), reps, before=lambda: tier.remove_many(keys))
+    w = _Workload.make(layout, n)
+    src, dst, keys, outs, nbytes = w.src, w.dst, w.keys, w.outs, w.nbytes
+    put = _median_s(lambda: tier.put_many(keys, w.blocks, w.records), reps, before=lambda: tier.remove_many(keys))
     cold = [tier.drop_page_cache()]
     get = _median_s(lambda: tier.get_many(keys, outs), reps, before=lambda: cold.append(tier.drop_page_cache()))
     assert torch.equal(dst, src), "disk tier returned other bytes"
