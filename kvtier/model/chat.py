@@ -1,0 +1,113 @@
+"""Render a conversation into the prompt text the model was trained on.
+
+The template is Jinja source shipped in the file (``tokenizer.chat_template``), i.e.
+code from whoever made the file. It runs in jinja2's ``ImmutableSandboxedEnvironment``
+(no attribute escapes, no mutating the messages) with the same settings and helpers
+Hugging Face's ``apply_chat_template`` gives it (``trim_blocks``, ``lstrip_blocks``,
+``loopcontrols``, ``raise_exception``, ``tojson``, ``strftime_now``), so a template
+renders here exactly as it does there — byte-identical prompts are what make the
+prefix cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvtier.model.gguf import GGUFMetadata
+
+
+class ChatTemplateError(jinja2.TemplateError):
+    """The template refused the conversation (its ``raise_exception``), or could not be compiled."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Jinja's own ``tojson`` HTML-escapes ``<>&'``; chat templates expect plain JSON."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """One compiled chat template plus the special-token strings it may refer to."""
+
+    def __init__(self, source: str, *, bos_token: str | None = None, eos_token: str | None = None) -> None:
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        self.source = source
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``).
+
+        ``add_generation_prompt`` appends the opening of the assistant's turn, which is
+        what a request for a completion wants. Messages are copied to plain dicts first,
+        so a template sees the same data whatever mapping type the caller used.
+        """
+        plain = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise ChatTemplateError(f"message {i} is not a mapping with a 'role': {message!r}")
+            plain.append(dict(message))
+        return self._template.render(
+            messages=plain,
+            add_generation_prompt=add_generation_prompt,
+            tools=None if tools is None else [dict(t) for t in tools],
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **extra,
+        )
+
+
+def load_chat_template(metadata: GGUFMetadata) -> ChatTemplate:
+    """The file's own template; a file without one cannot be chatted with correctly, so it raises."""
+    source = metadata.chat_template
+    if not source:
+        raise ChatTemplateError("the GGUF file has no tokenizer.chat_template")
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+
+    def token(key: str) -> str | None:
+        index = metadata.get(key)
+        return tokens[int(index)] if index is not None and int(index) < len(tokens) else None
+
+    return ChatTemplate(
+        source,
+        bos_token=token("tokenizer.ggml.bos_token_id"),
+        eos_token=token("tokenizer.ggml.eos_token_id"),
+    )

@@ -1,0 +1,268 @@
+"""The tokenizer a GGUF file describes, rebuilt with ``tokenizers`` from its metadata.
+
+A GGUF carries no ``tokenizer.json``: it stores the vocabulary, the merges, a type per
+token and the *name* of a pre-tokenizer (``tokenizer.ggml.pre``). The name is what
+decides how text is split before BPE, and a wrong split gives valid-looking but
+different ids (so different KV, so silent cache misses and worse outputs). Only the
+names we map to a known split are accepted.
+
+``"smollm"`` (SmolLM/SmolLM2, the same split llama.cpp uses for StarCoder) first
+isolates every digit, then applies the GPT-2 regex: llama.cpp's expressions
+``\\p{N}`` then ``'s|'t|...| ?\\p{N}+|...|\\s+(?!\\S)``, and the model's own
+``tokenizer.json`` ``Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]``.
+Isolating digits also changes how whitespace before a number is cut (``"a   1"``
+gives ``"a", "   ", "1"`` here and ``"a", "  ", " 1"`` with the GPT-2 regex alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from gguf import TokenType
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+
+from kvtier.model.gguf import GGUFMetadata
+
+# Tokens llama.cpp also treats as end of generation when the vocabulary has them as
+# control tokens, beside the declared eos/eot/eom ids: a chat model that emits
+# `<|endoftext|>` after its answer has finished, whatever the header says.
+_END_OF_GENERATION_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"})
+
+
+def _gpt2_split(add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+
+
+def _digits_then_gpt2_split(add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split(add_prefix_space)])
+
+
+# tokenizer.ggml.pre -> the split llama.cpp applies for it (see the module docstring).
+PRE_TOKENIZERS: dict[str, Callable[[bool], pre_tokenizers.PreTokenizer]] = {
+    "gpt2": _gpt2_split,
+    "smollm": _digits_then_gpt2_split,
+    "starcoder": _digits_then_gpt2_split,
+}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its special-token facts.
+
+    Control tokens (``<|im_start|>``...) are added as special tokens, so they are
+    matched whole wherever they appear in text passed to :meth:`encode`; that is what
+    lets a rendered chat template encode to the right ids. Text from an untrusted user
+    should be rendered into the template by the server, which decides what is allowed.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None,
+        eos_ids: Sequence[int],
+        add_bos: bool,
+        add_eos: bool,
+    ) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.eos_ids: tuple[int, ...] = tuple(sorted(set(eos_ids)))
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids are ``0 .. vocab_size - 1``, added tokens included (49,152 for SmolLM2)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_id is None else self.backend.id_to_token(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_id is None else self.backend.id_to_token(self.eos_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS only where the file asks for them."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; bytes that do not form UTF-8 become U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def decode_stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        """A fresh incremental detokenizer for one generated sequence."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """Turns ids arriving one at a time into text, never emitting half a character.
+
+    A byte-level token can end in the middle of a multi-byte UTF-8 character (an emoji
+    spans up to four tokens). The decoder keeps the ids since the last point where
+    the text ended cleanly and emits only once the decoded tail no longer ends in
+    U+FFFD. It decodes a small window, not the whole sequence, so a step costs
+    O(window), and it forgets ids that are already emitted.
+
+    Invariant: the concatenation of everything :meth:`push` returned plus
+    :meth:`finish` equals ``tokenizer.decode(all ids)``. This holds because the window
+    only ever starts where the previous text ended on a whole character, and UTF-8
+    decoding restarts cleanly there.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []  # ids from the window start on
+        self._read = 0  # ids[:_read] are already emitted
+
+    def push(self, token_id: int) -> str:
+        """Text that became complete with this token ('' while a character is still open)."""
+        self._ids.append(token_id)
+        emitted = self._decode(self._ids[: self._read])
+        text = self._decode(self._ids)
+        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+            return ""
+        # Keep the last emitted ids as context, drop the rest: the window now starts
+        # where the previous one was read up to.
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        return text[len(emitted) :]
+
+    def finish(self) -> str:
+        """What is still held back (a character that never completed comes out as U+FFFD)."""
+        emitted = self._decode(self._ids[: self._read])
+        text = self._decode(self._ids)
+        self._ids, self._read = [], 0
+        return text[len(emitted) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+
+@dataclass(frozen=True)
+class _Vocabulary:
+    """The tokenizer part of the header, checked once."""
+
+    tokens: list[str]
+    merges: list[tuple[str, str]]
+    token_types: list[int]
+
+
+def load_tokenizer(metadata: GGUFMetadata) -> Tokenizer:
+    """Build the model's tokenizer from ``tokenizer.ggml.*`` metadata (byte-level BPE only)."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    pre = metadata.get("tokenizer.ggml.pre")  # no default: llama.cpp's fallback split is not GPT-2's
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
+    vocab = _read_vocabulary(metadata)
+    add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", False))
+
+    backend = Backend(
+        models.BPE(
+            vocab={token: i for i, token in enumerate(vocab.tokens)},
+            merges=vocab.merges,
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre](add_prefix_space)
+    backend.decoder = decoders.ByteLevel()
+    _add_special_tokens(backend, vocab)
+
+    bos_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id")
+    eos_id = _optional_id(metadata, "tokenizer.ggml.eos_token_id")
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+    post = _post_processor(vocab.tokens, bos_id if add_bos else None, eos_id if add_eos else None)
+    if post is not None:
+        backend.post_processor = post
+    return Tokenizer(
+        backend,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        pad_id=_optional_id(metadata, "tokenizer.ggml.padding_token_id"),
+        eos_ids=_end_of_generation_ids(metadata, vocab, eos_id),
+        add_bos=add_bos,
+        add_eos=add_eos,
+    )
+
+
+def _read_vocabulary(metadata: GGUFMetadata) -> _Vocabulary:
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    if len(set(tokens)) != len(tokens):
+        raise ValueError("tokenizer.ggml.tokens has duplicates; ids would be ambiguous")
+    pairs = []
+    for merge in metadata["tokenizer.ggml.merges"]:
+        # Byte-level tokens never contain a space (it is spelled 'Ġ'), so one space separates the pair.
+        left, sep, right = merge.partition(" ")
+        if not sep or " " in right:
+            raise ValueError(f"malformed merge {merge!r}")
+        pairs.append((left, right))
+    types = list(metadata.get("tokenizer.ggml.token_type", [int(TokenType.NORMAL)] * len(tokens)))
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    return _Vocabulary(tokens, pairs, types)
+
+
+def _add_special_tokens(backend: Backend, vocab: _Vocabulary) -> None:
+    """CONTROL tokens become special (skippable in decode); USER_DEFINED ones are matched whole but kept.
+
+    Both keep the id they already have in the vocabulary: ``add_*_tokens`` reuses an
+    existing entry, so the vocabulary does not grow (checked, since a grown vocabulary
+    would index past the embedding matrix).
+    """
+    size = backend.get_vocab_size(with_added_tokens=True)
+    control = [t for t, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind == TokenType.CONTROL]
+    user = [t for t, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind == TokenType.USER_DEFINED]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    if backend.get_vocab_size(with_added_tokens=True) != size:
+        raise ValueError("adding the file's special tokens grew the vocabulary")
+
+
+def _post_processor(tokens: list[str], bos_id: int | None, eos_id: int | None) -> processors.PostProcessor | None:
+    """BOS/EOS around each sequence, as ``add_bos_token``/``add_eos_token`` ask (neither, for SmolLM2)."""
+    if bos_id is None and eos_id is None:
+        return None
+    head = [f"{tokens[bos_id]}:0"] if bos_id is not None else []
+    tail = [f"{tokens[eos_id]}:0"] if eos_id is not None else []
+    specials = [(tokens[i], i) for i in (bos_id, eos_id) if i is not None]
+    return processors.TemplateProcessing(
+        single=[*head, "$A:0", *tail],
+        pair=[*head, "$A:0", *tail, *head, "$B:1", *tail],
+        special_tokens=list(dict.fromkeys(specials)),
+    )
+
+
+def _end_of_generation_ids(metadata: GGUFMetadata, vocab: _Vocabulary, eos_id: int | None) -> list[int]:
+    ids = [eos_id] if eos_id is not None else []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = _optional_id(metadata, key)
+        if extra is not None:
+            ids.append(extra)
+    ids += [
+        i
+        for i, (token, kind) in enumerate(zip(vocab.tokens, vocab.token_types, strict=True))
+        if kind == TokenType.CONTROL and token in _END_OF_GENERATION_TEXTS
+    ]
+    return ids
+
+
+def _optional_id(metadata: GGUFMetadata, key: str) -> int | None:
+    value = metadata.get(key)
+    return None if value is None else int(value)
