@@ -35,20 +35,22 @@ class LookupResult:
     block_size: int
     num_tokens: int
     keys: tuple[BlockKey, ...]  # every full block of the request
-    tiers: tuple[TierKind, ...]  # tier serving each leading cached block
+    tiers: tuple[TierKind, ...]  # tier serving each cached block from ``first_block`` on
     miss_reason: MissReason
+    first_block: int = 0  # blocks before it were held by the caller and not probed
 
     @property
     def cached_blocks(self) -> int:
-        return len(self.tiers)
+        """Leading blocks cached, the caller's own ``first_block`` included."""
+        return self.first_block + len(self.tiers)
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.tiers) * self.block_size
+        return self.cached_blocks * self.block_size
 
     @property
     def first_miss_block(self) -> int | None:
-        return None if self.miss_reason is MissReason.NONE else len(self.tiers)
+        return None if self.miss_reason is MissReason.NONE else self.cached_blocks
 
     def tokens_by_tier(self) -> dict[TierKind, int]:
         out: dict[TierKind, int] = {}

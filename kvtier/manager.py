@@ -133,37 +133,47 @@ class CacheManager:
     def keys(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> list[BlockKey]:
         return self.hasher.keys(tokens, namespace or self.config.cache.namespace)
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> LookupResult:
-        """How many leading tokens are cached, confirmed against ``tokens``, and in which tier."""
+    def lookup(
+        self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None, *, first_block: int = 0
+    ) -> LookupResult:
+        """How many leading tokens are cached, confirmed against ``tokens``, and in which tier.
+
+        ``first_block`` skips blocks the caller already holds (an engine's own
+        pool): probing, stats and the result start there.
+        """
         ns = namespace or self.config.cache.namespace
         keys = self.hasher.keys(tokens, ns)
         blocks = block_tokens(tokens, self.layout.block_size)
         bs = self.layout.block_size
         with self._lock:
-            probe = longest_prefix(keys, blocks, self.tiers)
+            probe = longest_prefix(keys[first_block:], blocks[first_block:], self.tiers)
             served = Counter(probe.tiers)
-            for key, kind in zip(keys, probe.tiers, strict=False):
+            for key, kind in zip(keys[first_block:], probe.tiers, strict=False):
                 self._policies[kind].on_access(key)
-        remaining = len(keys)  # blocks that reached this tier: not served by a faster one
+        remaining = len(keys) - first_block  # blocks that reached this tier: not served by a faster one
         for tier in self.tiers:
             hit = served[tier.kind]
-            tier.stats.add(lookups=1, hit_tokens=hit * bs, miss_tokens=(remaining - hit) * bs)
+            tier.stats.add(lookups=1, hit_tokens=hit * bs, miss_tokens=max(0, remaining - hit) * bs)
             remaining -= hit
         if probe.mismatched is not None:
             self._stats(probe.mismatched).add(confirm_mismatch=1)
-        return LookupResult(ns, bs, len(tokens), tuple(keys), tuple(probe.tiers), probe.reason)
+        return LookupResult(ns, bs, len(tokens), tuple(keys), tuple(probe.tiers), probe.reason, first_block)
 
     # -- ③ load ----------------------------------------------------------------
-    def load(self, result: LookupResult) -> LoadHandle:
-        """Pin the cached blocks in host memory, promoting disk blocks first.
+    def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> LoadHandle:
+        """Pin cached blocks ``start ..`` (default: the result's first) in host memory, promoting disk blocks.
 
         Blocks are taken in order and the handle stops at the first block that
         can no longer be served (evicted since the lookup, failed its checksum,
         no host slot free): the engine recomputes from there, never around a
-        gap. Release with :meth:`complete_load` (or use the handle's ``with``).
+        gap. A prefix larger than host memory is loaded in pieces: ask for
+        ``max_blocks`` at a time (see :meth:`load_chunk`), copy, release, go on.
+        Release with :meth:`complete_load` (or use the handle's ``with``).
         """
+        first = result.first_block if start is None else start
+        stop = result.cached_blocks if max_blocks is None else min(result.cached_blocks, first + max_blocks)
         handle = LoadHandle(result.namespace, result.block_size, [], [], [], self.complete_load)
-        for key in result.keys[: result.cached_blocks]:
+        for key in result.keys[first:stop]:
             started = time.perf_counter()
             with self._lock:
                 view = self.host.view(key)
@@ -184,6 +194,11 @@ class CacheManager:
             if self.disk is not None:
                 self.disk.stats.observe_load(time.perf_counter() - started)
         return handle
+
+    @property
+    def load_chunk(self) -> int:
+        """Blocks one load should ask for so that several loads can be pinned at once."""
+        return max(1, self.host.capacity_blocks // 4)
 
     def _promote(self, key: BlockKey) -> torch.Tensor | None:
         """Copy one block disk → host and return its pinned host slot, or None (a miss)."""

@@ -13,3 +13,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def loaded_model(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded SmolLM2-135M in float32, loaded once for the whole test session."""
+    from kvtier.config import load_config
+    from kvtier.engine.runtime import load_model
+
+    data = tmp_path_factory.mktemp("model-data")
+    return load_model(load_config(environ={"KVTIER_DATA_DIR": str(data)}), progress=False)

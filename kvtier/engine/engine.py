@@ -1,0 +1,358 @@
+"""The built-in engine: continuous batching over a paged pool, prefilling only what is new.
+
+One :meth:`Engine.step` admits waiting requests (each: block keys → the
+resident pool blocks → kvtier lookup and load of the rest → allocate the
+remainder), then runs ONE forward over every admitted request's uncached
+tail and every running request's next token, samples, and retires finished
+requests. A request's new full blocks are offered to kvtier right after its
+prefill (prompt blocks) and when it ends (blocks made of generated tokens),
+because an agent's next turn resends prompt + reply. Keys depend on token ids
+only, so a block gets the same key whether its tokens came from a prompt or
+from generation.
+
+Admission reserves pool blocks for the prompt plus ``max_tokens`` up front,
+so a running request never runs out of pages mid-decode (no preemption);
+resident blocks of finished requests are released, least recent first, to
+make that room.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.engine.llama import LlamaModel, SeqInput
+from kvtier.engine.pool import BlockTable, KVPool, blocks_for
+from kvtier.engine.resident import ResidentBlocks
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.keys import KeyHasher, block_tokens
+from kvtier.manager import CacheManager
+from kvtier.model.tokenizer import StreamDecoder, Tokenizer
+from kvtier.tiers.base import TierKind
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    sampler: Sampler
+    decoder: StreamDecoder
+    arrival: float
+    table: BlockTable = field(default_factory=BlockTable)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    cached_tokens: int = 0
+    served_from: dict[TierKind, int] = field(default_factory=dict)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    stored_blocks: int = 0  # leading blocks known to be in kvtier already
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    token_ids: list[int]  # new this step
+    text: str  # new this step (stop strings already cut)
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    served_from: dict[TierKind, int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    ttft_s: float
+    total_s: float
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        *,
+        pool_blocks: int,
+        block_size: int,
+        cache: CacheManager | None = None,
+        hasher: KeyHasher | None = None,
+        keep_resident: bool = True,
+        max_batch: int = 16,
+        namespace: str = "default",
+    ) -> None:
+        want = model.kv_layout(block_size)
+        if cache is not None and cache.layout != want:
+            raise ValueError(f"cache layout {cache.layout.descriptor} != the model's {want.descriptor}")
+        if hasher is None and cache is not None:
+            hasher = cache.hasher
+        if keep_resident and hasher is None:
+            raise ValueError("keeping blocks resident needs block keys: pass a cache or a hasher")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool: KVPool = model.make_pool(block_size, pool_blocks)
+        self.cache = cache
+        self.hasher = hasher
+        self.resident = ResidentBlocks(self.pool) if keep_resident else None
+        self.max_batch = max_batch
+        self.namespace = namespace
+        self.block_size = block_size
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._ids = itertools.count()
+        self._finished: list[Request] = []
+        self.prefill_tokens_computed = 0
+        self.prefill_tokens_skipped = 0
+
+    # -- requests --------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        namespace: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        limit = self.model.config.context_length
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {limit}")
+        rid = request_id or f"req-{next(self._ids)}"
+        self._waiting.append(
+            Request(
+                rid,
+                list(prompt_ids),
+                params,
+                namespace or self.namespace,
+                Sampler(params),
+                self.tokenizer.decode_stream(),
+                time.perf_counter(),
+            )
+        )
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # -- one scheduler step ------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        admitted = self._admit()
+        batch = admitted + [r for r in self._running if r not in admitted]
+        if not batch:
+            return []
+        seqs = [self._seq_input(r) for r in batch]
+        logits = self.model(seqs, self.pool)
+        now = time.perf_counter()
+        outputs = []
+        for req, row in zip(batch, logits, strict=True):
+            if req in admitted:
+                req.first_token_at = now
+                self._store_new_blocks(req)
+            outputs.append(self._advance(req, req.sampler(row)))
+        self._running = [r for r in batch if r.finish_reason is None]
+        for req in batch:
+            if req.finish_reason is not None:
+                self._retire(req)
+        return outputs
+
+    def _seq_input(self, req: Request) -> SeqInput:
+        start = req.table.num_tokens
+        return SeqInput(req.all_ids[start:], start, req.table)
+
+    # -- admission: resident pool blocks, then kvtier, then fresh blocks ----------
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
+        while self._waiting and len(self._running) + len(admitted) < self.max_batch:
+            req = self._waiting[0]
+            need = blocks_for(
+                min(len(req.prompt_ids) + req.params.max_tokens, self.model.config.context_length), self.block_size
+            )
+            if need > self.pool.num_blocks:
+                self._waiting.popleft()
+                self._fail(req, f"request needs {need} KV blocks; the pool has {self.pool.num_blocks}")
+                continue
+            if not self._make_room(need):
+                break  # wait for running requests to finish
+            self._waiting.popleft()
+            self._attach_prefix(req)
+            self.pool.grow(req.table, need * self.block_size)
+            self.prefill_tokens_skipped += req.cached_tokens
+            self.prefill_tokens_computed += len(req.prompt_ids) - req.cached_tokens
+            admitted.append(req)
+        return admitted
+
+    def _make_room(self, need: int) -> bool:
+        short = need - self.pool.num_free
+        if short > 0 and self.resident is not None:
+            self.resident.release(short)
+        return self.pool.num_free >= need
+
+    def _attach_prefix(self, req: Request) -> None:
+        """Put the longest cached prefix into ``req.table``; at least one prompt token stays to compute."""
+        if self.hasher is None:
+            return
+        usable = (len(req.prompt_ids) - 1) // self.block_size
+        keys = self.hasher.keys(req.prompt_ids, req.namespace)[:usable]
+        blocks = block_tokens(req.prompt_ids, self.block_size)
+        ids = self.resident.match(keys, blocks) if self.resident is not None else []
+        self.pool.share(ids)
+        req.table.block_ids = list(ids)
+        if ids:
+            req.served_from[TierKind.DEVICE] = len(ids) * self.block_size
+        if self.cache is not None and len(ids) < usable:
+            self._load_from_cache(req, usable, len(ids))
+        req.table.num_tokens = req.cached_tokens = len(req.table.block_ids) * self.block_size
+        req.stored_blocks = len(req.table.block_ids)
+
+    def _load_from_cache(self, req: Request, usable: int, first: int) -> None:
+        """Copy kvtier's blocks ``first ..`` into fresh pool blocks, one host-sized chunk at a time."""
+        assert self.cache is not None
+        result = self.cache.lookup(req.prompt_ids, req.namespace, first_block=first)
+        end = min(result.cached_blocks, usable)
+        at = first
+        while at < end:
+            with self.cache.load(result, start=at, max_blocks=min(self.cache.load_chunk, end - at)) as handle:
+                if not handle.blocks:
+                    break  # evicted since the lookup, or a failed read: recompute from here
+                fresh = self.pool.allocate(len(handle.blocks))
+                for block_id, payload in zip(fresh, handle.blocks, strict=True):
+                    self.pool.write_block_from_payload(block_id, payload)
+                for kind in handle.served_from:
+                    req.served_from[kind] = req.served_from.get(kind, 0) + self.block_size
+            req.table.block_ids.extend(fresh)
+            at += len(fresh)
+
+    # -- sampling and stopping ------------------------------------------------------
+    def _advance(self, req: Request, token: int) -> StepOutput:
+        req.output_ids.append(token)
+        p = req.params
+        reason: FinishReason | None = None
+        if token in self.tokenizer.eos_ids and not p.ignore_eos:
+            piece, reason = req.decoder.finish(), FinishReason.STOP
+        else:
+            piece = req.decoder.push(token)
+            if len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= self.model.config.context_length:
+                piece, reason = piece + req.decoder.finish(), FinishReason.LENGTH
+        piece, stopped = self._cut_at_stop(req, piece)
+        if stopped:
+            reason = FinishReason.STOP
+        req.text += piece
+        req.finish_reason = reason
+        return StepOutput(req.id, [token], piece, reason is not None, reason)
+
+    @staticmethod
+    def _cut_at_stop(req: Request, piece: str) -> tuple[str, bool]:
+        """Cut ``piece`` where a stop string first completes (the stop string itself is not returned)."""
+        if not req.params.stop or not piece:
+            return piece, False
+        longest = max(map(len, req.params.stop))
+        head = req.text[-(longest - 1) :] if longest > 1 else ""
+        window = head + piece
+        cuts = [i for i in (window.find(s) for s in req.params.stop) if i >= 0]
+        if not cuts:
+            return piece, False
+        return piece[: max(0, min(cuts) - len(head))], True
+
+    def _fail(self, req: Request, message: str) -> None:
+        req.finish_reason = FinishReason.ERROR
+        req.error = message
+        self._finished.append(req)
+
+    # -- retiring: store new blocks, keep them resident, free the rest -----------------
+    def _store_new_blocks(self, req: Request) -> None:
+        """Offer kvtier the request's full blocks it does not have yet (async; copied out of the pool first)."""
+        full = req.table.num_tokens // self.block_size
+        if self.cache is None or full <= req.stored_blocks:
+            return
+        first = req.stored_blocks
+        payloads = torch.empty(full - first, self.pool.layout.block_bytes, dtype=torch.uint8)
+        for row, block_id in zip(payloads, req.table.block_ids[first:full], strict=True):
+            self.pool.read_block_to_payload(block_id, row)
+        self.cache.store(req.all_ids[: full * self.block_size], list(payloads), req.namespace, first_block=first)
+        req.stored_blocks = full
+
+    def _retire(self, req: Request) -> None:
+        self._store_new_blocks(req)
+        if self.resident is not None and self.hasher is not None:
+            full = req.table.num_tokens // self.block_size
+            ids = req.all_ids[: full * self.block_size]
+            self.resident.keep(
+                self.hasher.keys(ids, req.namespace), req.table.block_ids[:full], block_tokens(ids, self.block_size)
+            )
+        self.pool.release(req.table)
+        req.finished_at = time.perf_counter()
+        self._finished.append(req)
+
+    # -- running to completion ---------------------------------------------------------
+    def collect_finished(self) -> list[Request]:
+        """Requests that ended since the last call (the server and ``generate`` read results here)."""
+        done, self._finished = self._finished, []
+        return done
+
+    def drain_stores(self) -> None:
+        """Wait until every block offered to kvtier is stored (tests and benchmarks need a settled cache)."""
+        if self.cache is not None:
+            self.cache.worker.drain()
+
+    def generate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        params: SamplingParams,
+        *,
+        namespace: str | None = None,
+        on_step: Callable[[StepOutput], None] | None = None,
+    ) -> list[Completion]:
+        """Run ``prompts`` together (continuously batched) and return them in order."""
+        order = [self.add_request(p, params, namespace=namespace) for p in prompts]
+        results: dict[str, Request] = {}
+        while len(results) < len(order):
+            for out in self.step():
+                if on_step is not None:
+                    on_step(out)
+            results.update((r.id, r) for r in self.collect_finished())
+        return [self._completion(results[rid]) for rid in order]
+
+    @staticmethod
+    def _completion(req: Request) -> Completion:
+        if req.finish_reason is FinishReason.ERROR:
+            raise ValueError(req.error)
+        assert req.finish_reason is not None and req.first_token_at is not None
+        return Completion(
+            request_id=req.id,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+            served_from=dict(req.served_from),
+            token_ids=list(req.output_ids),
+            text=req.text,
+            finish_reason=req.finish_reason,
+            ttft_s=req.first_token_at - req.arrival,
+            total_s=(req.finished_at or time.perf_counter()) - req.arrival,
+        )

@@ -1,0 +1,83 @@
+"""The device tier: finished requests' full blocks kept in the engine's own pool.
+
+When a request ends, its full blocks stay in the pool, indexed by block key,
+instead of returning to the free list: the next turn of the same agent finds
+its transcript already resident and shares those pool blocks (no copy at
+all). Blocks are reference-counted by the pool; this index holds one
+reference per block and gives it up, least recently used first, when a new
+request needs room. Every hit is confirmed against the request's tokens, like
+every other tier.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.engine.pool import KVPool
+from kvtier.keys import BlockKey
+
+
+@dataclass(frozen=True)
+class _Resident:
+    block_id: int
+    tokens: np.ndarray
+
+
+class ResidentBlocks:
+    def __init__(self, pool: KVPool) -> None:
+        self._pool = pool
+        self._blocks: OrderedDict[BlockKey, _Resident] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, keys: list[BlockKey], blocks: np.ndarray) -> list[int]:
+        """Pool block ids of the longest confirmed run of ``keys`` held here (they become most recent).
+
+        A prefix's first block is made the most recent of all, its last the
+        least: evicting from the end of a chain keeps the rest of it useful.
+        """
+        hits: list[tuple[BlockKey, int]] = []
+        for key, tokens in zip(keys, blocks, strict=False):
+            hit = self._blocks.get(key)
+            if hit is None or not np.array_equal(hit.tokens, tokens):
+                break
+            hits.append((key, hit.block_id))
+        for key, _ in reversed(hits):
+            self._blocks.move_to_end(key)
+        return [block_id for _, block_id in hits]
+
+    def keep(self, keys: list[BlockKey], block_ids: list[int], blocks: np.ndarray) -> None:
+        """Hold a reference to each full block of a finished request not already held."""
+        for key, block_id, tokens in reversed(list(zip(keys, block_ids, blocks, strict=False))):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                continue
+            self._pool.share([block_id])
+            self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32))
+
+    def evictable(self) -> int:
+        """Blocks that would return to the pool's free list if released now (held by nobody else)."""
+        return sum(self._pool.ref_count(r.block_id) == 1 for r in self._blocks.values())
+
+    def release(self, n: int) -> int:
+        """Give up references, least recently used first, until ``n`` pool blocks became free."""
+        freed = 0
+        for key in list(self._blocks):
+            if freed >= n:
+                break
+            resident = self._blocks[key]
+            if self._pool.ref_count(resident.block_id) != 1:
+                continue  # a running request shares it; releasing would free nothing
+            del self._blocks[key]
+            self._pool.free([resident.block_id])
+            freed += 1
+        return freed
+
+    def clear(self) -> None:
+        for resident in self._blocks.values():
+            self._pool.free([resident.block_id])
+        self._blocks.clear()

@@ -1,0 +1,84 @@
+"""Putting an engine together from the config: model file → weights, tokenizer, template → engine + cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.config import Config
+from kvtier.engine.engine import Engine
+from kvtier.engine.llama import LlamaModel
+from kvtier.keys import KeyHasher
+from kvtier.layout import dtype_from_name
+from kvtier.manager import CacheManager
+from kvtier.model import (
+    ChatTemplate,
+    Tokenizer,
+    default_gguf_path,
+    load_chat_template,
+    load_gguf,
+    load_tokenizer,
+    model_fingerprint,
+)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    path: Path
+    model: LlamaModel
+    tokenizer: Tokenizer
+    chat: ChatTemplate
+    fingerprint: str  # binds block keys and the disk tier to these exact weights and dtype
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation, ending with the opening of the assistant's turn."""
+        text = self.chat.render(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
+    path = config.engine.model_path or default_gguf_path()
+    dtype = dtype_from_name(config.engine.dtype.value)
+    cfg, weights, metadata = load_gguf(path, dtype, progress=progress)
+    return LoadedModel(
+        path=Path(path),
+        model=LlamaModel(cfg, weights, dtype),
+        tokenizer=load_tokenizer(metadata),
+        chat=load_chat_template(metadata),
+        fingerprint=model_fingerprint(path, dtype, config.data_dir),
+    )
+
+
+def open_cache(loaded: LoadedModel, config: Config) -> CacheManager:
+    layout = loaded.model.kv_layout(config.cache.block_size)
+    return CacheManager(config, layout, model_fingerprint=loaded.fingerprint)
+
+
+def make_engine(
+    loaded: LoadedModel,
+    config: Config,
+    *,
+    cache: CacheManager | None,
+    keep_resident: bool | None = None,
+    hasher: KeyHasher | None = None,
+) -> Engine:
+    """An engine over ``loaded``; ``cache=None`` and ``keep_resident=False`` give a full-recompute baseline.
+
+    Keeping blocks resident needs block keys: from ``cache``, or from ``hasher``
+    for an engine that uses only its own pool.
+    """
+    e = config.engine
+    block_bytes = loaded.model.kv_layout(config.cache.block_size).block_bytes
+    resident = e.keep_resident if keep_resident is None else keep_resident
+    hasher = hasher or (cache.hasher if cache is not None else None)
+    return Engine(
+        loaded.model,
+        loaded.tokenizer,
+        pool_blocks=max(1, int(e.pool_bytes) // block_bytes),
+        block_size=config.cache.block_size,
+        cache=cache,
+        hasher=hasher,
+        keep_resident=resident and hasher is not None,
+        max_batch=e.max_batch,
+        namespace=config.cache.namespace,
+    )

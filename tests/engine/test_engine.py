@@ -1,0 +1,127 @@
+"""The engine on the real model: reuse and batching must not change a single greedy token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import Config, load_config
+from kvtier.engine.engine import Engine, FinishReason
+from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
+from kvtier.engine.sampling import SamplingParams
+from kvtier.tiers.base import TierKind
+
+B = 16
+GREEDY = SamplingParams(max_tokens=10)
+TURNS = [
+    "List three prime numbers.",
+    "Now add them up and explain the sum in one sentence.",
+    "Write the numbers 1 to 5 in words, separated by commas.",
+    "Which of those words is the longest?",
+]
+
+
+def config(tmp: Path, **engine: object) -> Config:
+    cfg = load_config(environ={"KVTIER_DATA_DIR": str(tmp / "data")})
+    tree = cfg.model_dump()
+    tree["engine"] = {**tree["engine"], "pool_bytes": 400 * 46080 * B, **engine}
+    tree["host"] = {**tree["host"], "capacity_bytes": 256 * 1024**2}
+    tree["disk"] = {**tree["disk"], "capacity_bytes": 256 * 1024**2}
+    return Config.model_validate(tree)
+
+
+def converse(engine: Engine, loaded: LoadedModel) -> list[tuple[list[int], list[int], int]]:
+    """Four chat turns; returns (prompt ids, output ids, cached tokens) per turn."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You answer briefly."}]
+    out = []
+    for text in TURNS:
+        messages.append({"role": "user", "content": text})
+        ids = loaded.chat_ids(messages)
+        (done,) = engine.generate([ids], GREEDY)
+        engine.drain_stores()
+        messages.append({"role": "assistant", "content": done.text})
+        out.append((ids, done.token_ids, done.cached_tokens))
+    return out
+
+
+def shared_full_blocks(prompt: list[int], earlier: list[list[int]]) -> int:
+    """Tokens of the longest full-block prefix ``prompt`` shares with a sequence the cache saw."""
+    best = 0
+    for seq in earlier:
+        n = 0
+        while n < min(len(prompt), len(seq)) and prompt[n] == seq[n]:
+            n += 1
+        best = max(best, n)
+    return min(best // B, (len(prompt) - 1) // B) * B
+
+
+@pytest.fixture(scope="module")
+def baseline(loaded_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory):
+    cfg = config(tmp_path_factory.mktemp("cold"))
+    return converse(make_engine(loaded_model, cfg, cache=None, keep_resident=False), loaded_model)
+
+
+def check_reuse(turns, baseline) -> None:
+    seen: list[list[int]] = []
+    for (ids, out, cached), (cold_ids, cold_out, cold_cached) in zip(turns, baseline, strict=True):
+        assert ids == cold_ids and out == cold_out, "greedy output changed with the cache"
+        assert cold_cached == 0
+        assert cached == shared_full_blocks(ids, seen)
+        seen.append(ids + out[:-1])  # the last sampled token never had its KV computed
+    assert sum(c for *_, c in turns) > 0
+
+
+def test_reuse_from_host_then_disk_after_restart_is_exact(loaded_model: LoadedModel, tmp_path: Path, baseline) -> None:
+    cfg = config(tmp_path, keep_resident=False)
+    cfg = Config.model_validate(cfg.model_dump() | {"cache": cfg.cache.model_dump() | {"write_mode": "write_through"}})
+    with open_cache(loaded_model, cfg) as cache:
+        turns = converse(make_engine(loaded_model, cfg, cache=cache), loaded_model)
+        check_reuse(turns, baseline)
+        assert cache.stats()["host"]["hit_tokens"] > 0
+    with open_cache(loaded_model, cfg) as cache:  # a new manager: host memory is empty, disk is not
+        engine = make_engine(loaded_model, cfg, cache=cache)
+        ids, out, _ = baseline[-1]
+        (again,) = engine.generate([ids], GREEDY)
+        assert again.token_ids == out
+        assert again.served_from == {TierKind.DISK: again.cached_tokens}
+        assert again.cached_tokens == shared_full_blocks(ids, [ids]) > 0  # turn 4 itself was stored
+
+
+def test_reuse_from_the_resident_pool_is_exact(loaded_model: LoadedModel, tmp_path: Path, baseline) -> None:
+    cfg = config(tmp_path)
+    with open_cache(loaded_model, cfg) as cache:
+        engine = make_engine(loaded_model, cfg, cache=cache, keep_resident=True)
+        turns = converse(engine, loaded_model)
+        check_reuse(turns, baseline)
+        assert len(engine.resident) > 0
+
+
+def test_concurrent_requests_match_one_by_one(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    prompts = [loaded_model.chat_ids([{"role": "user", "content": t}]) for t in [*TURNS, "Say hello.", "Count to 3."]]
+    alone = [make_engine(loaded_model, cfg, cache=None, keep_resident=False).generate([p], GREEDY)[0] for p in prompts]
+    engine = make_engine(loaded_model, cfg, cache=None, keep_resident=False)
+    together = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+
+
+def test_stops_on_eos_stop_strings_and_max_tokens(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    engine = make_engine(loaded_model, config(tmp_path), cache=None, keep_resident=False)
+    ids = loaded_model.chat_ids([{"role": "user", "content": "Say hi."}])
+    (free,) = engine.generate([ids], SamplingParams(max_tokens=40))
+    assert free.finish_reason is FinishReason.STOP and free.token_ids[-1] in loaded_model.tokenizer.eos_ids
+    (short,) = engine.generate([ids], SamplingParams(max_tokens=2))
+    assert short.finish_reason is FinishReason.LENGTH and short.token_ids == free.token_ids[:2]
+    word = free.text.strip().split()[0]
+    (stopped,) = engine.generate([ids], SamplingParams(max_tokens=40, stop=(word,)))
+    assert stopped.finish_reason is FinishReason.STOP and word not in stopped.text
+    assert free.text.startswith(stopped.text)
+
+
+def test_seeded_sampling_is_repeatable(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    engine = make_engine(loaded_model, config(tmp_path), cache=None, keep_resident=False)
+    ids = loaded_model.chat_ids([{"role": "user", "content": "Tell me a story."}])
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    a, b = engine.generate([ids, ids], p)
+    assert a.token_ids == b.token_ids
