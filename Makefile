@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/kvtier bench tiers
+	$(VENV)/bin/kvtier demo
 
 test: setup
 	$(VENV)/bin/pytest -q

@@ -1,8 +1,12 @@
 """The ``kvtier`` command line.
 
-``kvtier bench tiers [--json]``: host and disk tier bandwidth next to a raw
-memcpy / raw disk read of the same bytes, and block-key cost next to one raw
-xxh3 pass (see :mod:`kvtier.bench.tiers`).
+* ``kvtier demo [--json]``: the README's main job, an agent session replayed
+  without and with kvtier (:mod:`kvtier.demo.session`).
+* ``kvtier generate PROMPT [--chat]``: stream a completion from the built-in
+  engine, with the cache in the configured data directory.
+* ``kvtier bench tiers [--json]``: host and disk tier bandwidth next to a raw
+  memcpy / raw disk read of the same bytes, and block-key cost next to one raw
+  xxh3 pass (:mod:`kvtier.bench.tiers`).
 """
 
 from __future__ import annotations
@@ -31,11 +35,86 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kvtier.demo import session
+    from kvtier.engine.runtime import load_model
+
+    config = load_config(args.config)
+    loaded = load_model(config)
+    results = session.run_demo(loaded, config, max_tokens=args.max_tokens)
+    path = session.save(results, Path(args.out))
+    if args.json:
+        print(json.dumps(session.as_json(results)))
+    else:
+        print(f"kvtier demo: {loaded.path.name}, {config.engine.dtype.value}, block_size {config.cache.block_size}")
+        print(session.table(results))
+        print(f"  wrote {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvtier.engine.runtime import load_model, make_engine, open_cache
+    from kvtier.engine.sampling import SamplingParams
+
+    config = load_config(args.config)
+    loaded = load_model(config)
+    if args.chat:
+        ids = loaded.chat_ids([{"role": "user", "content": args.prompt}])
+    else:
+        ids = loaded.tokenizer.encode(args.prompt)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    with open_cache(loaded, config) as cache:
+        engine = make_engine(loaded, config, cache=cache)
+        (done,) = engine.generate([ids], params, on_step=lambda out: print(out.text, end="", flush=True))
+        engine.drain_stores()
+    print()
+    print(
+        f"[{done.prompt_tokens} prompt tokens, {done.cached_tokens} cached, TTFT {done.ttft_s:.3f}s, "
+        f"{len(done.token_ids)} tokens in {done.total_s:.2f}s, {done.finish_reason.value}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _bench_ttft(args: argparse.Namespace) -> int:
+    from kvtier.bench import ttft
+    from kvtier.engine.runtime import load_model
+
+    config = load_config(args.config)
+    loaded = load_model(config)
+    result = ttft.run(loaded, config, ttft.TTFTSpec(tokens=args.tokens, reps=args.reps))
+    path, png = ttft.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "setup"} | {"ratios": ttft.ratios(result)}))
+    else:
+        print(ttft.table(result))
+        print(f"  wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for LLM inference.")
     parser.add_argument("--config", type=Path, default=None, help="YAML config (see config.example.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="replay an agent session without and with kvtier")
+    demo.add_argument("--json", action="store_true", help="print the per-turn results as a JSON list")
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn")
+    demo.add_argument("--out", default="bench/results", help="where demo-latest.json goes")
+    demo.set_defaults(run=_demo)
+
+    gen = commands.add_parser("generate", help="stream a completion from the built-in engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(run=_generate)
 
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a raw baseline")
     which = bench.add_subparsers(dest="bench", required=True)
@@ -48,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     t.set_defaults(run=_bench_tiers)
+    tt = which.add_parser("ttft", help="TTFT of an N-token prefix + 64 new: recompute vs host/disk/resident hit")
+    tt.add_argument("--json", action="store_true", help="print one JSON object")
+    tt.add_argument("--tokens", type=int, default=4096, help="cached prefix length")
+    tt.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
+    tt.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
+    tt.set_defaults(run=_bench_ttft)
     return parser
 
 

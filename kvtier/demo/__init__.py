@@ -1,0 +1,1 @@
+"""The README's main job: a built-in agent session replayed without and with kvtier."""
