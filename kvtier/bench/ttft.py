@@ -1,0 +1,178 @@
+"""`kvtier bench ttft`: time to first token for an N-token prefix + 64 new tokens, four ways, one run.
+
+The request is an agent's next turn: an ``N``-token transcript the engine has
+seen before plus 64 new tokens. Measured back to back on the same loaded
+weights:
+
+* ``miss``: nothing cached, the full ``N + 64`` tokens are prefilled;
+* ``host_hit``: the prefix's blocks are in kvtier's host tier;
+* ``disk_hit``: only on disk, with the slab's page cache dropped
+  (``posix_fadvise(DONTNEED)``; ``"cold": false`` in the JSON if that failed);
+* ``resident_hit``: the prefix is still in the engine's own pool (device tier).
+
+Each repetition appends a different 64-token tail, so no repetition can hit
+the blocks of an earlier one's tail. Medians over ``reps``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvtier.config import Config
+from kvtier.demo.session import load_session
+from kvtier.engine.engine import Engine
+from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
+from kvtier.engine.sampling import SamplingParams
+from kvtier.tiers.base import TierKind
+
+NEW_TOKENS = 64
+FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class TTFTSpec:
+    tokens: int = 4096
+    reps: int = 3
+
+
+def text_tokens(loaded: LoadedModel, n: int) -> list[int]:
+    """``n`` token ids of real text (the demo session's files, repeated as needed)."""
+    session = load_session()
+    text = "\n\n".join(t["tool"]["content"] for t in session["turns"])
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def _ttft(engine: Engine, ids: list[int]) -> float:
+    (done,) = engine.generate([ids], FIRST_TOKEN)
+    engine.drain_stores()
+    return done.ttft_s
+
+
+def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
+    ids = text_tokens(loaded, spec.tokens + NEW_TOKENS * (spec.reps + 1))
+    prefix = ids[: spec.tokens]
+    tails = [ids[spec.tokens + NEW_TOKENS * r : spec.tokens + NEW_TOKENS * (r + 1)] for r in range(spec.reps + 1)]
+    prompts = [prefix + t for t in tails]  # prompts[0] warms up; the rest are measured
+    times: dict[str, list[float]] = {}
+    cold: list[bool] = []
+    with tempfile.TemporaryDirectory(prefix="bench-ttft-", dir=_mkdir(config.data_dir)) as tmp:
+        tree = config.model_dump()
+        tree["data_dir"] = tmp
+        tree["disk"] = {**tree["disk"], "path": None, "enabled": True}
+        tree["cache"] = {**tree["cache"], "write_mode": "write_through"}  # so the disk holds the prefix too
+        cfg = Config.model_validate(tree)
+        with open_cache(loaded, cfg) as cache, tqdm(total=4, desc="bench ttft", unit="case", leave=False) as bar:
+            recompute = make_engine(loaded, cfg, cache=None, keep_resident=False)
+            times["miss_s"] = _measure(lambda p: _ttft(recompute, p), prompts)
+            bar.update()
+            tiered = make_engine(loaded, cfg, cache=cache, keep_resident=False)
+            _ttft(tiered, prefix)
+            times["host_hit_s"] = _measure(lambda p: _ttft(tiered, p), prompts)
+            bar.update()
+
+            def from_disk(p: list[int]) -> float:
+                cache.clear(TierKind.HOST)
+                cold.append(cache.disk is not None and cache.disk.drop_page_cache())
+                return _ttft(tiered, p)
+
+            times["disk_hit_s"] = _measure(from_disk, prompts)
+            bar.update()
+            resident = make_engine(loaded, cfg, cache=None, keep_resident=True, hasher=cache.hasher)
+            _ttft(resident, prefix)
+            times["resident_hit_s"] = _measure(lambda p: _ttft(resident, p), prompts)
+            bar.update()
+    out: dict[str, Any] = {"tokens": spec.tokens, "new_tokens": NEW_TOKENS}
+    out.update({k: round(statistics.median(v), 4) for k, v in times.items()})
+    out["cold"] = all(cold)
+    out["setup"] = {
+        "dtype": config.engine.dtype.value,
+        "block_size": config.cache.block_size,
+        "reps": spec.reps,
+        "statistic": "median",
+        "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    return out
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _measure(fn: Callable[[list[int]], float], prompts: list[list[int]]) -> list[float]:
+    fn(prompts[0])  # warm-up: allocator, page tables, thread pools
+    return [fn(p) for p in prompts[1:]]
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float]:
+    miss = result["miss_s"]
+    return {
+        "miss_vs_host_hit": round(miss / result["host_hit_s"], 1),
+        "miss_vs_disk_hit": round(miss / result["disk_hit_s"], 1),
+        "host_hit_vs_resident": round(result["host_hit_s"] / result["resident_hit_s"], 2),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    r = ratios(result)
+    return "\n".join(
+        [
+            f"kvtier TTFT: {result['tokens']:,}-token prefix + {result['new_tokens']} new tokens, "
+            f"{result['setup']['dtype']}, median of {result['setup']['reps']}",
+            f"  full recompute      {result['miss_s']:8.3f} s",
+            f"  host-tier hit       {result['host_hit_s']:8.3f} s   {r['miss_vs_host_hit']:6.1f}x faster",
+            f"  disk-tier hit       {result['disk_hit_s']:8.3f} s   {r['miss_vs_disk_hit']:6.1f}x faster"
+            f"   (cold page cache: {result['cold']})",
+            f"  resident in pool    {result['resident_hit_s']:8.3f} s   host hit / resident = "
+            f"{r['host_hit_vs_resident']:.2f}",
+        ]
+    )
+
+
+def save(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path | None]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = result["setup"]["date"].replace(":", "").replace("-", "")
+    body = json.dumps({**result, "ratios": ratios(result)}, indent=2)
+    path = out_dir / f"ttft-{result['tokens']}-{stamp}.json"
+    path.write_text(body)
+    (out_dir / f"ttft-{result['tokens']}-latest.json").write_text(body)
+    return path, plot(result, path.with_suffix(".png"))
+
+
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = ["full recompute", "host hit", "disk hit (cold)", "resident"]
+    values = [result[k] for k in ("miss_s", "host_hit_s", "disk_hit_s", "resident_hit_s")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(names, values, color=["#999999", "#4c72b0", "#dd8452", "#55a868"])
+    ax.bar_label(bars, labels=[f"{v:.3f}s" for v in values])
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token (s, log)")
+    ax.set_title(
+        f"TTFT, {result['tokens']:,} cached + {result['new_tokens']} new tokens "
+        f"({result['setup']['dtype']}, {result['setup']['date']})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
