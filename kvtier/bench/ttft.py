@@ -70,7 +70,7 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-ttft-", dir=_mkdir(config.data_dir)) as tmp:
         tree = config.model_dump()
         tree["data_dir"] = tmp
-        tree["disk"] = {**tree["disk"], "path": None, "enabled": True}
+        tree["disk"] = {**tree["disk"], "path": None, "enabled": True, "capacity_bytes": 2 * 1024**3}
         tree["cache"] = {**tree["cache"], "write_mode": "write_through"}  # so the disk holds the prefix too
         cfg = Config.model_validate(tree)
         with open_cache(loaded, cfg) as cache, tqdm(total=4, desc="bench ttft", unit="case", leave=False) as bar:

@@ -78,7 +78,7 @@ def run_demo(
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         tree = config.model_dump()
         tree["data_dir"] = tmp
-        tree["disk"] = {**tree["disk"], "path": None, "enabled": True}
+        tree["disk"] = {**tree["disk"], "path": None, "enabled": True, "capacity_bytes": 1024**3}
         tree["host"] = {**tree["host"], "capacity_bytes": host_bytes}
         demo_config = Config.model_validate(tree)
         total = 2 * len(session["turns"])

@@ -144,20 +144,37 @@ class DiskTier:
         self._meta = env.open_db(b"meta")
         return env
 
-    def _open_slabs(self) -> list[int]:
-        fds = []
-        num_files = -(-self._num_slots // self._slots_per_file)
-        for i in range(num_files):
-            slots = min(self._slots_per_file, self._num_slots - i * self._slots_per_file)
-            fd = os.open(self.path / f"slab-{i:04d}.bin", os.O_RDWR | os.O_CREAT, 0o600)
-            size = slots * self._slot_bytes
-            if os.fstat(fd).st_size < size:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError:
-                    os.ftruncate(fd, size)  # filesystem without fallocate: sparse file
-            fds.append(fd)
-        return fds
+    def _open_slabs(self) -> dict[int, int]:
+        """Open the slab files that exist; the others are created when a slot in them is first used."""
+        return {
+            i: os.open(self.path / f"slab-{i:04d}.bin", os.O_RDWR)
+            for i in range(-(-self._num_slots // self._slots_per_file))
+            if (self.path / f"slab-{i:04d}.bin").exists()
+        }
+
+    def _file(self, index: int) -> int:
+        """The fd of slab file ``index``, creating it at its full, preallocated size on first use.
+
+        Files are preallocated whole (``posix_fallocate``) so a later write
+        never fails for lack of space half-way; creating them only as the
+        free list reaches them (lowest slots first) keeps a large configured
+        capacity from claiming the disk before it holds anything.
+        """
+        fd = self._fds.get(index)
+        if fd is not None:
+            return fd
+        with self._lock:
+            if index not in self._fds:
+                slots = min(self._slots_per_file, self._num_slots - index * self._slots_per_file)
+                fd = os.open(self.path / f"slab-{index:04d}.bin", os.O_RDWR | os.O_CREAT, 0o600)
+                size = slots * self._slot_bytes
+                if os.fstat(fd).st_size < size:
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError:
+                        os.ftruncate(fd, size)  # a filesystem without fallocate: a sparse file
+                self._fds[index] = fd
+            return self._fds[index]
 
     def _load_index(self) -> None:
         stale = []
@@ -211,7 +228,7 @@ class DiskTier:
         return len(self._free)
 
     def _where(self, slot: int) -> tuple[int, int]:
-        return self._fds[slot // self._slots_per_file], (slot % self._slots_per_file) * self._slot_bytes
+        return self._file(slot // self._slots_per_file), (slot % self._slots_per_file) * self._slot_bytes
 
     # -- lookups -------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
@@ -378,7 +395,7 @@ class DiskTier:
     def drop_page_cache(self) -> bool:
         """Evict this tier's slab pages from the OS page cache (for cold-read benchmarks)."""
         try:
-            for fd in self._fds:
+            for fd in self._fds.values():
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError:
@@ -397,9 +414,9 @@ class DiskTier:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds:
+            for fd in self._fds.values():
                 os.close(fd)
-            self._fds = []
+            self._fds = {}
             self._env.close()
 
 

@@ -62,6 +62,12 @@ def test_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.dtype, fsync: Fsyn
 def test_slots_are_aligned_for_direct_io(tmp_path: Path) -> None:
     tier = open_disk(tmp_path, capacity=10 * 4096, file_bytes=4 * 4096)
     assert tier.slot_bytes % 4096 == 0
+    assert not list(tmp_path.glob("slab-*.bin"))  # files are made as slots are first used
+    tier.put_many([key(i) for i in range(5)], [payload(tier.layout, i) for i in range(5)], [rec(i) for i in range(5)])
+    assert sorted(p.name for p in tmp_path.glob("slab-*.bin")) == ["slab-0000.bin", "slab-0001.bin"]
+    tier.put_many(
+        [key(i) for i in range(5, 10)], [payload(tier.layout, i) for i in range(5, 10)], [rec(i) for i in range(5, 10)]
+    )
     files = sorted(p.name for p in tmp_path.glob("slab-*.bin"))
     assert files == ["slab-0000.bin", "slab-0001.bin", "slab-0002.bin"]
     assert [os.path.getsize(tmp_path / f) for f in files] == [4 * 4096, 4 * 4096, 2 * 4096]
@@ -123,7 +129,7 @@ def test_colliding_key_keeps_the_first_block(tmp_path: Path) -> None:
 
 def test_write_error_is_a_counted_failed_store(tmp_path: Path) -> None:
     tier = open_disk(tmp_path)
-    os.close(tier._fds[0])  # the slab fd goes bad under the tier (fault injection)
+    os.close(tier._file(0))  # the slab fd goes bad under the tier (fault injection)
     tier._fds[0] = os.open(os.devnull, os.O_RDONLY)
     assert tier.put(key(0), payload(tier.layout, 0), rec(0)) is False
     assert tier.stats.errors == 1 and not tier.contains(key(0))
