@@ -23,3 +23,16 @@ def loaded_model(tmp_path_factory: pytest.TempPathFactory):
 
     data = tmp_path_factory.mktemp("model-data")
     return load_model(load_config(environ={"KVTIER_DATA_DIR": str(data)}), progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own loading of the same GGUF (its dequantizer, its Q/K un-permutation): the oracle."""
+    transformers = pytest.importorskip("transformers")
+    from kvtier.model import default_gguf_path
+
+    path = default_gguf_path()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()

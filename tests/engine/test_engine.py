@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvtier.config import Config, load_config
 from kvtier.engine.engine import Engine, FinishReason
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
-from kvtier.tiers.base import TierKind
 
 B = 16
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=10)
 TURNS = [
     "List three prime numbers.",
@@ -79,13 +83,35 @@ def test_reuse_from_host_then_disk_after_restart_is_exact(loaded_model: LoadedMo
         turns = converse(make_engine(loaded_model, cfg, cache=cache), loaded_model)
         check_reuse(turns, baseline)
         assert cache.stats()["host"]["hit_tokens"] > 0
-    with open_cache(loaded_model, cfg) as cache:  # a new manager: host memory is empty, disk is not
-        engine = make_engine(loaded_model, cfg, cache=cache)
-        ids, out, _ = baseline[-1]
-        (again,) = engine.generate([ids], GREEDY)
-        assert again.token_ids == out
-        assert again.served_from == {TierKind.DISK: again.cached_tokens}
-        assert again.cached_tokens == shared_full_blocks(ids, [ids]) > 0  # turn 4 itself was stored
+    # A new process over the same data_dir: its host memory is empty, its disk tier is not.
+    config_file = tmp_path / "kvtier.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    ids, out, _ = baseline[-1]
+    child = subprocess.run(
+        [sys.executable, "-c", RESTARTED, str(config_file), json.dumps(ids)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    again = json.loads(child.stdout)
+    assert again["token_ids"] == out
+    assert again["served_from"] == {"disk": again["cached_tokens"]}
+    assert again["cached_tokens"] == shared_full_blocks(ids, [ids]) > 0  # turn 4 itself was stored
+
+
+RESTARTED = """
+import json, sys
+from kvtier.config import load_config
+from kvtier.engine.runtime import load_model, make_engine, open_cache
+from kvtier.engine.sampling import SamplingParams
+cfg = load_config(sys.argv[1])
+loaded = load_model(cfg, progress=False)
+with open_cache(loaded, cfg) as cache:
+    (done,) = make_engine(loaded, cfg, cache=cache).generate([json.loads(sys.argv[2])], SamplingParams(max_tokens=10))
+print(json.dumps({"token_ids": done.token_ids, "cached_tokens": done.cached_tokens,
+                  "served_from": {k.value: v for k, v in done.served_from.items()}}))
+"""
 
 
 def test_reuse_from_the_resident_pool_is_exact(loaded_model: LoadedModel, tmp_path: Path, baseline) -> None:

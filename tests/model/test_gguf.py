@@ -46,12 +46,9 @@ def model() -> GGUFModel:
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[dict[str, torch.Tensor], object]:
+def reference(hf_model) -> tuple[dict[str, torch.Tensor], object]:
     """transformers' state dict and config from the same file (its own dequantizer and un-permutation)."""
-    transformers = pytest.importorskip("transformers")
-    path = default_gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return hf.state_dict(), hf.config
+    return hf_model.state_dict(), hf_model.config
 
 
 def llamacpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
