@@ -455,8 +455,39 @@ class CacheManager:
             out["pinned_blocks"] = len(self._pins)
         return out
 
+    def flush(self) -> int:
+        """Write-back: copy every host block that disk lacks down to disk; returns how many were written.
+
+        Host memory dies with the process; this is what makes a write-back
+        cache survive a clean shutdown (a crash loses only the unflushed
+        blocks, which are then misses, never wrong KV).
+        """
+        disk = self.disk
+        if disk is None or self.write_mode is not WriteMode.WRITE_BACK:
+            return 0
+        with self._lock:
+            dirty = [(k, r) for k, r in self.host.entries() if not disk.contains(k)]
+            self._pins.update(k for k, _ in dirty)
+        try:
+            written = 0
+            for start in range(0, len(dirty), 64):
+                batch = dirty[start : start + 64]
+                with self._lock:
+                    self._make_room(disk, min(len(batch), disk.capacity_blocks))
+                ok = disk.put_many([k for k, _ in batch], [self.host.view(k) for k, _ in batch], [r for _, r in batch])
+                with self._lock:
+                    self._index_disk(batch, ok)
+                written += sum(ok)
+        finally:
+            with self._lock:
+                self._pins.subtract(k for k, _ in dirty)
+                self._pins += Counter()
+        return written
+
     def close(self) -> None:
+        """Finish pending transfers, flush write-back blocks to disk, close the tiers."""
         self.worker.shutdown()
+        self.flush()
         for tier in self.tiers:
             tier.close()
 

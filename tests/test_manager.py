@@ -234,3 +234,14 @@ def test_host_eviction_under_pressure_follows_the_policy_exactly(tmp_path: Path,
             resident.append(key)
             assert sorted(k for k, _ in m.host.entries()) == sorted(resident), f"step {step}"
             assert m.host.used_bytes <= m.host.capacity_bytes
+
+
+def test_write_back_blocks_survive_a_clean_shutdown(tmp_path: Path) -> None:
+    tokens = prompt(3 * BLOCK)
+    blocks = kv(3, seed=21)
+    with manager(tmp_path) as m:
+        m.store_now(tokens, blocks)
+        assert len(m.disk) == 0  # write-back: host only, until evicted or flushed
+    with manager(tmp_path) as m:  # close() flushed host to disk
+        assert m.lookup(tokens).tiers == (D, D, D)
+        assert all(torch.equal(g, as_bytes(b)) for g, b in zip(loaded_bytes(m, tokens), blocks, strict=True))
