@@ -31,7 +31,7 @@ from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.pool import BlockTable, KVPool, blocks_for
 from kvtier.engine.resident import ResidentBlocks
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.keys import KeyHasher, block_tokens
+from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
 from kvtier.model.tokenizer import StreamDecoder, Tokenizer
 from kvtier.tiers.base import TierKind
@@ -43,7 +43,7 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal"
 class Request:
     id: str
     prompt_ids: list[int]
@@ -165,15 +165,16 @@ class Engine:
     # -- one scheduler step ------------------------------------------------------
     def step(self) -> list[StepOutput]:
         admitted = self._admit()
-        batch = admitted + [r for r in self._running if r not in admitted]
+        batch = admitted + self._running
         if not batch:
             return []
         seqs = [self._seq_input(r) for r in batch]
         logits = self.model(seqs, self.pool)
         now = time.perf_counter()
         outputs = []
+        fresh = {id(r) for r in admitted}
         for req, row in zip(batch, logits, strict=True):
-            if req in admitted:
+            if id(req) in fresh:
                 req.first_token_at = now
                 self._store_new_blocks(req)
             outputs.append(self._advance(req, req.sampler(row)))
@@ -192,18 +193,25 @@ class Engine:
         admitted: list[Request] = []
         while self._waiting and len(self._running) + len(admitted) < self.max_batch:
             req = self._waiting[0]
-            need = blocks_for(
-                min(len(req.prompt_ids) + req.params.max_tokens, self.model.config.context_length), self.block_size
-            )
+            total = min(len(req.prompt_ids) + req.params.max_tokens, self.model.config.context_length)
+            need = blocks_for(total, self.block_size)
             if need > self.pool.num_blocks:
                 self._waiting.popleft()
                 self._fail(req, f"request needs {need} KV blocks; the pool has {self.pool.num_blocks}")
                 continue
-            if not self._make_room(need):
+            usable = (len(req.prompt_ids) - 1) // self.block_size  # at least one prompt token is computed
+            keys = self.hasher.keys(req.prompt_ids, req.namespace)[:usable] if self.hasher is not None else []
+            self._attach_resident(req, keys)  # first, so making room cannot release this request's own prefix
+            if not self._make_room(need - len(req.table.block_ids)):
+                self.pool.release(req.table)
+                req.served_from.clear()
                 break  # wait for running requests to finish
             self._waiting.popleft()
-            self._attach_prefix(req)
-            self.pool.grow(req.table, need * self.block_size)
+            if self.cache is not None and len(req.table.block_ids) < usable:
+                self._load_from_cache(req, usable, len(req.table.block_ids))
+            req.table.num_tokens = req.cached_tokens = len(req.table.block_ids) * self.block_size
+            req.stored_blocks = len(req.table.block_ids)
+            self.pool.grow(req.table, total)
             self.prefill_tokens_skipped += req.cached_tokens
             self.prefill_tokens_computed += len(req.prompt_ids) - req.cached_tokens
             admitted.append(req)
@@ -215,22 +223,15 @@ class Engine:
             self.resident.release(short)
         return self.pool.num_free >= need
 
-    def _attach_prefix(self, req: Request) -> None:
-        """Put the longest cached prefix into ``req.table``; at least one prompt token stays to compute."""
-        if self.hasher is None:
+    def _attach_resident(self, req: Request, keys: list[BlockKey]) -> None:
+        """Share the pool blocks of the longest confirmed prefix still resident (no copy at all)."""
+        if self.resident is None or not keys:
             return
-        usable = (len(req.prompt_ids) - 1) // self.block_size
-        keys = self.hasher.keys(req.prompt_ids, req.namespace)[:usable]
-        blocks = block_tokens(req.prompt_ids, self.block_size)
-        ids = self.resident.match(keys, blocks) if self.resident is not None else []
+        ids = self.resident.match(keys, block_tokens(req.prompt_ids, self.block_size))
         self.pool.share(ids)
         req.table.block_ids = list(ids)
         if ids:
             req.served_from[TierKind.DEVICE] = len(ids) * self.block_size
-        if self.cache is not None and len(ids) < usable:
-            self._load_from_cache(req, usable, len(ids))
-        req.table.num_tokens = req.cached_tokens = len(req.table.block_ids) * self.block_size
-        req.stored_blocks = len(req.table.block_ids)
 
     def _load_from_cache(self, req: Request, usable: int, first: int) -> None:
         """Copy kvtier's blocks ``first ..`` into fresh pool blocks, one host-sized chunk at a time."""

@@ -151,3 +151,23 @@ def test_seeded_sampling_is_repeatable(loaded_model: LoadedModel, tmp_path: Path
     p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
     a, b = engine.generate([ids, ids], p)
     assert a.token_ids == b.token_ids
+
+
+def test_a_full_pool_queues_requests_and_an_oversized_one_fails_alone(
+    loaded_model: LoadedModel, tmp_path: Path
+) -> None:
+    prompts = [loaded_model.chat_ids([{"role": "user", "content": t}]) for t in TURNS[:3]]
+    need = max(-(-(len(p) + GREEDY.max_tokens) // B) for p in prompts)
+    roomy = make_engine(loaded_model, config(tmp_path), cache=None, keep_resident=False)
+    alone = [roomy.generate([p], GREEDY)[0].token_ids for p in prompts]
+    tight = make_engine(loaded_model, config(tmp_path, pool_bytes=need * 46080 * B), cache=None, keep_resident=False)
+    assert tight.pool.num_blocks == need  # room for one request at a time
+    assert [c.token_ids for c in tight.generate(prompts, GREEDY)] == alone
+    too_big = tight.add_request(list(range(100, 100 + need * B)), GREEDY)
+    ok = tight.add_request(prompts[0], GREEDY)
+    done = {}
+    while tight.has_unfinished():
+        tight.step()
+        done.update((r.id, r) for r in tight.collect_finished())
+    assert done[too_big].finish_reason is FinishReason.ERROR and "KV blocks" in done[too_big].error
+    assert done[ok].output_ids == alone[0]
