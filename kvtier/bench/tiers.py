@@ -6,7 +6,11 @@ Every figure is a ratio's two halves measured back to back on the same bytes:
 * disk put/get vs a sequential read of a same-size file in the same directory,
   both through ``os.preadv`` with the page cache dropped first
   (``posix_fadvise(DONTNEED)`` after an fsync, allowed to any process; the
-  JSON says ``"cold": false`` if that failed);
+  JSON says ``"cold": false`` if that failed), and vs the same read with
+  O_DIRECT into an aligned buffer (``raw_direct_read_gbps``, null where the
+  filesystem refuses O_DIRECT). Both raw reads are one thread, 8 MiB
+  requests; the JSON names the tier's I/O path (``io_mode``: direct or
+  buffered; ``io_backend``: the C extension or the pure-Python fallback);
 * block keys for 128k tokens vs one xxh3-128 pass over the same token bytes.
 
 Medians over ``reps`` repetitions after one warm-up, because the machine is
@@ -37,6 +41,7 @@ from tqdm import tqdm
 from kvtier.config import Config, FsyncMode
 from kvtier.keys import BlockKey, KeyHasher, Secret
 from kvtier.layout import KVLayout
+from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier, align_up
@@ -127,6 +132,17 @@ def _raw_read(path: Path, buf: np.ndarray) -> None:
         os.close(fd)
 
 
+def _raw_direct_read(path: Path, buf: Any) -> None:
+    """The same sequential read as :func:`_raw_read`, with O_DIRECT (``buf`` aligned, its size rounded up)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        view = memoryview(buf)
+        for off in range(0, view.nbytes, RAW_CHUNK):
+            os.preadv(fd, [view[off : off + RAW_CHUNK]], off)
+    finally:
+        os.close(fd)
+
+
 def bench_disk(layout: KVLayout, n: int, reps: int, where: Path) -> dict[str, Any]:
     tier = DiskTier(
         where / "tier",
@@ -157,13 +173,21 @@ def bench_disk(layout: KVLayout, n: int, reps: int, where: Path) -> dict[str, An
         os.close(fd)
 
     raw_s = _median_s(lambda: _raw_read(raw_path, raw), reps, before=drop_raw)
+    direct_gbps = None
+    if native.probe_direct(where) is None:
+        aligned = native.alloc_aligned(align_up(nbytes))
+        direct_gbps = _gbps(nbytes, _median_s(lambda: _raw_direct_read(raw_path, aligned), reps, before=drop_raw))
     return {
         "put_gbps": _gbps(nbytes, put),
         "get_gbps": _gbps(nbytes, get),
         "raw_read_gbps": _gbps(nbytes, raw_s),
+        "raw_direct_read_gbps": direct_gbps,
         "cold": all(cold),
         "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) after fsync",
         "fsync": FsyncMode.BATCH.value,
+        "io_mode": tier.io_mode.value,
+        "io_backend": tier.io_backend,
+        "crc32c": native.BACKEND.crc32c_impl,
     }
 
 
@@ -235,12 +259,15 @@ def run(config: Config, spec: BenchSpec) -> dict[str, Any]:
 
 def ratios(result: dict[str, Any]) -> dict[str, float]:
     h, d, k = result["host"], result["disk"], result["keys"]
-    return {
+    out = {
         "host_get_vs_memcpy": round(h["get_gbps"] / h["memcpy_gbps"], 3),
         "host_put_vs_memcpy": round(h["put_gbps"] / h["memcpy_gbps"], 3),
         "disk_get_vs_raw_read": round(d["get_gbps"] / d["raw_read_gbps"], 3),
         "keys_vs_raw_xxh3": round(k["keys_ms"] / max(k["raw_xxh3_ms"], 1e-6), 1),
     }
+    if d.get("raw_direct_read_gbps"):
+        out["disk_get_vs_raw_direct_read"] = round(d["get_gbps"] / d["raw_direct_read_gbps"], 3)
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -254,6 +281,13 @@ def table(result: dict[str, Any]) -> str:
         f"  disk  put {d['put_gbps']:7.2f} GB/s   get {d['get_gbps']:7.2f} GB/s"
         f"   raw read   {d['raw_read_gbps']:7.2f} GB/s   get/raw  = {r['disk_get_vs_raw_read']:.2f}"
         f"   (cold page cache: {d['cold']})",
+        f"        I/O {d['io_mode']} ({d['io_backend']}, crc32c {d['crc32c']})"
+        + (
+            f"   raw O_DIRECT read {d['raw_direct_read_gbps']:7.2f} GB/s"
+            f"   get/raw O_DIRECT = {r['disk_get_vs_raw_direct_read']:.2f}"
+            if d.get("raw_direct_read_gbps")
+            else "   raw O_DIRECT read: refused by this filesystem"
+        ),
         f"  keys  {k['tokens']:,} tokens in {k['keys_ms']:.3f} ms"
         f"   raw xxh3-128 over the same bytes {k['raw_xxh3_ms']:.4f} ms",
     ]
@@ -293,12 +327,12 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     )
     ax1.set_title("host tier vs memcpy")
     ax1.set_ylabel("GB/s")
-    ax2.bar(
-        ["put", "get (cold)", "raw read (cold)"],
-        [d["put_gbps"], d["get_gbps"], d["raw_read_gbps"]],
-        color=["#dd8452", "#dd8452", "#999999"],
-    )
-    ax2.set_title(f"disk tier vs raw read (cold={d['cold']})")
+    labels, values = ["put", "get", "raw read"], [d["put_gbps"], d["get_gbps"], d["raw_read_gbps"]]
+    if d.get("raw_direct_read_gbps"):
+        labels.append("raw O_DIRECT")
+        values.append(d["raw_direct_read_gbps"])
+    ax2.bar(labels, values, color=["#dd8452", "#dd8452"] + ["#999999"] * (len(values) - 2))
+    ax2.set_title(f"disk tier ({d.get('io_mode', '?')} I/O) vs raw read (cold={d['cold']})")
     ax3.bar(["block keys", "raw xxh3"], [k["keys_ms"], k["raw_xxh3_ms"]], color=["#55a868", "#999999"])
     ax3.set_title(f"keys for {k['tokens']:,} tokens")
     ax3.set_ylabel("ms")

@@ -5,22 +5,34 @@ Files: ``slab-NNNN.bin`` (fixed-size slots, each a multiple of 4096 bytes at a
 record). The index is the source of truth; an in-memory mirror of it, loaded
 at open, answers lookups without a transaction.
 
+I/O: slabs are opened with O_DIRECT when the filesystem allows it (probed
+once at open, :attr:`DiskTier.io_mode`), so blocks skip the page cache and
+the host tier is the only copy in memory; otherwise buffered I/O, logged
+once. A batch (``get_many``/``put_many``) is one call into
+:mod:`kvtier.tiers.native`, which spreads the requests over a few threads
+with the GIL released. O_DIRECT needs aligned memory, and torch/numpy
+allocations are not page-aligned: requests whose memory is not aligned go
+through an aligned bounce buffer (one per calling thread, reused) and are
+copied.
+
 Durability order of a store: write the payload → fsync (per :class:`FsyncMode`)
 → commit the index record. A block is *acknowledged* only once its record is
 committed, so a crash at any point leaves either no record (the slot is simply
 free again at the next open: a slot is free unless the index names it, which
 reclaims every orphan with no scan) or a record whose bytes were written
-first. Each layer's bytes carry an xxh3-64 checksum in the record; a read that
-fails it is a counted miss and the record is dropped.
+first. Each layer's bytes carry a CRC-32C in the record (the SSE4.2
+instruction checks a block far faster than the disk reads it; format 1 used
+xxh3-64); a read that fails it is a counted miss and the record is dropped.
 
 Record encoding (little-endian, no pickle)::
 
     uint32 slot | uint64 sequence | uint8 has_parent | 16 B parent
-    | uint64 checksum[num_layers] | int32 tokens[block_size]
+    | uint32 crc32c[num_layers] | int32 tokens[block_size]
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import json
 import os
@@ -34,37 +46,53 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import torch
-import xxhash
 
 from kvtier.config import FsyncMode, OnMismatch
-from kvtier.errors import TierMismatchError, warn_once
+from kvtier.errors import KVTierError, TierMismatchError, warn_once
 from kvtier.keys import KEY_BYTES, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import TierStats
+from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord, TierKind
 from kvtier.tiers.host import SLOT_ALIGN, align_up
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-layer CRC-32C (uint32); 1: xxh3-64
 _HEAD = struct.Struct("<IQB16s")
 _HEADER_KEY = b"header"
 _SEQ_KEY = b"sequence"
 _DiskErrors = (OSError, lmdb.Error)
+# Per calling thread: four 4 MiB slices, one per I/O thread. Adjacent slots of a batch are
+# gathered into requests of up to a slice (a SmolLM2 bf16 block is 360 KiB): under O_DIRECT
+# the disk serves 4 MiB requests ~30% faster than 360 KiB ones (measured on the dev VM).
+BOUNCE_BYTES = 16 * 1024**2
+
+
+class IOMode(enum.StrEnum):
+    """How the slab files are read and written; chosen once, when the tier opens."""
+
+    DIRECT = "direct"  # O_DIRECT: no page cache; aligned requests, bounced when the memory is not aligned
+    BUFFERED = "buffered"  # through the page cache: the filesystem refused O_DIRECT, or it was asked for
 
 
 @dataclass(frozen=True)
 class _Entry:
     slot: int
     seq: int
-    checksums: np.ndarray  # uint64 [num_layers]
+    checksums: tuple[int, ...]  # CRC-32C per layer
     record: BlockRecord
 
 
-def _layer_checksums(payload: np.ndarray, layout: KVLayout) -> np.ndarray:
-    lb = layout.layer_bytes
-    return np.array(
-        [xxhash.xxh3_64_intdigest(payload[i * lb : (i + 1) * lb]) for i in range(layout.num_layers)],
-        dtype="<u8",
-    )
+@dataclass(frozen=True)
+class _Read:
+    """One block (or one layer of it) to read into ``buf``: bytes at ``offset`` checked against ``checksums``."""
+
+    index: int  # in the caller's batch
+    key: BlockKey
+    entry: _Entry
+    buf: np.ndarray
+    fd: int
+    offset: int
+    checksums: tuple[int, ...]
 
 
 class DiskTier:
@@ -80,7 +108,14 @@ class DiskTier:
         file_bytes: int = 1024**3,
         fsync: FsyncMode = FsyncMode.BATCH,
         on_mismatch: OnMismatch = OnMismatch.ERROR,
+        io_mode: IOMode | None = None,
+        backend: native.IOBackend = native.BACKEND,
     ) -> None:
+        """``io_mode`` None: O_DIRECT when the filesystem allows it, else buffered (logged once).
+
+        ``backend`` is the C extension when it is built (:data:`kvtier.tiers.native.BACKEND`);
+        tests pass :data:`kvtier.tiers.native.PYTHON` to run the fallback.
+        """
         self.layout = layout
         self.stats = TierStats()
         self.path = Path(path)
@@ -99,7 +134,17 @@ class DiskTier:
             "slots_per_file": self._slots_per_file,
         }
         self._lock = threading.Lock()
+        self._io = backend
+        self._local = threading.local()  # this thread's bounce buffer
         self.path.mkdir(parents=True, exist_ok=True)
+        if not backend.native:
+            warn_once(
+                "disk-python-io",
+                "kvtier._native is not built (%s); the disk tier uses pure-Python I/O and CRC-32C (slow)",
+                native.NATIVE_IMPORT_ERROR or "not selected",
+            )
+        self._io_mode = self._choose_io_mode(io_mode)
+        self._flags = os.O_RDWR | (os.O_DIRECT if self._io_mode is IOMode.DIRECT else 0)
         self._env = self._open_index(on_mismatch)
         self._fds = self._open_slabs()
         self._index: dict[BlockKey, _Entry] = {}
@@ -109,6 +154,22 @@ class DiskTier:
         self._free = [s for s in range(self._num_slots) if s not in used]  # sorted: already a heap
 
     # -- opening -------------------------------------------------------------
+    def _choose_io_mode(self, wanted: IOMode | None) -> IOMode:
+        if wanted is IOMode.BUFFERED:
+            return IOMode.BUFFERED
+        refused = native.probe_direct(self.path, self._io)
+        if refused is None:
+            return IOMode.DIRECT
+        if wanted is IOMode.DIRECT:
+            raise KVTierError(f"disk tier at {self.path}: O_DIRECT asked for but refused here ({refused})")
+        warn_once(
+            "disk-buffered",
+            "disk tier at %s: the filesystem refuses O_DIRECT (%s); using buffered I/O through the page cache",
+            self.path,
+            refused,
+        )
+        return IOMode.BUFFERED
+
     def _open_index(self, on_mismatch: OnMismatch) -> lmdb.Environment:
         env = self._lmdb_env()
         with env.begin(write=True, db=self._meta) as txn:
@@ -134,7 +195,7 @@ class DiskTier:
         return self._open_index(OnMismatch.ERROR)
 
     def _lmdb_env(self) -> lmdb.Environment:
-        record_bytes = _HEAD.size + 8 * self.layout.num_layers + 4 * self.layout.block_size + KEY_BYTES
+        record_bytes = _HEAD.size + 4 * self.layout.num_layers + 4 * self.layout.block_size + KEY_BYTES
         map_size = 64 * 1024**2 + self._num_slots * 2 * align_up(record_bytes + 64, 512)
         sync = self.fsync is not FsyncMode.NEVER
         env = lmdb.open(
@@ -147,7 +208,7 @@ class DiskTier:
     def _open_slabs(self) -> dict[int, int]:
         """Open the slab files that exist; the others are created when a slot in them is first used."""
         return {
-            i: os.open(self.path / f"slab-{i:04d}.bin", os.O_RDWR)
+            i: os.open(self.path / f"slab-{i:04d}.bin", self._flags)
             for i in range(-(-self._num_slots // self._slots_per_file))
             if (self.path / f"slab-{i:04d}.bin").exists()
         }
@@ -166,7 +227,7 @@ class DiskTier:
         with self._lock:
             if index not in self._fds:
                 slots = min(self._slots_per_file, self._num_slots - index * self._slots_per_file)
-                fd = os.open(self.path / f"slab-{index:04d}.bin", os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(self.path / f"slab-{index:04d}.bin", self._flags | os.O_CREAT, 0o600)
                 size = slots * self._slot_bytes
                 if os.fstat(fd).st_size < size:
                     try:
@@ -195,16 +256,25 @@ class DiskTier:
     def _encode(self, e: _Entry) -> bytes:
         parent = e.record.parent
         head = _HEAD.pack(e.slot, e.seq, parent is not None, parent or bytes(KEY_BYTES))
-        return head + e.checksums.astype("<u8").tobytes() + e.record.tokens.astype("<i4").tobytes()
+        return head + struct.pack(f"<{len(e.checksums)}I", *e.checksums) + e.record.tokens.astype("<i4").tobytes()
 
     def _decode(self, value: bytes) -> _Entry:
         slot, seq, has_parent, parent = _HEAD.unpack_from(value)
         n = self.layout.num_layers
-        checksums = np.frombuffer(value, dtype="<u8", count=n, offset=_HEAD.size).copy()
-        tokens = np.frombuffer(value, dtype="<i4", offset=_HEAD.size + 8 * n).astype(np.int32)
+        checksums = struct.unpack_from(f"<{n}I", value, _HEAD.size)
+        tokens = np.frombuffer(value, dtype="<i4", offset=_HEAD.size + 4 * n).astype(np.int32)
         return _Entry(slot, seq, checksums, BlockRecord(tokens, BlockKey(parent) if has_parent else None))
 
     # -- sizes ---------------------------------------------------------------
+    @property
+    def io_mode(self) -> IOMode:
+        return self._io_mode
+
+    @property
+    def io_backend(self) -> str:
+        """``native`` (the C extension) or ``python`` (the fallback)."""
+        return self._io.name
+
     @property
     def capacity_blocks(self) -> int:
         return self._num_slots
@@ -243,40 +313,90 @@ class DiskTier:
 
     # -- reads ---------------------------------------------------------------
     def get(self, key: BlockKey, out: torch.Tensor) -> bool:
-        return self._read(key, out, None)
+        return self.get_many([key], [out])[0]
 
     def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
-        return self._read(key, out, layer)
-
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
-        return [self._read(k, o, None) for k, o in zip(keys, outs, strict=True)]
-
-    def _read(self, key: BlockKey, out: torch.Tensor, layer: int | None) -> bool:
         entry = self._index.get(key)
         if entry is None:
             return False
-        fd, offset = self._where(entry.slot)
-        if layer is None:
-            nbytes, first, layers = self.layout.block_bytes, 0, range(self.layout.num_layers)
-        else:
-            nbytes, first, layers = self.layout.layer_bytes, self.layout.layer_offset(layer), range(layer, layer + 1)
-        buf = out.numpy()
+        first = self.layout.layer_offset(layer)
+        ok = self._read([key], [entry], [out], nbytes=self.layout.layer_bytes, first=first, first_layer=layer)
+        return ok[0]
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """All present blocks in one batched native read, whose threads also take each layer's CRC-32C."""
+        results = [False] * len(keys)
+        found = [(i, e) for i, e in enumerate(self._index.get(k) for k in keys) if e is not None]
+        if not found:
+            return results
+        ok = self._read(
+            [keys[i] for i, _ in found],
+            [e for _, e in found],
+            [outs[i] for i, _ in found],
+            nbytes=self.layout.block_bytes,
+            first=0,
+            first_layer=0,
+        )
+        for (i, _), good in zip(found, ok, strict=True):
+            results[i] = good
+        return results
+
+    def _read(
+        self,
+        keys: list[BlockKey],
+        entries: list[_Entry],
+        outs: list[torch.Tensor],
+        *,
+        nbytes: int,
+        first: int,
+        first_layer: int,
+    ) -> list[bool]:
+        """Read ``nbytes`` at byte ``first`` (layer ``first_layer``) of each entry's slot into its out, in one call."""
+        results = [False] * len(keys)
+        layers = nbytes // self.layout.layer_bytes
+        reads: list[_Read] = []
+        for i, (key, entry, out) in enumerate(zip(keys, entries, outs, strict=True)):
+            buf = out.numpy()
+            if buf.nbytes != nbytes:
+                self.stats.add(errors=1)  # an out of the wrong size: never read past the slot
+                continue
+            fd, offset = self._where(entry.slot)
+            sums = entry.checksums[first_layer : first_layer + layers]
+            reads.append(_Read(i, key, entry, buf, fd, offset + first, sums))
         try:
-            got = os.preadv(fd, [buf], offset + first)
+            counts, sums = self._io.preadv_crc32c_batch(
+                [r.fd for r in reads],
+                [r.buf for r in reads],
+                [r.offset for r in reads],
+                self.layout.layer_bytes,
+                self._bounce(),
+            )
         except OSError as err:
-            self.stats.add(errors=1)
+            self.stats.add(errors=len(reads))
             warn_once("disk-read", "disk tier read failed (%s); serving misses", err)
+            return results
+        for r, got, crcs in zip(reads, counts, sums, strict=True):
+            results[r.index] = self._verify(r, got == nbytes, tuple(crcs))
+        return results
+
+    def _verify(self, r: _Read, whole: bool, crcs: tuple[int, ...]) -> bool:
+        if not whole:
+            self.stats.add(errors=1)  # the slab ends early: truncated under us
             return False
-        if got != nbytes:
-            self.stats.add(errors=1)
+        if crcs != r.checksums:
+            self._drop_corrupt(r.key, r.entry)
             return False
-        lb = self.layout.layer_bytes
-        for i, layer_i in enumerate(layers):
-            if xxhash.xxh3_64_intdigest(buf[i * lb : (i + 1) * lb]) != int(entry.checksums[layer_i]):
-                self._drop_corrupt(key, entry)
-                return False
-        self.stats.add(bytes_read=nbytes)
+        self.stats.add(bytes_read=r.buf.nbytes)
         return True
+
+    def _bounce(self) -> native.Buffer | None:
+        """This thread's aligned bounce buffer (O_DIRECT only), allocated on first use and kept."""
+        if self._io_mode is IOMode.BUFFERED:
+            return None
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = self._io.alloc_aligned(BOUNCE_BYTES, SLOT_ALIGN)
+        return bounce
 
     def _drop_corrupt(self, key: BlockKey, entry: _Entry) -> None:
         """Forget a block whose bytes fail their checksum, unless it was replaced meanwhile."""
@@ -294,13 +414,22 @@ class DiskTier:
     def put_many(
         self, keys: Sequence[BlockKey], payloads: Sequence[torch.Tensor], records: Sequence[BlockRecord]
     ) -> list[bool]:
-        """Write → fsync → commit, per block (``always``) or once for the batch (``batch``/``never``)."""
+        """Write → fsync → commit, per block (``always``) or once for the batch (``batch``/``never``).
+
+        Each write batch is one native call. A payload that is not exactly one block is a
+        caller bug and raises ``ValueError`` before anything is allocated (it would spill
+        into the next slot).
+        """
+        datas = [p.reshape(-1).view(torch.uint8).numpy() for p in payloads]
+        for data in datas:
+            if data.nbytes != self.layout.block_bytes:
+                raise ValueError(f"a disk tier payload is {self.layout.block_bytes} B, got {data.nbytes} B")
         results, todo = self._allocate(keys, records)
         if not todo:
             return results
         batches = [[t] for t in todo] if self.fsync is FsyncMode.ALWAYS else [todo]
         for batch in batches:
-            ok = self._write_batch([(i, keys[i], payloads[i], records[i], slot) for i, slot in batch])
+            ok = self._write_batch([(keys[i], datas[i], records[i], slot) for i, slot in batch])
             for i, _ in batch:
                 results[i] = ok
         return results
@@ -325,23 +454,26 @@ class DiskTier:
                     self.stats.add(rejected_stores=1)
         return results, todo
 
-    def _write_batch(self, batch: list[tuple[int, BlockKey, torch.Tensor, BlockRecord, int]]) -> bool:
-        entries: list[tuple[BlockKey, _Entry]] = []
+    def _write_batch(self, batch: list[tuple[BlockKey, np.ndarray, BlockRecord, int]]) -> bool:
         try:
-            touched: set[int] = set()
-            for _, key, payload, record, slot in batch:
-                data = payload.reshape(-1).view(torch.uint8).numpy()
-                fd, offset = self._where(slot)
-                if os.pwritev(fd, [data], offset) != data.nbytes:
-                    raise OSError("short write to disk tier slab")
-                touched.add(fd)
-                with self._lock:
-                    self._seq += 1
-                    seq = self._seq
-                entries.append((key, _Entry(slot, seq, _layer_checksums(data, self.layout), record)))
+            where = [self._where(slot) for *_, slot in batch]
+            checksums = self._io.pwritev_crc32c_batch(
+                [fd for fd, _ in where],
+                [data for _, data, _, _ in batch],
+                [off for _, off in where],
+                self.layout.layer_bytes,
+                self._bounce(),
+            )
             if self.fsync is not FsyncMode.NEVER:
-                for fd in touched:
+                for fd in {fd for fd, _ in where}:
                     os.fsync(fd)
+            with self._lock:
+                first = self._seq + 1
+                self._seq += len(batch)
+            entries = [
+                (key, _Entry(slot, first + n, tuple(sums), record))
+                for n, ((key, _, record, slot), sums) in enumerate(zip(batch, checksums, strict=True))
+            ]
             self._commit(entries)
         except _DiskErrors as err:
             self.stats.add(errors=1)
@@ -420,4 +552,4 @@ class DiskTier:
             self._env.close()
 
 
-__all__ = ["FORMAT_VERSION", "SLOT_ALIGN", "DiskTier"]
+__all__ = ["BOUNCE_BYTES", "FORMAT_VERSION", "SLOT_ALIGN", "DiskTier", "IOMode"]

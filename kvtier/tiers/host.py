@@ -2,8 +2,10 @@
 
 The slab is allocated once at start-up and cut into fixed-size slots handed
 out from a free list, so storing a block never calls the allocator and
-occupancy can never exceed the configured bytes. ``torch.empty`` does not
-touch the pages, so resident memory grows only as slots are first written.
+occupancy can never exceed the configured bytes. Its pages are not touched at
+allocation, so resident memory grows only as slots are first written. Without
+CUDA it is page-aligned memory (slots are 4096-byte multiples), so O_DIRECT
+disk reads go straight into a slot.
 
 Stores are two-phase (:meth:`HostTier.reserve` → fill → :meth:`HostTier.commit`
 or :meth:`HostTier.abort`): a reserved slot is invisible to lookups until
@@ -24,6 +26,7 @@ import torch
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import TierStats
+from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord, TierKind
 
 SLOT_ALIGN = 4096
@@ -48,7 +51,14 @@ class HostTier:
         if pin is None:
             pin = torch.cuda.is_available()
         self.pinned = pin
-        self._slab = torch.empty(num_slots * self._slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        nbytes = num_slots * self._slot_bytes
+        if pin:
+            self._slab = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            # Page-aligned (so the disk tier's O_DIRECT reads land in slots without a bounce
+            # copy) and lazily backed: untouched pages cost no memory.
+            self._backing = native.alloc_aligned(nbytes)
+            self._slab = torch.frombuffer(self._backing, dtype=torch.uint8)
         self._records: list[BlockRecord | None] = [None] * num_slots
         self._slot_of: dict[BlockKey, int] = {}  # committed blocks, insertion (store) order
         self._reserved: dict[BlockKey, int] = {}

@@ -72,3 +72,8 @@ def test_reserved_slot_is_invisible_until_commit_and_abort_frees_it() -> None:
 def test_too_small_capacity_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="holds no block"):
         HostTier(toy_layout(), 100)
+
+
+def test_cpu_slab_is_page_aligned_so_direct_reads_need_no_bounce() -> None:
+    tier = HostTier(toy_layout(), 4 * 4096, pin=False)
+    assert tier._slab.data_ptr() % 4096 == 0 and tier.slot_bytes % 4096 == 0
