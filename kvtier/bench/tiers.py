@@ -20,7 +20,6 @@ shared and noisy. The payload shape is SmolLM2-135M's KV in bf16 (30 layers,
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -38,6 +37,7 @@ import torch
 import xxhash
 from tqdm import tqdm
 
+from kvtier.bench import results
 from kvtier.config import Config, FsyncMode
 from kvtier.keys import BlockKey, KeyHasher, Secret
 from kvtier.layout import KVLayout
@@ -300,23 +300,14 @@ def table(result: dict[str, Any]) -> str:
 
 
 def save(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path | None]:
-    """Write ``tiers-<date>.json`` (and ``tiers-latest.json``) plus a PNG plot when matplotlib is present."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = result["setup"]["date"].replace(":", "").replace("-", "")
-    body = json.dumps({**result, "ratios": ratios(result)}, indent=2)
-    path = out_dir / f"tiers-{stamp}.json"
-    path.write_text(body)
-    (out_dir / "tiers-latest.json").write_text(body)
-    return path, plot(result, out_dir / f"tiers-{stamp}.png")
+    """Write the JSON (dated and ``-latest``) and a PNG plot beside it when matplotlib is present."""
+    path = results.write({**result, "ratios": ratios(result)}, out_dir, "tiers")
+    return path, plot(result, path.with_suffix(".png"))
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = results.pyplot()
+    if plt is None:
         return None
     h, d, k = result["host"], result["disk"], result["keys"]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 3, 2]})

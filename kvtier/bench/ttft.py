@@ -16,7 +16,6 @@ the blocks of an earlier one's tail. Medians over ``reps``.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvtier.bench import results
 from kvtier.config import Config
 from kvtier.demo.session import load_session
 from kvtier.engine.engine import Engine
@@ -143,22 +143,14 @@ def table(result: dict[str, Any]) -> str:
 
 
 def save(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path | None]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = result["setup"]["date"].replace(":", "").replace("-", "")
-    body = json.dumps({**result, "ratios": ratios(result)}, indent=2)
-    path = out_dir / f"ttft-{result['tokens']}-{stamp}.json"
-    path.write_text(body)
-    (out_dir / f"ttft-{result['tokens']}-latest.json").write_text(body)
+    """Write the JSON (dated and ``-latest``) and a PNG plot beside it when matplotlib is present."""
+    path = results.write({**result, "ratios": ratios(result)}, out_dir, f"ttft-{result['tokens']}")
     return path, plot(result, path.with_suffix(".png"))
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = results.pyplot()
+    if plt is None:
         return None
     names = ["full recompute", "host hit", "disk hit (cold)", "resident"]
     values = [result[k] for k in ("miss_s", "host_hit_s", "disk_hit_s", "resident_hit_s")]
