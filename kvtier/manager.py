@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,7 @@ class CacheManager:
             for key, record in tier.entries():
                 self._policies[tier.kind].on_insert(key, record.parent)
         self._pins: Counter[BlockKey] = Counter()
+        self._ttl_pins: dict[BlockKey, float] = {}  # key -> time.monotonic() expiry; see pin_for
         self._lock = threading.RLock()
         self.worker = TransferWorker(config.transfer.workers)
         self.write_mode = config.cache.write_mode
@@ -158,6 +159,20 @@ class CacheManager:
         if probe.mismatched is not None:
             self._stats(probe.mismatched).add(confirm_mismatch=1)
         return LookupResult(ns, bs, len(tokens), tuple(keys), tuple(probe.tiers), probe.reason, first_block)
+
+    def probe(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> LookupResult:
+        """What :meth:`lookup` would answer, without touching policies or stats.
+
+        For operators (the server's admin ``/lookup``): asking must not change
+        what is evicted next nor count as traffic, or looking would alter the
+        cache being looked at. Hits are confirmed against ``tokens`` all the same.
+        """
+        ns = namespace or self.config.cache.namespace
+        keys = self.hasher.keys(tokens, ns)
+        blocks = block_tokens(tokens, self.layout.block_size)
+        with self._lock:
+            found = longest_prefix(keys, blocks, self.tiers)
+        return LookupResult(ns, self.layout.block_size, len(tokens), tuple(keys), tuple(found.tiers), found.reason)
 
     # -- ③ load ----------------------------------------------------------------
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> LoadHandle:
@@ -237,6 +252,45 @@ class CacheManager:
     def pinned(self, key: BlockKey) -> int:
         with self._lock:
             return self._pins.get(key, 0)
+
+    def pin_for(self, tokens: Sequence[int] | np.ndarray, namespace: str | None, ttl_s: float) -> list[BlockKey]:
+        """Keep the full blocks of ``tokens`` out of host eviction for ``ttl_s`` seconds; returns their keys.
+
+        A TTL pin is a retention promise, apart from the read pins above (which
+        guard bytes being copied): an operator keeps a shared system prompt
+        warm whatever the traffic. Keys are pinned whether or not they are
+        cached yet, so a prefix stored later is protected too. Pinning again
+        sets a new expiry (``ttl_s=0`` unpins). Expiry is lazy: an expired pin
+        is dropped the next time eviction or :meth:`ttl_pinned` looks at it.
+        Only host eviction honours TTL pins; :meth:`clear` does not (an
+        explicit clear means clear).
+        """
+        if ttl_s < 0:
+            raise ValueError("ttl_s must be >= 0")
+        keys = self.hasher.keys(tokens, namespace or self.config.cache.namespace)
+        until = time.monotonic() + ttl_s
+        with self._lock:
+            self._ttl_pins.update(dict.fromkeys(keys, until))
+            self._expire_ttl_pins()
+        return keys
+
+    def ttl_pinned(self) -> int:
+        """Keys under a live TTL pin (cached or not)."""
+        with self._lock:
+            self._expire_ttl_pins()
+            return len(self._ttl_pins)
+
+    def _expire_ttl_pins(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, until in self._ttl_pins.items() if until <= now]:
+            del self._ttl_pins[key]
+
+    def _host_exclude(self) -> Container[BlockKey]:
+        """Host keys eviction must skip: read pins, then live TTL pins (call with the lock held)."""
+        if not self._ttl_pins:
+            return self._pins
+        self._expire_ttl_pins()
+        return self._pins.keys() | self._ttl_pins.keys()
 
     # -- ⑤ store -----------------------------------------------------------------
     def prepare_store(
@@ -388,7 +442,7 @@ class CacheManager:
         short = n - tier.free_blocks()
         if short <= 0:
             return True
-        exclude = self._pins if tier.kind is TierKind.HOST else frozenset()
+        exclude = self._host_exclude() if tier.kind is TierKind.HOST else frozenset()
         policy = self._policies[tier.kind]
         victims = policy.victims(short, exclude)
         if tier is self.host:
