@@ -2,6 +2,8 @@
 
 * ``kvtier demo [--json]``: the README's main job, an agent session replayed
   without and with kvtier (:mod:`kvtier.demo.session`).
+* ``kvtier serve [--host H] [--port P]``: the OpenAI-compatible server over
+  the built-in engine and the cache (:mod:`kvtier.server`).
 * ``kvtier generate PROMPT [--chat]``: stream a completion from the built-in
   engine, with the cache in the configured data directory.
 * ``kvtier bench tiers [--json]``: host and disk tier bandwidth next to a raw
@@ -78,6 +80,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kvtier.config import Config
+    from kvtier.server.main import serve
+
+    config = load_config(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        tree = config.model_dump()
+        tree["server"] = {**tree["server"], **overrides}
+        config = Config.model_validate(tree)
+    return serve(config)
+
+
 def _bench_ttft(args: argparse.Namespace) -> int:
     from kvtier.bench import ttft
     from kvtier.engine.runtime import load_model
@@ -105,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn")
     demo.add_argument("--out", default="bench/results", help="where demo-latest.json goes")
     demo.set_defaults(run=_demo)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible server with the tiered cache behind it")
+    serve.add_argument("--host", default=None, help="bind address (default: server.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: server.port, 8000)")
+    serve.set_defaults(run=_serve)
 
     gen = commands.add_parser("generate", help="stream a completion from the built-in engine")
     gen.add_argument("prompt")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from kvtier.policy.base import PolicyName
 
@@ -129,6 +130,44 @@ class EngineConfig(_Section):
         return None if v is None else v.expanduser()
 
 
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class ServerConfig(_Section):
+    """``kvtier serve``: where it listens, who may call it, and how much one request may ask for."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="Bind address; a non-loopback one needs admin_token.")
+    port: int = Field(8000, ge=1, le=65535)
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token of the admin routes (null: they always answer 401)."
+    )
+    api_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="API key -> tenant name. Empty: one default tenant and no auth on inference.",
+    )
+    model_name: str | None = Field(None, description="The model id clients send; null: the GGUF file's stem.")
+    max_body_bytes: ByteSize = Field(ByteSize(1024**2), description="Larger request bodies get 413.")
+    max_tokens_limit: int = Field(1024, ge=1, description="The largest max_tokens a request may ask for.")
+    max_pin_ttl_s: float = Field(86400.0, gt=0, description="The longest TTL /admin/pin accepts.")
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("the admin token needs at least 16 characters")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, tenant in v.items():
+            if len(key) < 8:
+                raise ValueError("an API key needs at least 8 characters")
+            if not re.fullmatch(TENANT_NAME, tenant):
+                raise ValueError(f"tenant name {tenant!r} must match {TENANT_NAME}")
+        return v
+
+
 def default_data_dir() -> Path:
     """Under the user's cache directory (XDG on Linux), never the source tree."""
     return Path(platformdirs.user_cache_dir("kvtier"))
@@ -141,6 +180,7 @@ class Config(_Section):
     disk: DiskConfig = DiskConfig()
     transfer: TransferConfig = TransferConfig()
     engine: EngineConfig = EngineConfig()
+    server: ServerConfig = ServerConfig()
 
     @field_validator("data_dir")
     @classmethod

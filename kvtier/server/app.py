@@ -1,0 +1,257 @@
+"""The HTTP surface: the FastAPI app factory and its routes, each a thin call into the module that does the work.
+
+* ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``: OpenAI-
+  compatible inference (:mod:`kvtier.server.inference`), behind the
+  caller's API key when keys are configured (:mod:`kvtier.server.auth`).
+* ``/stats`` (JSON), ``/metrics`` (Prometheus), ``/health``: open, and
+  aggregate only (:mod:`kvtier.server.metrics`).
+* ``/admin/clear``, ``/admin/pin``, ``/lookup``: behind the admin token.
+  ``/lookup`` is admin-only because "is this prompt cached?" is a timing
+  oracle on other people's prompts.
+
+Routes run on the event loop and never do model work there: tokenizing,
+cache probes and stats snapshots go to worker threads, generation to the
+engine thread (:mod:`kvtier.server.loop`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvtier.engine.engine import Engine
+from kvtier.server import inference
+from kvtier.server.auth import Tenant
+from kvtier.server.errors import APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
+from kvtier.server.limits import BodyLimit
+from kvtier.server.metrics import StatsCollector, build_report
+from kvtier.server.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ClearRequest,
+    ClearResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    LookupRequest,
+    LookupResponse,
+    ModelCard,
+    ModelList,
+    PinRequest,
+    PinResponse,
+    StatsReport,
+)
+from kvtier.server.state import ServerState
+from kvtier.tiers.base import TierKind
+
+_api_key = HTTPBearer(auto_error=False, scheme_name="APIKey", description="Needed when server.api_keys is set.")
+_admin_key = HTTPBearer(auto_error=False, scheme_name="AdminToken", description="server.admin_token.")
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 500, 503)
+}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvtier
+
+
+State = Annotated[ServerState, Depends(_state)]
+
+
+async def _caller(state: State, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_api_key)]) -> Tenant:
+    tenant = state.tenants.from_key(creds.credentials if creds else None)
+    if tenant is None:
+        raise unauthorized("a valid API key is required: Authorization: Bearer <key>")
+    return tenant
+
+
+async def _admin(state: State, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_admin_key)]) -> None:
+    if not state.admin.allows(creds.credentials if creds else None):
+        raise unauthorized("the admin token is required: Authorization: Bearer <server.admin_token>")
+
+
+Caller = Annotated[Tenant, Depends(_caller)]
+Admin = Depends(_admin)
+
+router = APIRouter()
+
+
+# -- inference -----------------------------------------------------------------------------------
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+async def list_models(state: State, _: Caller) -> ModelList:
+    card = ModelCard(id=state.model_name, created=state.created, context_length=state.loop.limits.context_length)
+    return ModelList(data=[card])
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+async def completions(body: CompletionRequest, state: State, tenant: Caller) -> Response | CompletionResponse:
+    job = await inference.completion_job(state, body, tenant)
+    stream = inference.submit(state, job)
+    if body.stream:
+        events = inference.sse(state, job, stream, chat=False)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    return inference.completion_response(state, job, await inference.run_to_end(stream))
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+async def chat_completions(
+    body: ChatCompletionRequest, state: State, tenant: Caller
+) -> Response | ChatCompletionResponse:
+    job = await inference.chat_job(state, body, tenant)
+    stream = inference.submit(state, job)
+    if body.stream:
+        events = inference.sse(state, job, stream, chat=True)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    return inference.chat_response(state, job, await inference.run_to_end(stream))
+
+
+# -- observability -------------------------------------------------------------------------------
+@router.get("/health", response_model=Health, responses=ERRORS)
+async def health(state: State) -> Health:
+    if not state.loop.alive:
+        raise APIError(503, "the engine is not running", type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN)
+    return Health(model=state.model_name)
+
+
+def _report(state: ServerState) -> StatsReport:
+    return build_report(state.model_name, state.cache, state.loop.metrics)
+
+
+@router.get("/stats", response_model=StatsReport)
+async def stats(state: State) -> StatsReport:
+    return await asyncio.to_thread(_report, state)
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+async def metrics(request: Request) -> Response:
+    registry: CollectorRegistry = request.app.state.registry
+    return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- admin ---------------------------------------------------------------------------------------
+def _tenant(state: ServerState, name: str | None) -> Tenant:
+    tenant = state.tenants.by_name(name)
+    if tenant is None:
+        known = ", ".join(state.tenants.names)
+        message = "name a tenant" if name is None else f"unknown tenant {name!r}"
+        raise APIError(400, f"{message}; tenants: {known}", code=ErrorCode.UNKNOWN_TENANT, param="tenant")
+    return tenant
+
+
+async def _ids(state: ServerState, body: LookupRequest | PinRequest, *, add_generation_prompt: bool) -> list[int]:
+    if body.messages is not None:
+        return await inference.chat_ids(state, body.messages, add_generation_prompt=add_generation_prompt)
+    assert body.prompt is not None
+    return await inference.prompt_ids(state, body.prompt)
+
+
+def _clear_resident(engine: Engine) -> int:
+    """Runs on the engine thread: drop the pool's index of finished requests' blocks."""
+    if engine.resident is None:
+        return 0
+    n = len(engine.resident)
+    engine.resident.clear()
+    return n
+
+
+@router.post("/admin/clear", response_model=ClearResponse, responses=ERRORS, dependencies=[Admin])
+async def clear(state: State, body: ClearRequest | None = None) -> ClearResponse:
+    """Drop every block of one tier (or all) that no load in progress is reading."""
+    tier = body.tier if body is not None else None
+    present = [TierKind.DEVICE, *(t.kind for t in state.cache.tiers)]
+    if tier is not None and tier not in present:
+        raise APIError(404, f"tier {tier.value!r} is not configured", type=ErrorType.NOT_FOUND, param="tier")
+    dropped: dict[TierKind, int] = {}
+    for kind in present:
+        if tier is not None and kind is not tier:
+            continue
+        if kind is TierKind.DEVICE:
+            dropped[kind] = await asyncio.wrap_future(state.loop.call(_clear_resident))
+        else:
+            dropped[kind] = await asyncio.to_thread(state.cache.clear, kind)
+    return ClearResponse(dropped_blocks=dropped)
+
+
+@router.post("/admin/pin", response_model=PinResponse, responses=ERRORS, dependencies=[Admin])
+async def pin(body: PinRequest, state: State) -> PinResponse:
+    """Keep a prompt's (or a conversation prefix's) full blocks out of host eviction for ``ttl_s`` seconds."""
+    limit = state.config.server.max_pin_ttl_s
+    if body.ttl_s > limit:
+        raise APIError(400, f"ttl_s is {body.ttl_s}; at most {limit} is allowed", param="ttl_s")
+    tenant = _tenant(state, body.tenant)
+    ids = await _ids(state, body, add_generation_prompt=False)
+    keys = await asyncio.to_thread(state.cache.pin_for, ids, tenant.namespace, body.ttl_s)
+    probe = await asyncio.to_thread(state.cache.probe, ids, tenant.namespace)
+    bs = state.cache.layout.block_size
+    return PinResponse(
+        tenant=tenant.name,
+        pinned_blocks=len(keys),
+        pinned_tokens=len(keys) * bs,
+        cached_tokens=probe.cached_tokens,
+        ttl_s=body.ttl_s,
+    )
+
+
+@router.post("/lookup", response_model=LookupResponse, responses=ERRORS, dependencies=[Admin])
+async def lookup(body: LookupRequest, state: State) -> LookupResponse:
+    """How much of a prompt host and disk hold for a tenant, without touching eviction order or stats."""
+    tenant = _tenant(state, body.tenant)
+    ids = await _ids(state, body, add_generation_prompt=True)
+    probe = await asyncio.to_thread(state.cache.probe, ids, tenant.namespace)
+    return LookupResponse(
+        tenant=tenant.name,
+        prompt_tokens=len(ids),
+        cached_tokens=probe.cached_tokens,
+        tiers=probe.tokens_by_tier(),
+        miss_reason=probe.miss_reason,
+    )
+
+
+# -- the app -------------------------------------------------------------------------------------
+def _cap_max_tokens(schema: dict[str, Any], limit: int) -> None:
+    """Show the configured ``server.max_tokens_limit`` as the schema's bound (the models carry a static one)."""
+    models = schema.get("components", {}).get("schemas", {})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = models.get(name, {}).get("properties", {})
+        for field in ("max_tokens", "max_completion_tokens"):
+            prop = props.get(field)
+            for sub in prop.get("anyOf", [prop]) if prop else ():
+                if sub.get("type") == "integer":
+                    sub["maximum"] = limit
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not state.loop.alive:
+            state.loop.start()
+        yield
+        await asyncio.to_thread(state.loop.stop)
+
+    app = FastAPI(title="kvtier", version="0.1.0", lifespan=lifespan, description=__doc__)
+    app.state.kvtier = state
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(lambda: _report(state)))
+    app.state.registry = registry
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=int(state.config.server.max_body_bytes))
+    app.include_router(router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _cap_max_tokens(FastAPI.openapi(app), state.config.server.max_tokens_limit)
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,124 @@
+"""Errors in the OpenAI shape, ``{"error": {"message", "type", "code", "param"}}``, for every failure.
+
+OpenAI clients read that body to raise a typed exception with the server's
+message, so every path that ends a request early answers with it: our own
+:class:`APIError`, FastAPI's validation errors (422, malformed JSON
+included), Starlette's 404/405, and the last-resort 500, which logs the
+traceback and tells the client nothing about the internals.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ErrorType(enum.StrEnum):
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    NOT_FOUND = "not_found_error"
+    SERVER = "server_error"
+    UNAVAILABLE = "service_unavailable"
+
+
+class ErrorCode(enum.StrEnum):
+    INVALID_API_KEY = "invalid_api_key"
+    MODEL_NOT_FOUND = "model_not_found"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
+    REQUEST_TOO_LARGE = "request_too_large"
+    INVALID_PROMPT = "invalid_prompt"
+    INVALID_REQUEST = "invalid_request"
+    UNKNOWN_TENANT = "unknown_tenant"
+    NOT_FOUND = "not_found"
+    INTERNAL = "internal_error"
+    SHUTTING_DOWN = "shutting_down"
+
+
+class APIError(Exception):
+    """A failure with an HTTP status and an OpenAI error body; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: ErrorType = ErrorType.INVALID_REQUEST,
+        code: ErrorCode | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type.value, "code": self.code, "param": self.param}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(
+        401,
+        message,
+        type=ErrorType.AUTHENTICATION,
+        code=ErrorCode.INVALID_API_KEY,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """One line per problem, naming the field; input values are never echoed back."""
+    parts, first = [], None
+    for e in err.errors()[:8]:
+        if e.get("type") == "json_invalid":
+            reason = (e.get("ctx") or {}).get("error", "invalid JSON")
+            return f"the request body is not valid JSON ({reason} at character {e['loc'][-1]})", None
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        first = first or where or None
+        parts.append(f"{where}: {e.get('msg', 'invalid')}" if where else str(e.get("msg", "invalid")))
+    return "; ".join(parts) or "invalid request", first
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = _validation_message(exc)
+    return APIError(422, message, code=ErrorCode.INVALID_REQUEST, param=param).response()
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = ErrorType.NOT_FOUND if exc.status_code == 404 else ErrorType.INVALID_REQUEST
+    code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_REQUEST
+    return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, "internal server error", type=ErrorType.SERVER, code=ErrorCode.INTERNAL).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)

@@ -1,0 +1,281 @@
+"""The two OpenAI endpoints' work: request body -> token ids and sampling -> the engine -> JSON or SSE.
+
+Everything that can be wrong with a request is checked here, before the
+engine sees it, and answered with a 4xx naming the problem: an unknown
+model, an empty prompt, a token id outside the vocabulary, a prompt that
+does not fit the context, a max_tokens above the server's limit, a request
+larger than the engine's KV pool. The engine thread then only ever gets
+requests it can run, so nothing one client sends can fail a step that
+other clients' requests share.
+
+Tokenizing and rendering the chat template run on a worker thread (a 1 MiB
+prompt takes a while), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import jinja2
+
+from kvtier.engine.sampling import SamplingParams
+from kvtier.server.auth import Tenant
+from kvtier.server.errors import APIError, ErrorCode, ErrorType
+from kvtier.server.loop import EngineUnavailable, Failure, Outcome, Stream, Submission
+from kvtier.server.schemas import (
+    GREEDY_BELOW,
+    MIN_TOP_P,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Finish,
+    PromptTokensDetails,
+    Usage,
+    as_template_messages,
+)
+from kvtier.server.state import ServerState
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: Tenant
+    include_usage: bool
+
+
+# -- from a body to a job ---------------------------------------------------------------------
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+            type=ErrorType.NOT_FOUND,
+            code=ErrorCode.MODEL_NOT_FOUND,
+            param="model",
+        )
+
+
+async def prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        return list(prompt)
+    return await asyncio.to_thread(state.loaded.tokenizer.encode, prompt)
+
+
+async def chat_ids(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
+    """A conversation's ids; without ``add_generation_prompt``, the prefix any continuation of it starts with."""
+    plain = as_template_messages(messages)
+    try:
+        if add_generation_prompt:
+            return await asyncio.to_thread(state.loaded.chat_ids, plain)
+        text = await asyncio.to_thread(state.loaded.chat.render, plain, add_generation_prompt=False)
+        return await asyncio.to_thread(state.loaded.tokenizer.encode, text, False)
+    except jinja2.TemplateError as err:  # the template's own checks (e.g. roles must alternate)
+        raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
+
+
+def check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> None:
+    """Refuse, with a clear 400, every request the engine could not run."""
+    limits = state.loop.limits
+    if not ids:
+        raise APIError(400, "the prompt is empty", code=ErrorCode.INVALID_PROMPT, param="prompt")
+    bad = next((t for t in ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})",
+            code=ErrorCode.INVALID_PROMPT,
+            param="prompt",
+        )
+    if len(ids) >= limits.context_length:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.context_length} tokens; "
+            f"the prompt has {len(ids)} tokens. Shorten the prompt.",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            param="prompt",
+        )
+    limit = state.config.server.max_tokens_limit
+    if max_tokens > limit:
+        raise APIError(
+            400,
+            f"max_tokens is {max_tokens}; this server allows at most {limit}",
+            code=ErrorCode.MAX_TOKENS_TOO_LARGE,
+            param="max_tokens",
+        )
+    need = limits.blocks_needed(len(ids), max_tokens)
+    if need > limits.pool_blocks:
+        raise APIError(
+            400,
+            f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks; "
+            f"this server's KV pool holds {limits.pool_blocks}. Shorten the prompt or lower max_tokens.",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            param="max_tokens",
+        )
+
+
+def _job(
+    state: ServerState,
+    prefix: str,
+    ids: list[int],
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    tenant: Tenant,
+) -> Job:
+    check_prompt(state, ids, max_tokens)
+    temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=max(body.top_p, MIN_TOP_P),
+        seed=body.seed,
+        stop=body.stop_strings(),
+    )
+    return Job(f"{prefix}-{secrets.token_hex(12)}", ids, params, tenant, body.include_usage)
+
+
+async def completion_job(state: ServerState, body: CompletionRequest, tenant: Tenant) -> Job:
+    check_model(state, body.model)
+    ids = await prompt_ids(state, body.prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    return _job(state, "cmpl", ids, body, max_tokens, tenant)
+
+
+async def chat_job(state: ServerState, body: ChatCompletionRequest, tenant: Tenant) -> Job:
+    check_model(state, body.model)
+    ids = await chat_ids(state, body.messages)
+    requested = body.requested_max_tokens()
+    max_tokens = requested if requested is not None else default_chat_max_tokens(state, len(ids))
+    return _job(state, "chatcmpl", ids, body, max_tokens, tenant)
+
+
+def default_chat_max_tokens(state: ServerState, prompt_tokens: int) -> int:
+    """OpenAI's chat default is "until the context ends": here, as far as the limit, the context and the pool allow."""
+    limits = state.loop.limits
+    room = min(limits.context_length, limits.pool_blocks * limits.block_size) - prompt_tokens
+    return max(1, min(state.config.server.max_tokens_limit, room))
+
+
+# -- running it ------------------------------------------------------------------------------------
+def submit(state: ServerState, job: Job) -> Stream:
+    stream = Stream()
+    try:
+        state.loop.submit(Submission(job.request_id, job.prompt_ids, job.params, job.tenant.namespace, stream))
+    except EngineUnavailable as err:
+        raise APIError(503, str(err), type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN) from None
+    return stream
+
+
+def failure_error(outcome: Outcome) -> APIError:
+    if outcome.failure is Failure.REJECTED:
+        return APIError(400, outcome.message, code=ErrorCode.INVALID_PROMPT)
+    if outcome.failure is Failure.SHUTDOWN:
+        return APIError(503, outcome.message, type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN)
+    return APIError(500, outcome.message, type=ErrorType.SERVER, code=ErrorCode.INTERNAL)
+
+
+async def run_to_end(stream: Stream) -> Outcome:
+    async for event in stream.events():
+        if isinstance(event, Outcome):
+            if event.failure is not None:
+                raise failure_error(event)
+            return event
+    raise AssertionError("a stream always ends with an Outcome")
+
+
+def usage(outcome: Outcome) -> Usage:
+    return Usage(
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=outcome.completion_tokens,
+        total_tokens=outcome.prompt_tokens + outcome.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=outcome.cached_tokens),
+    )
+
+
+def completion_response(state: ServerState, job: Job, outcome: Outcome) -> CompletionResponse:
+    choice = CompletionChoice(text=outcome.text, finish_reason=Finish.of(outcome.finish_reason))
+    return CompletionResponse(
+        id=job.request_id, created=int(time.time()), model=state.model_name, choices=[choice], usage=usage(outcome)
+    )
+
+
+def chat_response(state: ServerState, job: Job, outcome: Outcome) -> ChatCompletionResponse:
+    choice = ChatChoice(message=AssistantMessage(content=outcome.text), finish_reason=Finish.of(outcome.finish_reason))
+    return ChatCompletionResponse(
+        id=job.request_id, created=int(time.time()), model=state.model_name, choices=[choice], usage=usage(outcome)
+    )
+
+
+# -- server-sent events ---------------------------------------------------------------------------
+def _event(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+class _Chunks:
+    """The SSE chunks of one streamed response: one ``id`` and ``created`` for all of them, as OpenAI does."""
+
+    def __init__(self, state: ServerState, job: Job, chat: bool) -> None:
+        self.id, self.model, self.chat = job.request_id, state.model_name, chat
+        self.created = int(time.time())
+
+    def opening(self) -> str | None:
+        return self._chat(ChatDelta(role="assistant", content=""), None) if self.chat else None
+
+    def text(self, text: str) -> str:
+        return self._chat(ChatDelta(content=text), None) if self.chat else self._completion(text, None)
+
+    def finish(self, reason: Finish) -> str:
+        return self._chat(ChatDelta(), reason) if self.chat else self._completion("", reason)
+
+    def usage(self, u: Usage) -> str:
+        if self.chat:
+            chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=u)
+            return _event(chunk.model_dump_json())
+        done = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u)
+        return _event(done.model_dump_json())
+
+    def _chat(self, delta: ChatDelta, reason: Finish | None) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=reason)
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return _event(chunk.model_dump_json(exclude_none=True))
+
+    def _completion(self, text: str, reason: Finish | None) -> str:
+        choice = CompletionChoice(text=text, finish_reason=reason)
+        chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return _event(chunk.model_dump_json())
+
+
+async def sse(state: ServerState, job: Job, stream: Stream, *, chat: bool) -> AsyncIterator[str]:
+    """The response body of a streamed request; a failure after the 200 is sent is an ``error`` event."""
+    chunks = _Chunks(state, job, chat)
+    opening = chunks.opening()
+    if opening is not None:
+        yield opening
+    async for event in stream.events():
+        if not isinstance(event, Outcome):
+            yield chunks.text(event.text)
+            continue
+        if event.failure is not None:
+            yield _event(json.dumps(failure_error(event).body()))
+        else:
+            yield chunks.finish(Finish.of(event.finish_reason))
+            if job.include_usage:
+                yield chunks.usage(usage(event))
+    yield DONE

@@ -1,0 +1,282 @@
+"""The engine's own thread: once the server runs, the only code that touches the :class:`Engine`.
+
+The engine is not thread-safe and one step is many milliseconds of model
+work, so it lives on one dedicated thread that loops: run every command
+queued in a thread-safe inbox (new requests join between steps, which is
+continuous batching; admin calls run there too), run one step, hand each
+request's new text to its HTTP handler. Handlers wait on the asyncio event
+loop, each on its own :class:`Stream`; the engine thread reaches them only
+through ``loop.call_soon_threadsafe``, so neither side ever blocks the other.
+
+Client disconnects: a request whose client went away runs to its end
+(bounded by its max_tokens, itself capped by ``server.max_tokens_limit``)
+and its text is dropped. Its blocks are stored like any other, which is
+what the client's retry wants, and there is no abort path through the
+engine's batch to get wrong.
+
+Failures: what belongs to one request (a prompt that does not fit) is
+refused before or at admission and ends only that request. A step that
+raises leaves the batch in an unknown state: every request in flight fails,
+the traceback is logged, and the engine is rebuilt, so the server goes on
+serving instead of hanging every client on a dead thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine.engine import Engine, FinishReason, Request
+from kvtier.engine.sampling import SamplingParams
+from kvtier.server.metrics import EngineMetrics, PoolSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class Failure(enum.StrEnum):
+    """Why a request produced no normal finish."""
+
+    REJECTED = "rejected"  # the engine refused this request (it cannot fit): the client's to fix
+    INTERNAL = "internal"  # a step failed; the request's output is lost
+    SHUTDOWN = "shutdown"  # the server stopped before the request finished
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A request's end: its totals, or why it failed."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    text: str
+    finish_reason: FinishReason
+    failure: Failure | None = None
+    message: str = ""
+
+    @classmethod
+    def of(cls, req: Request) -> Outcome:
+        assert req.finish_reason is not None
+        failed = req.finish_reason is FinishReason.ERROR
+        return cls(
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output_ids),
+            text=req.text,
+            finish_reason=req.finish_reason,
+            failure=Failure.REJECTED if failed else None,
+            message=req.error or "",
+        )
+
+    @classmethod
+    def failed(cls, prompt_tokens: int, failure: Failure, message: str) -> Outcome:
+        return cls(prompt_tokens, 0, 0, "", FinishReason.ERROR, failure, message)
+
+
+Event = Delta | Outcome
+
+
+class Stream:
+    """One request's events: written by the engine thread, read on the event loop that created it."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        """Thread-safe; a no-op once the event loop is closed (shutdown: nobody is listening)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Deltas in order, then the one :class:`Outcome`, which ends the iteration."""
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, Outcome):
+                return
+
+
+@dataclass(eq=False)
+class Submission:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    stream: Stream
+
+
+@dataclass(eq=False)
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: Future[Any] = field(default_factory=Future)
+
+
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Facts about the engine the HTTP layer checks requests against (fixed for the engine's life)."""
+
+    context_length: int
+    vocab_size: int
+    block_size: int
+    pool_blocks: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineLimits:
+        return cls(
+            context_length=engine.model.config.context_length,
+            vocab_size=engine.tokenizer.vocab_size,
+            block_size=engine.block_size,
+            pool_blocks=engine.pool.num_blocks,
+        )
+
+    def blocks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks the engine reserves at admission (the same arithmetic as ``Engine._admit``)."""
+        tokens = min(prompt_tokens + max_tokens, self.context_length)
+        return -(-tokens // self.block_size)
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, build: Callable[[], Engine], metrics: EngineMetrics) -> None:
+        self._build = build
+        self._engine = build()
+        self.limits = EngineLimits.of(self._engine)
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._subs: dict[str, Submission] = {}
+        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._publish_pool()
+
+    # -- the HTTP side (any thread) ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Fail what is still in flight, wait for stores to land, and end the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, sub: Submission) -> None:
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running")
+        self._inbox.put(sub)
+
+    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+        """Run ``fn(engine)`` on the engine thread between two steps (admin actions on the device tier)."""
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running")
+        command = _Call(fn)
+        self._inbox.put(command)
+        return command.future
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while self._take(block=not self._engine.has_unfinished()):
+            if self._engine.has_unfinished():
+                self._step()
+        self._fail_all(Failure.SHUTDOWN, "the server is shutting down")
+        self._engine.drain_stores()
+
+    def _take(self, block: bool) -> bool:
+        """Run every queued command, first waiting for one when the engine is idle; False: stop."""
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            if isinstance(command, _Call):
+                self._call(command)
+            else:
+                assert isinstance(command, Submission)
+                self._admit(command)
+
+    def _admit(self, sub: Submission) -> None:
+        try:
+            self._engine.add_request(sub.prompt_ids, sub.params, namespace=sub.namespace, request_id=sub.request_id)
+        except ValueError as err:  # the engine's own refusal of one prompt (empty, longer than the context)
+            sub.stream.put(Outcome.failed(len(sub.prompt_ids), Failure.REJECTED, str(err)))
+            return
+        self._subs[sub.request_id] = sub
+        self.metrics.set_in_flight(len(self._subs))
+
+    def _call(self, command: _Call) -> None:
+        try:
+            command.future.set_result(command.fn(self._engine))
+        except Exception as err:  # handed to the caller, who re-raises it: nothing is swallowed here
+            command.future.set_exception(err)
+        self._publish_pool()
+
+    def _step(self) -> None:
+        engine = self._engine
+        computed, skipped = engine.prefill_tokens_computed, engine.prefill_tokens_skipped
+        started = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except Exception:  # the thread's last line of defence; see the module docstring
+            log.exception("engine step failed: failing %d requests and rebuilding the engine", len(self._subs))
+            self._fail_all(Failure.INTERNAL, "internal engine error")
+            self._engine = self._build()
+            return
+        self.metrics.observe_step(
+            seconds=time.perf_counter() - started,
+            prefill_tokens=engine.prefill_tokens_computed - computed,
+            skipped_tokens=engine.prefill_tokens_skipped - skipped,
+            batch=len(outputs),
+        )
+        for out in outputs:
+            sub = self._subs.get(out.request_id)
+            if sub is not None and out.text:
+                sub.stream.put(Delta(out.text, len(out.token_ids)))
+        for req in engine.collect_finished():
+            self.metrics.observe_finished(req, engine.block_size)
+            sub = self._subs.pop(req.id, None)
+            if sub is not None:
+                sub.stream.put(Outcome.of(req))
+        self.metrics.set_in_flight(len(self._subs))
+        self._publish_pool()
+
+    def _fail_all(self, failure: Failure, message: str) -> None:
+        for sub in self._subs.values():
+            sub.stream.put(Outcome.failed(len(sub.prompt_ids), failure, message))
+        self._subs.clear()
+        self.metrics.set_in_flight(0)
+
+    def _publish_pool(self) -> None:
+        engine = self._engine
+        self.metrics.set_pool(
+            PoolSnapshot(
+                num_blocks=engine.pool.num_blocks,
+                free_blocks=engine.pool.num_free,
+                resident_blocks=len(engine.resident) if engine.resident is not None else 0,
+                block_bytes=engine.pool.layout.block_bytes,
+            )
+        )

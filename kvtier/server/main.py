@@ -1,0 +1,86 @@
+"""``kvtier serve``: check the bind address, load the model, open the cache, run uvicorn, close it all.
+
+Safe by default: the server binds 127.0.0.1, and refuses any non-loopback
+address unless an admin token is set (an operator who exposes the server
+has thought about who may clear or probe its cache). Without API keys,
+inference on a non-loopback address is open to the network: that is logged
+as a warning, not refused, since a trusted network or a proxy may be doing
+the authentication.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+
+import uvicorn
+
+from kvtier.config import Config, ConfigError
+from kvtier.engine.runtime import load_model, make_engine, open_cache
+from kvtier.server.app import create_app
+from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.loop import EngineLoop
+from kvtier.server.metrics import EngineMetrics
+from kvtier.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def check_bind(config: Config) -> None:
+    server = config.server
+    if is_loopback(server.host):
+        return
+    if server.admin_token is None:
+        raise ConfigError(
+            f"refusing to serve on the non-loopback address {server.host}: set server.admin_token "
+            "(or KVTIER_SERVER__ADMIN_TOKEN) first, or bind 127.0.0.1"
+        )
+    if not server.api_keys:
+        log.warning("serving on %s without server.api_keys: inference is open to that network", server.host)
+
+
+def build_state(config: Config) -> ServerState:
+    loaded = load_model(config)
+    cache = open_cache(loaded, config)
+    loop = EngineLoop(lambda: make_engine(loaded, config, cache=cache), EngineMetrics())
+    return ServerState(
+        config=config,
+        model_name=config.server.model_name or loaded.path.stem,
+        loaded=loaded,
+        cache=cache,
+        loop=loop,
+        tenants=Tenants(config.server.api_keys, config.cache.namespace),
+        admin=AdminToken(config.server.admin_token),
+        created=int(time.time()),
+    )
+
+
+def serve(config: Config) -> int:
+    check_bind(config)
+    state = build_state(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(state),
+            host=config.server.host,
+            port=config.server.port,
+            log_level="info",
+            server_header=False,
+            timeout_graceful_shutdown=10,
+        )
+    )
+    try:
+        server.run()
+    finally:
+        state.loop.stop()
+        state.cache.close()
+    return 0 if server.started else 1

@@ -1,0 +1,270 @@
+"""What the server reports: one :class:`StatsReport` behind both ``/stats`` (JSON) and ``/metrics`` (Prometheus).
+
+Both views are built from the same snapshot, so they cannot disagree.
+Host and disk figures come from the cache manager's own counters; the
+device tier (the engine's pool) and the engine totals are recorded here by
+the engine thread (:class:`EngineMetrics`, thread-safe) as it steps, so
+the HTTP side never reads the engine itself.
+
+The prefill time saved is an estimate: each step's wall time is split
+between its prefilled tokens and its decoded ones in proportion to their
+counts, which gives measured seconds per prefilled token; times the tokens
+whose prefill was skipped. Attention makes long prompts cost more per
+token, so this under-counts what a long cached prefix saves.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kvtier.engine.engine import FinishReason, Request
+from kvtier.manager import CacheManager
+from kvtier.server.schemas import EngineReport, LatencyReport, StatsReport, TierReport
+from kvtier.stats import LATENCY_BUCKETS_S, Histogram
+from kvtier.tiers.base import TierKind
+
+# Time to first token spans milliseconds (a cached prefix) to tens of seconds (a long cold prompt on a CPU).
+TTFT_BUCKETS_S: tuple[float, ...] = (*(m * 10.0**e for e in range(-3, 2) for m in (1.0, 2.5, 5.0)), 100.0)
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    num_blocks: int
+    free_blocks: int
+    resident_blocks: int
+    block_bytes: int
+
+
+def latency_report(snapshot: dict[str, Any]) -> LatencyReport:
+    """A :meth:`Histogram.snapshot` as a report; an open-ended (infinite) percentile becomes None."""
+
+    def finite(v: float | None) -> float | None:
+        return v if v is not None and math.isfinite(v) else None
+
+    return LatencyReport(
+        count=snapshot["count"],
+        sum_s=snapshot["sum_s"],
+        p50_s=finite(snapshot["p50_s"]),
+        p90_s=finite(snapshot["p90_s"]),
+        p99_s=finite(snapshot["p99_s"]),
+        buckets=[(bound, count) for bound, count in snapshot["buckets"]],
+    )
+
+
+class EngineMetrics:
+    """Engine totals and the device tier's counters; written by the engine thread, read by handlers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ttft = Histogram(TTFT_BUCKETS_S)
+        self._finished: Counter[FinishReason] = Counter()
+        self._prefill_computed = 0
+        self._prefill_skipped = 0
+        self._prefill_seconds = 0.0
+        self._device_hit = 0
+        self._device_miss = 0
+        self._in_flight = 0
+        self._pool = PoolSnapshot(0, 0, 0, 0)
+
+    def observe_step(self, *, seconds: float, prefill_tokens: int, skipped_tokens: int, batch: int) -> None:
+        with self._lock:
+            self._prefill_computed += prefill_tokens
+            self._prefill_skipped += skipped_tokens
+            if prefill_tokens:
+                self._prefill_seconds += seconds * prefill_tokens / (prefill_tokens + batch)
+
+    def observe_finished(self, req: Request, block_size: int) -> None:
+        with self._lock:
+            self._finished[req.finish_reason or FinishReason.ERROR] += 1
+            if req.ttft_s is not None:
+                self._ttft.observe(req.ttft_s)
+                usable = (len(req.prompt_ids) - 1) // block_size * block_size
+                hit = req.served_from.get(TierKind.DEVICE, 0)
+                self._device_hit += hit
+                self._device_miss += max(0, usable - hit)
+
+    def set_in_flight(self, n: int) -> None:
+        with self._lock:
+            self._in_flight = n
+
+    def set_pool(self, pool: PoolSnapshot) -> None:
+        with self._lock:
+            self._pool = pool
+
+    def engine_report(self) -> EngineReport:
+        with self._lock:
+            per_token = self._prefill_seconds / self._prefill_computed if self._prefill_computed else None
+            return EngineReport(
+                requests={reason: self._finished[reason] for reason in FinishReason},
+                in_flight=self._in_flight,
+                prefill_tokens_computed=self._prefill_computed,
+                prefill_tokens_skipped=self._prefill_skipped,
+                ttft=latency_report(self._ttft.snapshot()),
+                prefill_seconds_per_token=per_token,
+                prefill_seconds_saved_estimate=(per_token or 0.0) * self._prefill_skipped,
+            )
+
+    def device_report(self) -> TierReport:
+        with self._lock:
+            pool, hit, miss = self._pool, self._device_hit, self._device_miss
+        empty = Histogram(LATENCY_BUCKETS_S).snapshot()
+        return TierReport(
+            capacity_bytes=pool.num_blocks * pool.block_bytes,
+            used_bytes=(pool.num_blocks - pool.free_blocks) * pool.block_bytes,
+            capacity_blocks=pool.num_blocks,
+            blocks=pool.resident_blocks,
+            lookups=0,
+            hit_tokens=hit,
+            miss_tokens=miss,
+            hit_rate=hit / (hit + miss) if hit + miss else None,
+            confirm_mismatches=0,
+            evictions=0,
+            demotions=0,
+            bytes_read=0,
+            bytes_written=0,
+            bytes_moved=0,
+            checksum_failures=0,
+            errors=0,
+            load_latency=latency_report(empty),
+        )
+
+
+def tier_report(snap: dict[str, Any]) -> TierReport:
+    """One tier of :meth:`CacheManager.stats` as a report."""
+    hit, miss = snap["hit_tokens"], snap["miss_tokens"]
+    return TierReport(
+        capacity_bytes=snap["capacity_bytes"],
+        used_bytes=snap["used_bytes"],
+        capacity_blocks=snap["capacity_blocks"],
+        blocks=snap["blocks"],
+        lookups=snap["lookups"],
+        hit_tokens=hit,
+        miss_tokens=miss,
+        hit_rate=hit / (hit + miss) if hit + miss else None,
+        confirm_mismatches=snap["confirm_mismatch"],
+        evictions=snap["evictions"],
+        demotions=snap["demotions"],
+        bytes_read=snap["bytes_read"],
+        bytes_written=snap["bytes_written"],
+        bytes_moved=snap["bytes_read"] + snap["bytes_written"],
+        checksum_failures=snap["checksum_failures"],
+        errors=snap["errors"],
+        load_latency=latency_report(snap["load_latency"]),
+    )
+
+
+def build_report(model: str, cache: CacheManager, metrics: EngineMetrics) -> StatsReport:
+    stats = cache.stats()
+    tiers = {TierKind.DEVICE: metrics.device_report()}
+    for tier in cache.tiers:
+        tiers[tier.kind] = tier_report(stats[tier.kind.value])
+    return StatsReport(
+        model=model,
+        block_size=cache.layout.block_size,
+        tiers=tiers,
+        pinned_blocks=stats["pinned_blocks"],
+        ttl_pinned_blocks=cache.ttl_pinned(),
+        engine=metrics.engine_report(),
+    )
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+_TIER_GAUGES = {
+    "capacity_bytes": "Bytes the tier can hold.",
+    "used_bytes": "Bytes of the tier in use.",
+    "capacity_blocks": "Blocks the tier can hold.",
+    "blocks": "Blocks cached in the tier.",
+    "hit_rate": "hit_tokens / (hit_tokens + miss_tokens).",
+}
+_TIER_COUNTERS = {
+    "lookups": "Lookups that reached the tier.",
+    "hit_tokens": "Prompt tokens served by the tier.",
+    "miss_tokens": "Prompt tokens that reached the tier and were not served by it.",
+    "confirm_mismatches": "Keys found holding other tokens (a counted miss, never served).",
+    "evictions": "Blocks evicted.",
+    "demotions": "Blocks written down to the next tier on eviction.",
+    "bytes_read": "Payload bytes read from the tier.",
+    "bytes_written": "Payload bytes written to the tier.",
+    "bytes_moved": "bytes_read + bytes_written.",
+    "checksum_failures": "Blocks that failed their checksum (a counted miss).",
+    "errors": "Tier I/O errors (a counted miss).",
+}
+
+
+def _histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, labels=labels)
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], report: LatencyReport) -> None:
+    cumulative, buckets = 0, []
+    for bound, count in report.buckets:
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    family.add_metric(labels, buckets, report.sum_s)
+
+
+def _tier_families(report: StatsReport) -> Iterator[Metric]:
+    for name, doc in _TIER_GAUGES.items():
+        gauge = GaugeMetricFamily(f"kvtier_tier_{name}", doc, labels=["tier"])
+        for kind, tier in report.tiers.items():
+            value = getattr(tier, name)
+            if value is not None:
+                gauge.add_metric([kind.value], value)
+        yield gauge
+    for name, doc in _TIER_COUNTERS.items():
+        counter = CounterMetricFamily(f"kvtier_tier_{name}", doc, labels=["tier"])
+        for kind, tier in report.tiers.items():
+            counter.add_metric([kind.value], getattr(tier, name))
+        yield counter
+    latency = _histogram("kvtier_tier_load_latency_seconds", "Time to make one block readable in host.", ["tier"])
+    for kind, tier in report.tiers.items():
+        _add_histogram(latency, [kind.value], tier.load_latency)
+    yield latency
+
+
+def _engine_families(report: StatsReport) -> Iterator[Metric]:
+    e = report.engine
+    yield CounterMetricFamily("kvtier_prefill_tokens_computed", "Prompt tokens prefilled.", e.prefill_tokens_computed)
+    yield CounterMetricFamily(
+        "kvtier_prefill_tokens_skipped", "Prompt tokens whose prefill was skipped (cached).", e.prefill_tokens_skipped
+    )
+    requests = CounterMetricFamily("kvtier_requests", "Finished requests.", labels=["finish_reason"])
+    for reason, n in e.requests.items():
+        requests.add_metric([reason.value], n)
+    yield requests
+    yield GaugeMetricFamily("kvtier_requests_in_flight", "Requests admitted and not finished.", e.in_flight)
+    ttft = _histogram("kvtier_ttft_seconds", "Time to first token, from arrival at the engine.", [])
+    _add_histogram(ttft, [], e.ttft)
+    yield ttft
+    if e.prefill_seconds_per_token is not None:
+        yield GaugeMetricFamily(
+            "kvtier_prefill_seconds_per_token", "Measured prefill seconds per token.", e.prefill_seconds_per_token
+        )
+    saved = e.prefill_seconds_saved_estimate
+    yield GaugeMetricFamily("kvtier_prefill_seconds_saved_estimate", "Skipped tokens x prefill s/token.", saved)
+    yield GaugeMetricFamily("kvtier_pinned_blocks", "Host blocks pinned by loads in progress.", report.pinned_blocks)
+    yield GaugeMetricFamily("kvtier_ttl_pinned_blocks", "Keys under a live admin pin.", report.ttl_pinned_blocks)
+
+
+class StatsCollector(Collector):
+    """Reads a fresh :class:`StatsReport` at every scrape; nothing is double-booked in prometheus_client."""
+
+    def __init__(self, report: Callable[[], StatsReport]) -> None:
+        self._report = report
+
+    def collect(self) -> Iterator[Metric]:
+        report = self._report()
+        yield from _tier_families(report)
+        yield from _engine_families(report)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

@@ -1,0 +1,328 @@
+"""The wire format: OpenAI-compatible requests and responses, and kvtier's stats and admin bodies.
+
+Request models ignore fields they do not know (OpenAI clients send many
+optional ones), but declare, with bounds, every field that changes the
+answer, so the OpenAPI schema tells a client (and a fuzzer) what is
+accepted. Fields that would silently change the meaning if ignored (``n``)
+are declared with the one value served. No request model has a namespace
+field: the server derives it from the caller's API key.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from kvtier.engine.engine import FinishReason
+from kvtier.index import MissReason
+from kvtier.tiers.base import TierKind
+
+# The schema's bound for max_tokens; the served schema shows server.max_tokens_limit instead (see app.py).
+MAX_TOKENS_CAP = 8192
+MAX_STOP = 4
+MAX_MESSAGES = 1024
+
+# Below this a temperature is served as greedy: logits divided by a vanishing one overflow (as vLLM does).
+GREEDY_BELOW = 1e-5
+# top_p is compared in float32, where a tiny one is 0 and would drop every token: served as this instead
+# (which keeps only the most likely token, as any top_p that small does).
+MIN_TOP_P = 1e-6
+
+
+def _unicode(text: str) -> str:
+    """JSON can carry lone surrogates (``"\ud800"``); no tokenizer can encode them, so they are a 422 here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+StopString = Annotated[Text, Field(min_length=1, max_length=256)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Role(enum.StrEnum):
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+class TextPart(_Body):
+    type: Literal["text"] = "text"
+    text: Text
+
+
+class ChatMessage(_Body):
+    role: Role
+    content: Text | list[TextPart] = ""
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+def as_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """What the chat template sees: plain role/content strings, nothing else the client sent."""
+    return [{"role": m.role.value, "content": m.text()} for m in messages]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    """What both OpenAI endpoints share: the model, sampling, stopping and streaming."""
+
+    model: str | None = Field(None, description="Must name the served model (GET /v1/models) when given.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW}): greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description=f"Below {MIN_TOP_P}: served as {MIN_TOP_P}.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="Only one choice per request is served.")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Generation):
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] = Field(
+        description="Text, or token ids (each below the model's vocabulary size)."
+    )
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP, description="Wins over max_tokens.")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- OpenAI responses ------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose prefill was skipped (served from the KV cache).")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class Finish(enum.StrEnum):
+    """The finish reasons a client can see (an engine error is an error response, not a finish reason)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+    @classmethod
+    def of(cls, reason: FinishReason) -> Finish:
+        return cls.LENGTH if reason is FinishReason.LENGTH else cls.STOP
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Finish | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Finish
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: Finish | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvtier"
+    context_length: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+
+
+# -- admin -------------------------------------------------------------------------------
+class _PromptOrMessages(_Body):
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    tenant: str | None = Field(None, description="Whose cache; null: the default tenant (only when no API keys).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> _PromptOrMessages:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class LookupRequest(_PromptOrMessages):
+    """``messages`` are rendered as /v1/chat/completions would (with the assistant turn's opening)."""
+
+
+class LookupResponse(BaseModel):
+    tenant: str
+    prompt_tokens: int
+    cached_tokens: int = Field(description="Leading tokens held in host or disk, whole blocks only.")
+    tiers: dict[TierKind, int] = Field(description="Of cached_tokens, how many each tier would serve.")
+    miss_reason: MissReason
+
+
+class PinRequest(_PromptOrMessages):
+    """``messages`` are rendered as a prefix (no assistant turn opened), e.g. a shared system prompt."""
+
+    ttl_s: float = Field(ge=0.0, le=31 * 86400.0, description="Seconds to keep it; 0 unpins.")
+
+
+class PinResponse(BaseModel):
+    tenant: str
+    pinned_blocks: int
+    pinned_tokens: int
+    cached_tokens: int = Field(description="Of the pinned tokens, how many are cached now (host or disk).")
+    ttl_s: float
+
+
+class ClearRequest(_Body):
+    tier: TierKind | None = Field(None, description="null: every tier.")
+
+
+class ClearResponse(BaseModel):
+    dropped_blocks: dict[TierKind, int]
+
+
+# -- stats -------------------------------------------------------------------------------
+class LatencyReport(BaseModel):
+    """Percentiles are bucket upper bounds; null when there is no sample, or past the largest bucket."""
+
+    count: int
+    sum_s: float
+    p50_s: float | None
+    p90_s: float | None
+    p99_s: float | None
+    buckets: list[tuple[float, int]] = Field(default_factory=list, exclude=True)  # for /metrics (the last is +Inf)
+
+
+class TierReport(BaseModel):
+    """One tier. ``device`` is the engine's own pool: its hits are blocks still resident from earlier
+    requests; it has no lookups, loads or bytes moved of its own, and its releases are not counted as evictions.
+    """
+
+    capacity_bytes: int
+    used_bytes: int
+    capacity_blocks: int
+    blocks: int
+    lookups: int
+    hit_tokens: int
+    miss_tokens: int
+    hit_rate: float | None
+    confirm_mismatches: int
+    evictions: int
+    demotions: int
+    bytes_read: int
+    bytes_written: int
+    bytes_moved: int
+    checksum_failures: int
+    errors: int
+    load_latency: LatencyReport
+
+
+class EngineReport(BaseModel):
+    requests: dict[FinishReason, int] = Field(description="Finished requests by finish reason.")
+    in_flight: int
+    prefill_tokens_computed: int
+    prefill_tokens_skipped: int
+    ttft: LatencyReport
+    prefill_seconds_per_token: float | None = Field(
+        description="Measured: step time spent on prefill (a token-proportional share) per prefilled token."
+    )
+    prefill_seconds_saved_estimate: float = Field(description="prefill_tokens_skipped x prefill_seconds_per_token.")
+
+
+class StatsReport(BaseModel):
+    model: str
+    block_size: int
+    tiers: dict[TierKind, TierReport]
+    pinned_blocks: int = Field(description="Host blocks pinned by loads in progress.")
+    ttl_pinned_blocks: int = Field(description="Keys under a live /admin/pin.")
+    engine: EngineReport

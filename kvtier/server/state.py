@@ -1,0 +1,23 @@
+"""Everything the routes share, built once by :func:`kvtier.server.main.build_state` and held by the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.config import Config
+from kvtier.engine.runtime import LoadedModel
+from kvtier.manager import CacheManager
+from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.loop import EngineLoop
+
+
+@dataclass(frozen=True)
+class ServerState:
+    config: Config
+    model_name: str
+    loaded: LoadedModel  # the tokenizer and chat template; the weights are the engine thread's
+    cache: CacheManager
+    loop: EngineLoop
+    tenants: Tenants
+    admin: AdminToken
+    created: int  # unix time the server started, reported as the model's ``created``

@@ -1,0 +1,151 @@
+"""A real ``kvtier serve`` in a subprocess, on a free loopback port, with a temp data_dir and small tiers.
+
+Also the greedy reference the server's outputs are compared with: the same
+model in this process, with no cache at all (``cache=None``, nothing kept
+resident), so any difference the cache or batching made would show.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import requests
+import yaml
+
+from kvtier.config import Config, load_config
+from kvtier.engine.engine import Completion
+from kvtier.engine.runtime import LoadedModel, make_engine
+from kvtier.engine.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+B = 16  # block_size, the default
+ADMIN = "admin-token-for-tests-0123456789"
+SIZES: dict[str, Any] = {
+    "engine": {"pool_bytes": 400 * 46080 * B, "dtype": "float32"},  # 400 fp32 blocks of SmolLM2-135M
+    "host": {"capacity_bytes": "64MiB"},
+    "disk": {"capacity_bytes": "128MiB"},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return requests.get(self.url + path, timeout=120, **kw)
+
+    def post(self, path: str, **kw: Any) -> requests.Response:
+        return requests.post(self.url + path, timeout=120, **kw)
+
+    def admin_post(self, path: str, body: dict[str, Any] | None = None) -> requests.Response:
+        return self.post(path, json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def stats(self) -> dict[str, Any]:
+        response = self.get("/stats")
+        response.raise_for_status()
+        return response.json()
+
+
+def write_config(tmp: Path, server: dict[str, Any]) -> Path:
+    tree = {"data_dir": str(tmp / "data"), **SIZES, "server": {"admin_token": ADMIN, **server}}
+    path = tmp / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _wait_healthy(server: LiveServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"kvtier serve exited with {server.process.returncode}:\n{server.log.read_text()}")
+        try:
+            if server.get("/health").status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"kvtier serve was not healthy after {timeout_s}s:\n{server.log.read_text()}")
+
+
+@contextmanager
+def running(tmp: Path, **server: Any) -> Iterator[LiveServer]:
+    """``kvtier serve`` with ``server`` settings; terminated (SIGTERM, then SIGKILL) on exit."""
+    config = write_config(tmp, server)
+    port = free_port()
+    log = tmp / "server.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "--config", str(config), "serve", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    live = LiveServer(f"http://127.0.0.1:{port}", process, log)
+    try:
+        _wait_healthy(live, timeout_s=120)
+        yield live
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# -- the reference -------------------------------------------------------------------------------------
+def reference_config(tmp: Path) -> Config:
+    cfg = load_config(environ={"KVTIER_DATA_DIR": str(tmp / "ref-data")})
+    tree = cfg.model_dump()
+    tree["engine"] = {**tree["engine"], **SIZES["engine"]}
+    return Config.model_validate(tree)
+
+
+class Reference:
+    """Greedy outputs with no cache: what every server answer must equal, token for token."""
+
+    def __init__(self, loaded: LoadedModel, tmp: Path) -> None:
+        self.loaded = loaded
+        self._engine = make_engine(loaded, reference_config(tmp), cache=None, keep_resident=False)
+
+    def run(self, ids: list[int], max_tokens: int) -> Completion:
+        (done,) = self._engine.generate([ids], SamplingParams(max_tokens=max_tokens))
+        return done
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[int], Completion]:
+        ids = self.loaded.chat_ids(messages)
+        return ids, self.run(ids, max_tokens)
+
+
+def shared_full_blocks(prompt: list[int], seen: list[list[int]]) -> int:
+    """Tokens of the longest whole-block prefix ``prompt`` shares with a sequence the server computed KV for.
+
+    Capped so one prompt token is always left to compute (the engine needs a logit to sample from).
+    """
+    best = 0
+    for seq in seen:
+        n = 0
+        while n < min(len(prompt), len(seq)) and prompt[n] == seq[n]:
+            n += 1
+        best = max(best, n)
+    return min(best // B, (len(prompt) - 1) // B) * B

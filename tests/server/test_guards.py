@@ -1,0 +1,109 @@
+"""The server's guards, without a model: tenants from keys, the admin token, the body limit, the bind check."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from kvtier.config import ConfigError, load_config
+from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.limits import BodyLimit
+from kvtier.server.main import check_bind, is_loopback
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tenants_come_from_the_key_alone() -> None:
+    keyed = Tenants({"sk-alpha-0123456789": "alpha", "sk-beta-0123456789": "beta"}, "default")
+    assert not keyed.open
+    assert keyed.from_key("sk-alpha-0123456789").namespace == "tenant/alpha"
+    assert keyed.from_key("sk-beta-0123456789").name == "beta"
+    assert keyed.from_key(None) is None and keyed.from_key("sk-alpha-012345678") is None
+    assert keyed.by_name(None) is None and keyed.by_name("alpha").namespace == "tenant/alpha"
+    open_ = Tenants({}, "default")
+    assert open_.open and open_.from_key(None) == open_.from_key("anything") == open_.by_name(None)
+    assert open_.from_key(None).namespace == "default"
+
+
+def test_admin_token() -> None:
+    token = AdminToken(SecretStr("admin-token-0123456789"))
+    assert token.allows("admin-token-0123456789")
+    assert not token.allows("admin-token-012345678") and not token.allows(None) and not token.allows("")
+    assert not AdminToken(None).allows("") and not AdminToken(None).allows("anything")
+
+
+def test_config_refuses_weak_secrets_and_bad_tenant_names() -> None:
+    with pytest.raises(ConfigError, match=r"server\.admin_token.*16 characters"):
+        load_config(environ={"KVTIER_SERVER__ADMIN_TOKEN": "short"})
+    assert "short" not in repr(load_config(environ={"KVTIER_SERVER__ADMIN_TOKEN": "x" * 16}).server)
+    for keys, problem in (({"short": "a"}, "8 characters"), ({"sk-0123456789": "bad name!"}, "must match")):
+        cfg = load_config(environ={})
+        tree = cfg.model_dump()
+        tree["server"]["api_keys"] = keys
+        with pytest.raises(ValueError, match=problem):
+            type(cfg).model_validate(tree)
+
+
+async def _send_chunked(limit: int, chunks: list[bytes]) -> tuple[list[dict], list[bytes]]:
+    """Drive BodyLimit with a chunked body (no Content-Length); returns what the client got and the app read."""
+    app_read: list[bytes] = []
+
+    async def app(scope, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            app_read.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    incoming = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"transfer-encoding", b"chunked")]}
+    await BodyLimit(app, max_bytes=limit)(scope, receive, send)
+    return sent, app_read
+
+
+def test_a_chunked_body_over_the_limit_gets_413_and_the_app_stops_reading() -> None:
+    sent, read = asyncio.run(_send_chunked(10, [b"12345", b"67890", b"x", b"never read"]))
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [413]
+    assert read == [b"12345", b"67890"]
+    sent, read = asyncio.run(_send_chunked(10, [b"12345", b"67890"]))
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]
+
+
+@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                                 ("127.0.0.2", True), ("0.0.0.0", False), ("::", False),
+                                                 ("10.1.2.3", False), ("example.com", False)])  # fmt: skip
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_a_non_loopback_bind_needs_an_admin_token(tmp_path: Path) -> None:
+    env = {"KVTIER_DATA_DIR": str(tmp_path), "KVTIER_SERVER__HOST": "0.0.0.0"}
+    with pytest.raises(ConfigError, match="non-loopback"):
+        check_bind(load_config(environ=env))
+    check_bind(load_config(environ={**env, "KVTIER_SERVER__ADMIN_TOKEN": "admin-token-0123456789"}))
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "KVTIER_DATA_DIR": str(tmp_path)},
+        timeout=120,
+    )
+    assert out.returncode == 2 and "refusing to serve on the non-loopback address 0.0.0.0" in out.stderr

@@ -1,0 +1,110 @@
+"""The engine thread on the real model: one request's failure ends that request only, and a crash is survived."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import Config
+from kvtier.engine.engine import Engine, FinishReason
+from kvtier.engine.runtime import LoadedModel, make_engine
+from kvtier.engine.sampling import SamplingParams
+from kvtier.server.loop import Delta, EngineLoop, Failure, Outcome, Stream, Submission
+from kvtier.server.metrics import EngineMetrics
+from tests.server.live import B, Reference, reference_config
+
+GREEDY = SamplingParams(max_tokens=6)
+
+
+def small_pool(tmp: Path, blocks: int) -> Config:
+    cfg = reference_config(tmp)
+    tree = cfg.model_dump()
+    tree["engine"] = {**tree["engine"], "pool_bytes": blocks * 46080 * B}
+    return Config.model_validate(tree)
+
+
+async def run(loop: EngineLoop, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[Outcome]:
+    """Submit every prompt at once (they batch) and gather each one's outcome; deltas must add up to its text."""
+    streams = [Stream() for _ in prompts]
+    for i, (ids, stream) in enumerate(zip(prompts, streams, strict=True)):
+        loop.submit(Submission(f"r{i}", ids, params, "default", stream))
+
+    async def outcome(stream: Stream) -> Outcome:
+        text = ""
+        async for event in stream.events():
+            if isinstance(event, Delta):
+                text += event.text
+            else:
+                assert event.failure is not None or text == event.text
+                return event
+        raise AssertionError("no outcome")
+
+    return await asyncio.wait_for(asyncio.gather(*(outcome(s) for s in streams)), timeout=120)
+
+
+@pytest.fixture
+def prompts(loaded_model: LoadedModel) -> list[list[int]]:
+    return [loaded_model.chat_ids([{"role": "user", "content": t}]) for t in ("Say hi.", "Count to 3.")]
+
+
+def test_a_request_the_engine_refuses_ends_alone(
+    loaded_model: LoadedModel, tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    expected = [Reference(loaded_model, tmp_path).run(p, GREEDY.max_tokens).text for p in prompts]
+    loop = EngineLoop(lambda: make_engine(loaded_model, small_pool(tmp_path, 8), cache=None), EngineMetrics())
+    loop.start()
+    try:
+        too_big = prompts[0] * 6  # more KV blocks than the whole pool: refused at admission
+        first, refused, second, empty = asyncio.run(run(loop, [prompts[0], too_big, prompts[1], []]))
+    finally:
+        loop.stop()
+    assert [first.text, second.text] == expected
+    assert first.failure is None and second.failure is None
+    assert refused.failure is Failure.REJECTED and "KV blocks" in refused.message
+    assert empty.failure is Failure.REJECTED and "at least one token" in empty.message
+    report = loop.metrics.engine_report()
+    assert report.requests[FinishReason.ERROR] == 1 and report.in_flight == 0
+
+
+def test_a_failed_step_fails_the_batch_then_a_rebuilt_engine_serves(
+    loaded_model: LoadedModel, tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    built: list[Engine] = []
+
+    def build() -> Engine:
+        engine = make_engine(loaded_model, small_pool(tmp_path, 64), cache=None)
+        if not built:
+
+            def crash() -> list:
+                raise RuntimeError("injected step failure")
+
+            engine.step = crash  # type: ignore[method-assign]
+        built.append(engine)
+        return engine
+
+    expected = Reference(loaded_model, tmp_path).run(prompts[1], GREEDY.max_tokens).text
+    loop = EngineLoop(build, EngineMetrics())
+    loop.start()
+    try:
+        crashed = asyncio.run(run(loop, prompts))
+        (served,) = asyncio.run(run(loop, [prompts[1]]))
+        current = loop.call(lambda engine: engine).result(timeout=10)
+    finally:
+        loop.stop()
+    assert [o.failure for o in crashed] == [Failure.INTERNAL, Failure.INTERNAL]
+    assert len(built) == 2 and served.failure is None and served.text == expected
+    assert current is built[1]  # call() runs on the rebuilt engine
+    assert not loop.alive
+
+
+def test_call_hands_back_the_exception(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    loop = EngineLoop(lambda: make_engine(loaded_model, small_pool(tmp_path, 8), cache=None), EngineMetrics())
+    loop.start()
+    try:
+        with pytest.raises(ZeroDivisionError):
+            loop.call(lambda engine: 1 // 0).result(timeout=10)
+        assert loop.alive
+    finally:
+        loop.stop()
