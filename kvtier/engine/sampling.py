@@ -62,6 +62,7 @@ class Sampler:
             sorted_scores, order = torch.sort(scores, descending=True)
             cum = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
             drop = cum - torch.softmax(sorted_scores, dim=-1) >= p.top_p  # keep the token that crosses top_p
+            drop[0] = False  # a top_p that rounds to 0 in float32 must still leave the most likely token
             scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -20,6 +20,7 @@ def test_greedy_is_argmax() -> None:
 def test_top_k_one_and_tiny_top_p_are_argmax() -> None:
     assert set(draws(SamplingParams(temperature=1.0, top_k=1, seed=1))) == {1}
     assert set(draws(SamplingParams(temperature=1.0, top_p=0.01, seed=1))) == {1}
+    assert set(draws(SamplingParams(temperature=1.0, top_p=5e-324, seed=1))) == {1}  # 0 in float32
 
 
 def test_top_k_restricts_the_support() -> None:
