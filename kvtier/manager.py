@@ -39,7 +39,7 @@ from kvtier.layout import KVLayout
 from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.stats import TierStats
 from kvtier.tiers.base import BlockRecord, Tier, TierKind
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import DiskTier, io_mode_for
 from kvtier.tiers.host import HostTier
 from kvtier.transfer import JobId, JobStatus, TransferWorker
 
@@ -115,6 +115,7 @@ class CacheManager:
                 file_bytes=int(config.disk.file_bytes),
                 fsync=config.disk.fsync,
                 on_mismatch=config.disk.on_mismatch,
+                io_mode=io_mode_for(config.disk.io),
             )
         self.tiers: list[Tier] = [t for t in (self.host, self.disk) if t is not None]
         self._policies: dict[TierKind, EvictionPolicy] = {

@@ -245,3 +245,12 @@ def test_write_back_blocks_survive_a_clean_shutdown(tmp_path: Path) -> None:
     with manager(tmp_path) as m:  # close() flushed host to disk
         assert m.lookup(tokens).tiers == (D, D, D)
         assert all(torch.equal(g, as_bytes(b)) for g, b in zip(loaded_bytes(m, tokens), blocks, strict=True))
+
+
+def test_disk_io_mode_comes_from_the_config(tmp_path: Path) -> None:
+    from kvtier.tiers.disk import IOMode
+
+    with manager(tmp_path / "a") as m:
+        assert m.disk.io_mode is IOMode.BUFFERED  # the measured default
+    with manager(tmp_path / "b", disk={"io": "auto"}) as m:
+        assert m.disk.io_mode in (IOMode.DIRECT, IOMode.BUFFERED)  # whatever the filesystem allows

@@ -43,7 +43,7 @@ from kvtier.keys import BlockKey, KeyHasher, Secret
 from kvtier.layout import KVLayout
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import DiskTier, IOMode, io_mode_for
 from kvtier.tiers.host import HostTier, align_up
 
 KEY_TOKENS = 131072
@@ -143,7 +143,7 @@ def _raw_direct_read(path: Path, buf: Any) -> None:
         os.close(fd)
 
 
-def bench_disk(layout: KVLayout, n: int, reps: int, where: Path) -> dict[str, Any]:
+def bench_disk(layout: KVLayout, n: int, reps: int, where: Path, io_mode: IOMode | None = None) -> dict[str, Any]:
     tier = DiskTier(
         where / "tier",
         layout,
@@ -151,6 +151,7 @@ def bench_disk(layout: KVLayout, n: int, reps: int, where: Path) -> dict[str, An
         model_fingerprint="bench",
         fsync=FsyncMode.BATCH,
         file_bytes=n * tier_slot(layout),
+        io_mode=io_mode,
     )
     w = _Workload.make(layout, n)
     src, dst, keys, outs, nbytes = w.src, w.dst, w.keys, w.outs, w.nbytes
@@ -219,7 +220,8 @@ def run(config: Config, spec: BenchSpec) -> dict[str, Any]:
         with tqdm(total=len(steps), desc="bench tiers", unit="step", leave=False) as bar:
             result["host"] = bench_host(layout, n, spec.reps)
             bar.update()
-            result["disk"] = bench_disk(layout, n, spec.reps, where)
+            io_mode = io_mode_for(config.disk.io)
+            result["disk"] = bench_disk(layout, n, spec.reps, where, io_mode)
             bar.update()
             result["keys"] = bench_keys(where, spec.reps, bs)
             bar.update()
@@ -234,7 +236,7 @@ def run(config: Config, spec: BenchSpec) -> dict[str, Any]:
                         "block_size": b,
                         "block_bytes": lay.block_bytes,
                         "host_get_gbps": bench_host(lay, nb, spec.reps)["get_gbps"],
-                        "disk_get_gbps": bench_disk(lay, nb, spec.reps, sub)["get_gbps"],
+                        "disk_get_gbps": bench_disk(lay, nb, spec.reps, sub, io_mode)["get_gbps"],
                         "keys_ms": bench_keys(sub, spec.reps, b)["keys_ms"],
                     }
                 )

@@ -47,7 +47,7 @@ import lmdb
 import numpy as np
 import torch
 
-from kvtier.config import FsyncMode, OnMismatch
+from kvtier.config import DiskIO, FsyncMode, OnMismatch
 from kvtier.errors import KVTierError, TierMismatchError, warn_once
 from kvtier.keys import KEY_BYTES, BlockKey
 from kvtier.layout import KVLayout
@@ -72,6 +72,11 @@ class IOMode(enum.StrEnum):
 
     DIRECT = "direct"  # O_DIRECT: no page cache; aligned requests, bounced when the memory is not aligned
     BUFFERED = "buffered"  # through the page cache: the filesystem refused O_DIRECT, or it was asked for
+
+
+def io_mode_for(setting: DiskIO) -> IOMode | None:
+    """The configured I/O mode; None (``auto``) lets the tier probe O_DIRECT at open."""
+    return {DiskIO.BUFFERED: IOMode.BUFFERED, DiskIO.DIRECT: IOMode.DIRECT, DiskIO.AUTO: None}[setting]
 
 
 @dataclass(frozen=True)
