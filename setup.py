@@ -16,6 +16,7 @@ setup(
             ["native/kvtier_native.c"],
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
+            libraries=["dl"],
             optional=True,
         )
     ],

@@ -35,6 +35,26 @@ def xxh3_128(data: bytes | memoryview, seed: int) -> bytes:
     return xxhash.xxh3_128_digest(data, seed)
 
 
+def _native_chain() -> Callable[[bytes, memoryview, int, int], list[bytes]] | None:
+    """The C loop over blocks (``kvtier._native``), calling the xxhash library's own xxh3-128.
+
+    None where the extension was not built or the xxhash build exports no
+    symbol; :meth:`KeyHasher.keys` then runs the same chain in Python.
+    """
+    try:
+        import xxhash._xxhash as lib
+
+        from kvtier import _native
+
+        _native.bind_xxh3(lib.__file__)
+    except (ImportError, OSError, AttributeError):
+        return None
+    return _native.xxh3_128_chain
+
+
+_CHAIN = _native_chain()
+
+
 @dataclass(frozen=True)
 class Secret:
     """The per-deployment secret that keys every block hash.
@@ -156,8 +176,10 @@ class KeyHasher:
             key(i-1) (16 bytes; key(-1) is :meth:`root`)
             || tokens[i*B:(i+1)*B] as little-endian int32 (4*B bytes)
 
-        The tokens are converted to one little-endian int32 buffer up front,
-        so the Python loop runs once per block, never once per token.
+        The tokens are converted to one little-endian int32 buffer up front;
+        the chain then runs in C (``kvtier._native``, with the xxhash library's
+        own xxh3-128) or, without the extension, as a Python loop per block,
+        never per token. Both give the same bytes.
         """
         n = self.num_full_blocks(len(tokens))
         if n == 0:
@@ -165,8 +187,10 @@ class KeyHasher:
         body = np.ascontiguousarray(np.asarray(tokens)[: n * self.block_size], dtype="<i4")
         view = memoryview(body).cast("B")
         stride = 4 * self.block_size
-        buf = bytearray(KEY_BYTES + stride)
         prev = self.root(namespace)
+        if _CHAIN is not None and self._hash is xxh3_128:
+            return _CHAIN(prev, view, stride, self._seed)  # type: ignore[return-value]
+        buf = bytearray(KEY_BYTES + stride)
         hash128, seed = self._hash, self._seed
         out: list[BlockKey] = []
         for i in range(n):

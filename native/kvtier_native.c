@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -989,6 +990,82 @@ done:
 /* Module                                                                     */
 /* ------------------------------------------------------------------------- */
 
+/* ------------------------------------------------------------------------- */
+/* The block-key chain (kvtier/keys.py spells out the bytes)                  */
+/* ------------------------------------------------------------------------- */
+
+/* xxh3-128 is not reimplemented here: the xxhash package's own extension exports
+   XXH3_128bits_withSeed, and bind_xxh3 looks it up there at import time, so keys
+   computed here are those of the xxhash library by construction. */
+typedef struct {
+    uint64_t low64, high64;
+} xxh128_t;
+typedef xxh128_t (*xxh3_128_seeded_fn)(const void *, size_t, uint64_t);
+static xxh3_128_seeded_fn g_xxh3_128 = NULL;
+
+static PyObject *py_bind_xxh3(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (path == NULL) return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) return PyErr_Format(PyExc_OSError, "bind_xxh3: %s", dlerror());
+    void *sym = dlsym(lib, "XXH3_128bits_withSeed");
+    if (sym == NULL) return PyErr_Format(PyExc_OSError, "bind_xxh3: %s exports no XXH3_128bits_withSeed", path);
+    g_xxh3_128 = (xxh3_128_seeded_fn)sym; /* the library stays loaded: Python holds it too */
+    Py_RETURN_NONE;
+}
+
+static void put_be64(unsigned char *out, uint64_t v) {
+    for (int i = 7; i >= 0; i--, v >>= 8) out[i] = (unsigned char)(v & 0xff);
+}
+
+static PyObject *py_xxh3_128_chain(PyObject *mod, PyObject *args) {
+    (void)mod;
+    Py_buffer root, body;
+    Py_ssize_t block_bytes;
+    unsigned long long seed;
+    if (g_xxh3_128 == NULL) return PyErr_Format(PyExc_RuntimeError, "xxh3_128_chain: call bind_xxh3 first");
+    if (!PyArg_ParseTuple(args, "y*y*nK:xxh3_128_chain", &root, &body, &block_bytes, &seed)) return NULL;
+    PyObject *out = NULL;
+    if (root.len != 16 || block_bytes <= 0 || body.len % block_bytes) {
+        PyErr_Format(PyExc_ValueError, "xxh3_128_chain: root must be 16 bytes and the body whole blocks of %zd",
+                     block_bytes);
+        goto done;
+    }
+    Py_ssize_t n = body.len / block_bytes;
+    unsigned char *digests = malloc((size_t)(n * 16 + 16 + block_bytes));
+    if (digests == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *buf = digests + n * 16; /* prev key || block, rebuilt per block */
+    const unsigned char *src = body.buf;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(buf, root.buf, 16);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(buf + 16, src + i * block_bytes, (size_t)block_bytes);
+        xxh128_t h = g_xxh3_128(buf, (size_t)(16 + block_bytes), (uint64_t)seed);
+        put_be64(buf, h.high64); /* the canonical digest: high half first, big-endian */
+        put_be64(buf + 8, h.low64);
+        memcpy(digests + i * 16, buf, 16);
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *key = PyBytes_FromStringAndSize((const char *)digests + i * 16, 16);
+        if (key == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, key);
+    }
+    free(digests);
+done:
+    PyBuffer_Release(&root);
+    PyBuffer_Release(&body);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"preadv_batch", (PyCFunction)(void (*)(void))py_preadv_batch, METH_VARARGS | METH_KEYWORDS,
      "preadv_batch(fd, buffers, offsets, bounce=None, align=4096) -> list[int]\n\n"
@@ -1018,6 +1095,12 @@ static PyMethodDef methods[] = {
      "crc32c_layers(buffer, layer_bytes) -> list[int]\n\nCRC-32C of each consecutive layer_bytes run."},
     {"_crc32c_portable", (PyCFunction)(void (*)(void))py_crc32c_portable, METH_VARARGS | METH_KEYWORDS,
      "The table-driven CRC-32C that runs where SSE4.2 does not (tests compare it with crc32c)."},
+    {"bind_xxh3", (PyCFunction)py_bind_xxh3, METH_O,
+     "bind_xxh3(path) -> None\n\nFind XXH3_128bits_withSeed in the xxhash extension at path."},
+    {"xxh3_128_chain", (PyCFunction)py_xxh3_128_chain, METH_VARARGS,
+     "xxh3_128_chain(root, body, block_bytes, seed) -> list[bytes]\n\n"
+     "Chained keys: key(i) = xxh3_128(key(i-1) || block i of body, seed), key(-1) = root; "
+     "the hashing runs without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

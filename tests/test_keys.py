@@ -120,3 +120,25 @@ def test_secret_changes_every_key(tmp_path: Path, secret: Secret) -> None:
 def test_no_key_for_short_input(secret: Secret) -> None:
     assert hasher(secret).keys([1, 2, 3], "ns") == []
     assert hasher(secret).keys([], "ns") == []
+
+
+def test_the_native_key_chain_is_the_one_in_use() -> None:
+    from kvtier import keys
+
+    assert keys._CHAIN is not None, "kvtier._native did not build or could not bind xxhash's XXH3_128bits_withSeed"
+
+
+@settings(max_examples=40)
+@given(tokens=st.lists(st.integers(0, 2**31 - 1), max_size=200), block_size=st.sampled_from([1, 4, 16, 33]))
+def test_native_chain_equals_the_python_chain(secret: Secret, tokens: list[int], block_size: int) -> None:
+    from kvtier.keys import xxh3_128
+
+    native = hasher(secret, block_size=block_size)
+    python = KeyHasher(
+        secret,
+        model_fingerprint="m",
+        layout_descriptor="L",
+        block_size=block_size,
+        hash128=lambda data, seed: xxh3_128(data, seed),  # not the default function: forces the Python loop
+    )
+    assert native.keys(tokens, "ns") == python.keys(tokens, "ns")
