@@ -109,6 +109,13 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from kvtier.bench import gpu
+
+    print(json.dumps(gpu.run(mib=args.mib, reps=args.reps)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for LLM inference.")
     parser.add_argument("--config", type=Path, default=None, help="YAML config (see config.example.yaml)")
@@ -153,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     tt.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     tt.set_defaults(run=_bench_ttft)
+    g = which.add_parser("gpu", help="host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)")
+    g.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
+    g.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
+    g.set_defaults(run=_bench_gpu)
     return parser
 
 

@@ -39,3 +39,11 @@ def test_transfer_runs_on_its_own_stream_and_reports_done_after_the_copy() -> No
     assert seen[0] != torch.cuda.default_stream()
     assert torch.equal(device.cpu(), as_bytes(block))
     worker.shutdown()
+
+
+def test_gpu_bench_moves_the_bytes_and_reports_both_directions() -> None:
+    from kvtier.bench import gpu
+
+    out = gpu.run(mib=16, reps=1)
+    assert out["cuda"] and out["h2d_gbps"] > 0 and out["raw_pinned_h2d_gbps"] > 0
+    assert out["d2h_gbps"] > 0 and 0 < out["h2d_vs_raw"]
