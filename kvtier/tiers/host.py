@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvtier.keys import BlockKey
@@ -34,6 +36,27 @@ SLOT_ALIGN = 4096
 
 def align_up(n: int, align: int = SLOT_ALIGN) -> int:
     return (n + align - 1) // align * align
+
+
+PARALLEL_COPY_MIN = 16  # blocks; below this a second thread costs more than it saves
+
+
+def _copy_all(work: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in work:
+        copy_bytes(dst, src)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one block's bytes; CPU to CPU through numpy, anything else through torch (async on CUDA).
+
+    Measured on the development VM: ``np.copyto`` of one ~368 KB block runs at
+    the speed of one big torch copy (22 vs 21 GB/s), while a per-block torch
+    ``copy_`` pays its dispatch and thread-pool start per call (8-19 GB/s).
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=True)
 
 
 class HostTier:
@@ -64,6 +87,7 @@ class HostTier:
         self._reserved: dict[BlockKey, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._lock = threading.Lock()
+        self._copier: ThreadPoolExecutor | None = None  # the second copy thread of get_many, made on first use
 
     # -- sizes ---------------------------------------------------------------
     @property
@@ -113,19 +137,39 @@ class HostTier:
         src = self.view(key)
         if src is None:
             return False
-        out.copy_(src)
+        copy_bytes(out, src)
         self.stats.add(bytes_read=src.numel())
         return True
 
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
-        return [self.get(k, o) for k, o in zip(keys, outs, strict=True)]
+        """One lock round and one stats update for the batch, and the copies split over two threads.
+
+        A single core does not saturate memory bandwidth here: two copy loops
+        (numpy releases the GIL while it copies) beat one large torch copy.
+        """
+        with self._lock:
+            slots = [self._slot_of.get(k) for k in keys]
+            if self._copier is None and len(slots) >= PARALLEL_COPY_MIN:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-host-copy")
+        bb, sb = self.layout.block_bytes, self._slot_bytes
+        work = [(out, self._slab[s * sb : s * sb + bb]) for s, out in zip(slots, outs, strict=True) if s is not None]
+        if len(work) >= PARALLEL_COPY_MIN:
+            half = len(work) // 2
+            assert self._copier is not None
+            other = self._copier.submit(_copy_all, work[:half])
+            _copy_all(work[half:])
+            other.result()
+        else:
+            _copy_all(work)
+        self.stats.add(bytes_read=len(work) * bb)
+        return [s is not None for s in slots]
 
     def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
         src = self.view(key)
         if src is None:
             return False
         off = self.layout.layer_offset(layer)
-        out.copy_(src[off : off + self.layout.layer_bytes])
+        copy_bytes(out, src[off : off + self.layout.layer_bytes])
         self.stats.add(bytes_read=self.layout.layer_bytes)
         return True
 
@@ -164,7 +208,7 @@ class HostTier:
             self.stats.add(rejected_stores=1)
             return False
         try:
-            dst.copy_(payload.reshape(-1).view(torch.uint8))
+            copy_bytes(dst, payload.reshape(-1).view(torch.uint8))
         except (RuntimeError, ValueError):
             self.abort(key)
             self.stats.add(errors=1)
@@ -199,4 +243,6 @@ class HostTier:
                 yield key, record
 
     def close(self) -> None:
-        pass
+        if self._copier is not None:
+            self._copier.shutdown()
+            self._copier = None

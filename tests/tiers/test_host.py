@@ -77,3 +77,16 @@ def test_too_small_capacity_is_a_clear_error() -> None:
 def test_cpu_slab_is_page_aligned_so_direct_reads_need_no_bounce() -> None:
     tier = HostTier(toy_layout(), 4 * 4096, pin=False)
     assert tier._slab.data_ptr() % 4096 == 0 and tier.slot_bytes % 4096 == 0
+
+
+def test_large_batches_split_over_two_copy_threads_stay_bit_exact() -> None:
+    layout = toy_layout(torch.bfloat16)
+    tier = HostTier(layout, 64 * 4096)
+    blocks = [payload(layout, i) for i in range(40)]
+    tier.put_many([key(i) for i in range(40)], blocks, [rec(i) for i in range(40)])
+    outs = [torch.empty(layout.block_bytes, dtype=torch.uint8) for _ in range(41)]
+    found = tier.get_many([key(i) for i in range(40)] + [key(99)], outs)
+    assert found == [True] * 40 + [False]
+    assert all(torch.equal(o, as_bytes(b)) for o, b in zip(outs, blocks, strict=False))
+    assert tier.stats.bytes_read == 40 * layout.block_bytes
+    tier.close()
