@@ -50,3 +50,17 @@ def make_hasher(tmp: Path, layout: KVLayout, **kw) -> KeyHasher:
 
 def prompt(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 49152, size=n, dtype=np.int32)
+
+
+def shared_full_blocks(prompt: list[int], seen: list[list[int]], block_size: int = 16) -> int:
+    """Tokens of the longest whole-block prefix ``prompt`` shares with a sequence whose KV was computed.
+
+    Capped so one prompt token is always left to compute (the engine needs a logit to sample from).
+    """
+    best = 0
+    for seq in seen:
+        n = 0
+        while n < min(len(prompt), len(seq)) and prompt[n] == seq[n]:
+            n += 1
+        best = max(best, n)
+    return min(best // block_size, (len(prompt) - 1) // block_size) * block_size

@@ -14,6 +14,7 @@ from kvtier.config import Config, load_config
 from kvtier.engine.engine import Engine, FinishReason
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
+from tests.helpers import shared_full_blocks
 
 B = 16
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,17 +48,6 @@ def converse(engine: Engine, loaded: LoadedModel) -> list[tuple[list[int], list[
         messages.append({"role": "assistant", "content": done.text})
         out.append((ids, done.token_ids, done.cached_tokens))
     return out
-
-
-def shared_full_blocks(prompt: list[int], earlier: list[list[int]]) -> int:
-    """Tokens of the longest full-block prefix ``prompt`` shares with a sequence the cache saw."""
-    best = 0
-    for seq in earlier:
-        n = 0
-        while n < min(len(prompt), len(seq)) and prompt[n] == seq[n]:
-            n += 1
-        best = max(best, n)
-    return min(best // B, (len(prompt) - 1) // B) * B
 
 
 @pytest.fixture(scope="module")

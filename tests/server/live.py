@@ -135,17 +135,3 @@ class Reference:
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[int], Completion]:
         ids = self.loaded.chat_ids(messages)
         return ids, self.run(ids, max_tokens)
-
-
-def shared_full_blocks(prompt: list[int], seen: list[list[int]]) -> int:
-    """Tokens of the longest whole-block prefix ``prompt`` shares with a sequence the server computed KV for.
-
-    Capped so one prompt token is always left to compute (the engine needs a logit to sample from).
-    """
-    best = 0
-    for seq in seen:
-        n = 0
-        while n < min(len(prompt), len(seq)) and prompt[n] == seq[n]:
-            n += 1
-        best = max(best, n)
-    return min(best // B, (len(prompt) - 1) // B) * B

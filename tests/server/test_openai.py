@@ -17,7 +17,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.runtime import LoadedModel
-from tests.server.live import B, LiveServer, Reference, running, shared_full_blocks
+from tests.helpers import shared_full_blocks
+from tests.server.live import B, LiveServer, Reference, running
 
 MAX = 8
 TURNS = ["List three prime numbers.", "Now add them up.", "Is the sum even or odd?"]
