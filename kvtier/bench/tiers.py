@@ -122,25 +122,20 @@ def _drop(fd: int) -> bool:
     return True
 
 
-def _raw_read(path: Path, buf: np.ndarray) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        view = memoryview(buf)
-        for off in range(0, buf.nbytes, RAW_CHUNK):
-            os.preadv(fd, [view[off : off + RAW_CHUNK]], off)
-    finally:
-        os.close(fd)
-
-
-def _raw_direct_read(path: Path, buf: Any) -> None:
-    """The same sequential read as :func:`_raw_read`, with O_DIRECT (``buf`` aligned, its size rounded up)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+def _raw_read(path: Path, buf: Any, flags: int = 0) -> None:
+    """A plain sequential read of ``path`` into ``buf`` in RAW_CHUNK requests (``flags``: e.g. O_DIRECT)."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         view = memoryview(buf)
         for off in range(0, view.nbytes, RAW_CHUNK):
             os.preadv(fd, [view[off : off + RAW_CHUNK]], off)
     finally:
         os.close(fd)
+
+
+def _raw_direct_read(path: Path, buf: Any) -> None:
+    """:func:`_raw_read` with O_DIRECT (``buf`` aligned, its size rounded up)."""
+    _raw_read(path, buf, os.O_DIRECT)
 
 
 def bench_disk(layout: KVLayout, n: int, reps: int, where: Path, io_mode: IOMode | None = None) -> dict[str, Any]:
