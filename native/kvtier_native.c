@@ -6,6 +6,8 @@
  *   alloc_aligned                 a writable buffer at an aligned address (O_DIRECT)
  *   crc32c / crc32c_layers        CRC-32C (Castagnoli): the SSE4.2 crc32 instruction,
  *                                 three streams interleaved, else a slicing-by-8 table
+ *   copy_regions                  many same-sized memcpys by address in one call, GIL
+ *                                 released (the engine's layer-by-layer KV onboarding)
  *
  * Everything here is also written in pure Python in kvtier/tiers/native.py (the
  * fallback for a platform without a compiler); tests check the two agree.
@@ -1066,6 +1068,32 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------------------------- */
+/* copy_regions: the engine's layer-wise host -> pool copies                  */
+/* ------------------------------------------------------------------------- */
+
+static PyObject *py_copy_regions(PyObject *mod, PyObject *args) {
+    (void)mod;
+    Py_buffer dst, src;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "y*y*n:copy_regions", &dst, &src, &nbytes)) return NULL;
+    PyObject *out = NULL;
+    if (dst.len != src.len || dst.len % (Py_ssize_t)sizeof(uint64_t) || nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_regions: two int64 address arrays of one length, nbytes >= 0");
+        goto done;
+    }
+    size_t n = (size_t)dst.len / sizeof(uint64_t);
+    const uint64_t *d = dst.buf, *s = src.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; i++) memcpy((void *)(uintptr_t)d[i], (const void *)(uintptr_t)s[i], (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    out = PyLong_FromSize_t(n);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"preadv_batch", (PyCFunction)(void (*)(void))py_preadv_batch, METH_VARARGS | METH_KEYWORDS,
      "preadv_batch(fd, buffers, offsets, bounce=None, align=4096) -> list[int]\n\n"
@@ -1101,6 +1129,10 @@ static PyMethodDef methods[] = {
      "xxh3_128_chain(root, body, block_bytes, seed) -> list[bytes]\n\n"
      "Chained keys: key(i) = xxh3_128(key(i-1) || block i of body, seed), key(-1) = root; "
      "the hashing runs without the GIL."},
+    {"copy_regions", (PyCFunction)py_copy_regions, METH_VARARGS,
+     "copy_regions(dst_addrs, src_addrs, nbytes) -> int\n\n"
+     "memcpy(dst_addrs[i], src_addrs[i], nbytes) for each i of two int64 address arrays, without the "
+     "GIL; returns how many. The addresses are trusted: the caller owns both sides and keeps them alive."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -34,10 +34,17 @@ The functions, in both backends:
 ``crc32c(buffer, seed=0) -> int`` and ``crc32c_layers(buffer, layer_bytes) -> list[int]``
     CRC-32C (Castagnoli; ``crc32c(b"123456789") == 0xE3069283``); ``seed``
     continues a previous result: ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
+``copy_regions(dst_addrs, src_addrs, nbytes) -> int``
+    ``memcpy`` of ``nbytes`` from each ``src_addrs[i]`` to ``dst_addrs[i]``
+    (two int64 numpy arrays of addresses), without the GIL: the engine copies
+    one layer of every loaded block into its pool with a single call while
+    the model computes the layer before. Addresses are trusted, so only code
+    that owns both sides (and keeps them alive) may call it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import mmap
 import os
@@ -64,6 +71,7 @@ class IOBackend:
     alloc_aligned: Callable[..., Buffer]
     crc32c: Callable[..., int]
     crc32c_layers: Callable[[Buffer, int], list[int]]
+    copy_regions: Callable[[Buffer, Buffer, int], int]
     crc32c_impl: str  # "sse4.2", "table" (C) or "python"
 
     @property
@@ -119,6 +127,16 @@ def _py_alloc_aligned(nbytes: int, alignment: int = 4096) -> memoryview:
     region = mmap.mmap(-1, nbytes + extra)
     skip = -address_of(region) % alignment
     return memoryview(region)[skip : skip + nbytes]
+
+
+def _py_copy_regions(dst_addrs: Buffer, src_addrs: Buffer, nbytes: int) -> int:
+    dst = np.frombuffer(dst_addrs, dtype=np.int64)
+    src = np.frombuffer(src_addrs, dtype=np.int64)
+    if len(dst) != len(src) or nbytes < 0:
+        raise ValueError("copy_regions: two int64 address arrays of one length, nbytes >= 0")
+    for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+        ctypes.memmove(d, s, nbytes)
+    return len(dst)
 
 
 def _check_pow2(what: str, n: int) -> None:
@@ -257,6 +275,7 @@ PYTHON = IOBackend(
     alloc_aligned=_py_alloc_aligned,
     crc32c=_py_crc32c,
     crc32c_layers=_py_crc32c_layers,
+    copy_regions=_py_copy_regions,
     crc32c_impl="python",
 )
 
@@ -282,6 +301,7 @@ def _load_native() -> tuple[IOBackend | None, str | None]:
         alloc_aligned=_native.alloc_aligned,
         crc32c=_native.crc32c,
         crc32c_layers=_native.crc32c_layers,
+        copy_regions=_native.copy_regions,
         crc32c_impl=_native.CRC32C_IMPL,
     )
     return backend, None
@@ -298,6 +318,7 @@ pwritev_crc32c_batch = BACKEND.pwritev_crc32c_batch
 alloc_aligned = BACKEND.alloc_aligned
 crc32c = BACKEND.crc32c
 crc32c_layers = BACKEND.crc32c_layers
+copy_regions = BACKEND.copy_regions
 
 
 def probe_direct(directory: Path, backend: IOBackend = BACKEND) -> str | None:
