@@ -112,6 +112,11 @@ class DiskConfig(_Section):
 
 class TransferConfig(_Section):
     workers: int = Field(2, ge=1, description="Transfer threads (CUDA streams: one per worker when a GPU exists).")
+    prefetch: bool = Field(True, description="Start moving a request's lower-tier blocks up as soon as it arrives.")
+    deadline_slack: float = Field(
+        2.0, gt=0, description="A prefetch may take this many times its predicted time (capped by what it saves)."
+    )
+    layerwise: bool = Field(True, description="Copy fetched KV into the engine pool layer by layer, under compute.")
 
 
 class CacheConfig(_Section):

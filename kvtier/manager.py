@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.breakeven import BreakEvenModel
 from kvtier.config import Config, WriteMode
+from kvtier.fetch import Fetch, LoadHandle
 from kvtier.index import LookupResult, MissReason, longest_prefix
 from kvtier.keys import BlockKey, KeyHasher, Secret, block_tokens
 from kvtier.layout import KVLayout
@@ -42,34 +44,6 @@ from kvtier.tiers.base import BlockRecord, Tier, TierKind
 from kvtier.tiers.disk import DiskTier, io_mode_for
 from kvtier.tiers.host import HostTier
 from kvtier.transfer import JobId, JobStatus, TransferWorker
-
-
-@dataclass
-class LoadHandle:
-    """Pinned host copies of a request's leading cached blocks; release when copied.
-
-    ``blocks[i]`` is block *i*'s payload (uint8, ``layout.block_bytes``), a view
-    of its host slot: zero-copy, valid until :meth:`CacheManager.complete_load`.
-    ``served_from[i]`` is the tier the block was found in before the load.
-    """
-
-    namespace: str
-    block_size: int
-    keys: list[BlockKey]
-    blocks: list[torch.Tensor]
-    served_from: list[TierKind]
-    _release: Callable[[LoadHandle], None] = field(repr=False)
-    released: bool = False
-
-    def __enter__(self) -> LoadHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._release(self)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.keys) * self.block_size
 
 
 @dataclass
@@ -83,6 +57,9 @@ class StorePlan:
     already_cached: int = 0
     next_block: int = 0  # first block of the request this plan did not cover
     done: bool = field(default=False, repr=False)
+
+
+PROMOTE_BATCH = 32  # disk blocks per batched read: large enough to stream, small enough to stop on time
 
 
 class CacheManager:
@@ -130,6 +107,9 @@ class CacheManager:
         self._lock = threading.RLock()
         self.worker = TransferWorker(config.transfer.workers)
         self.write_mode = config.cache.write_mode
+        self.costs = BreakEvenModel(
+            layout.block_size, layout.block_bytes, deadline_slack=config.transfer.deadline_slack
+        )
 
     # -- ② lookup ------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> list[BlockKey]:
@@ -175,7 +155,7 @@ class CacheManager:
             found = longest_prefix(keys, blocks, self.tiers)
         return LookupResult(ns, self.layout.block_size, len(tokens), tuple(keys), tuple(found.tiers), found.reason)
 
-    # -- ③ load ----------------------------------------------------------------
+    # -- ③ fetch and load ----------------------------------------------------------
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> LoadHandle:
         """Pin cached blocks ``start ..`` (default: the result's first) in host memory, promoting disk blocks.
 
@@ -185,70 +165,144 @@ class CacheManager:
         gap. A prefix larger than host memory is loaded in pieces: ask for
         ``max_blocks`` at a time (see :meth:`load_chunk`), copy, release, go on.
         Release with :meth:`complete_load` (or use the handle's ``with``).
+        This is :meth:`fetch` run to the end on the calling thread.
+        """
+        return self.fetch(result, start=start, max_blocks=max_blocks, inline=True).take()
+
+    def fetch(
+        self,
+        result: LookupResult,
+        *,
+        start: int | None = None,
+        max_blocks: int | None = None,
+        deadline_s: float | None = None,
+        inline: bool = False,
+    ) -> Fetch:
+        """Start pinning blocks ``start ..`` in host memory; take the landed prefix later with :meth:`Fetch.take`.
+
+        Host blocks are pinned before this returns; disk blocks are promoted
+        in batches on a transfer thread (or on this one, ``inline``). After
+        ``deadline_s`` seconds (None: no deadline) promotion stops and
+        ``take`` stops waiting: the rest becomes a miss.
         """
         first = result.first_block if start is None else start
         stop = result.cached_blocks if max_blocks is None else min(result.cached_blocks, first + max_blocks)
-        handle = LoadHandle(result.namespace, result.block_size, [], [], [], self.complete_load)
-        for key in result.keys[first:stop]:
-            started = time.perf_counter()
-            with self._lock:
+        keys = list(result.keys[first:stop])
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        fetch = Fetch(result.namespace, result.block_size, first, len(keys), deadline, self.complete_load)
+        landed = self._pin_host_run(keys, fetch)
+        rest = keys[landed:]
+        if not rest or self.disk is None:
+            fetch.finish()
+        elif inline:
+            self._promote_into(fetch, rest)
+        else:
+            self.worker.submit(lambda: self._promote_into(fetch, rest))
+        return fetch
+
+    def _pin_host_run(self, keys: list[BlockKey], fetch: Fetch) -> int:
+        """Pin the leading run of ``keys`` that host already holds, at once; how many."""
+        started = time.perf_counter()
+        views: list[torch.Tensor] = []
+        with self._lock:
+            for key in keys:
                 view = self.host.view(key)
+                if view is None:
+                    break
+                self._pins[key] += 1
+                self._policies[TierKind.HOST].on_access(key)
+                views.append(view)
+        if views:
+            fetch.land(keys[: len(views)], views, [TierKind.HOST] * len(views))
+            self.host.stats.observe_load(time.perf_counter() - started)
+        return len(views)
+
+    def _promote_into(self, fetch: Fetch, keys: list[BlockKey]) -> None:
+        """Promote ``keys`` in order, a batch at a time, until one fails or nobody waits any more."""
+        try:
+            for at in range(0, len(keys), PROMOTE_BATCH):
+                if fetch.stopped:
+                    break
+                batch = keys[at : at + PROMOTE_BATCH]
+                views, kinds = self._promote_many(batch)
+                if not fetch.land(batch[: len(views)], views, kinds):
+                    self._unpin(batch[: len(views)])  # taken meanwhile: too late to be used
+                    break
+                if len(views) < len(batch):
+                    break
+        finally:
+            fetch.finish()
+
+    def _promote_many(self, keys: list[BlockKey]) -> tuple[list[torch.Tensor], list[TierKind]]:
+        """Pin the leading ``keys`` that can be served, copying disk blocks to host in one batched read."""
+        disk = self.disk
+        assert disk is not None
+        views: list[torch.Tensor] = []
+        kinds: list[TierKind] = []
+        reads: list[tuple[int, BlockKey, BlockRecord]] = []  # (position in views, key, record)
+        with self._lock:
+            self._make_room(self.host, sum(not self.host.contains(k) for k in keys))
+            for key in keys:
+                view = self.host.view(key)  # stored or promoted by someone else since the lookup
                 if view is not None:
                     self._pins[key] += 1
-                    self._policies[TierKind.HOST].on_access(key)
-                    handle.keys.append(key)
-                    handle.blocks.append(view)
-                    handle.served_from.append(TierKind.HOST)
-                    self.host.stats.observe_load(time.perf_counter() - started)
+                    views.append(view)
+                    kinds.append(TierKind.HOST)
                     continue
-            view = self._promote(key)
-            if view is None:
-                break
-            handle.keys.append(key)
-            handle.blocks.append(view)
-            handle.served_from.append(TierKind.DISK)
-            if self.disk is not None:
-                self.disk.stats.observe_load(time.perf_counter() - started)
-        return handle
+                record = disk.record(key)
+                if record is None:
+                    break  # gone from disk since the lookup
+                slot = self.host.reserve(key, record)
+                if slot is None and self._make_room(self.host, 1):  # an eviction above made this one a miss
+                    slot = self.host.reserve(key, record)
+                if slot is None:
+                    break  # host is pinned full
+                reads.append((len(views), key, record))
+                views.append(slot)
+                kinds.append(TierKind.DISK)
+        if not reads:
+            return views, kinds
+        started = time.perf_counter()
+        ok = disk.get_many([k for _, k, _ in reads], [views[i] for i, _, _ in reads])
+        seconds = time.perf_counter() - started
+        disk.stats.observe_load(seconds)
+        self.costs.observe_fetch(TierKind.DISK, sum(ok) * self.layout.block_bytes, seconds)
+        bad = next((i for (i, _, _), good in zip(reads, ok, strict=True) if not good), len(views))
+        with self._lock:
+            for (i, key, record), good in zip(reads, ok, strict=True):
+                if i >= bad or not good:
+                    self.host.abort(key)
+                    continue
+                self.host.commit(key)
+                self._policies[TierKind.HOST].on_insert(key, record.parent)
+                self._policies[TierKind.DISK].on_access(key)
+                self._pins[key] += 1
+            for key, kind in zip(keys[bad : len(views)], kinds[bad:], strict=True):
+                if kind is TierKind.HOST:  # pinned above, but after the failed block: useless
+                    self._unpin_locked(key)
+        return views[:bad], kinds[:bad]
 
     @property
     def load_chunk(self) -> int:
         """Blocks one load should ask for so that several loads can be pinned at once."""
         return max(1, self.host.capacity_blocks // 4)
 
-    def _promote(self, key: BlockKey) -> torch.Tensor | None:
-        """Copy one block disk → host and return its pinned host slot, or None (a miss)."""
-        disk = self.disk
-        if disk is None:
-            return None
-        with self._lock:
-            record = disk.record(key)
-            if record is None or not self._make_room(self.host, 1):
-                return None  # host is pinned full
-            slot = self.host.reserve(key, record)
-            if slot is None:
-                return None
-        if not disk.get(key, slot):
-            with self._lock:
-                self.host.abort(key)
-            return None
-        with self._lock:
-            self.host.commit(key)
-            self._policies[TierKind.HOST].on_insert(key, record.parent)
-            self._policies[TierKind.DISK].on_access(key)
-            self._pins[key] += 1
-        return slot
-
     def complete_load(self, handle: LoadHandle) -> None:
         """Unpin a load's blocks; after this their host slots may be evicted and reused."""
         if handle.released:
             return
         handle.released = True
+        self._unpin(handle.keys)
+
+    def _unpin(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
-            for key in handle.keys:
-                self._pins[key] -= 1
-                if self._pins[key] == 0:
-                    del self._pins[key]
+            for key in keys:
+                self._unpin_locked(key)
+
+    def _unpin_locked(self, key: BlockKey) -> None:
+        self._pins[key] -= 1
+        if self._pins[key] <= 0:
+            del self._pins[key]
 
     def pinned(self, key: BlockKey) -> int:
         with self._lock:
@@ -397,16 +451,33 @@ class CacheManager:
                     f"block {first_block + j}: payload of {block.numel() * block.element_size()} B, "
                     f"layout wants {want} B"
                 )
+        return self._store_blocks(
+            tokens,
+            namespace,
+            first_block,
+            len(blocks),
+            lambda i, out: out.copy_(blocks[i - first_block].reshape(-1).view(torch.uint8)),
+        )
+
+    def _store_blocks(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        namespace: str | None,
+        first_block: int,
+        num_blocks: int,
+        fill: Callable[[int, torch.Tensor], object],
+    ) -> int:
+        """Store blocks ``first_block ..`` as plans of at most half the host tier; ``fill(i, out)`` writes block i."""
         keys = self.hasher.keys(tokens, namespace or self.config.cache.namespace)
         table = block_tokens(tokens, self.layout.block_size)
-        last = min(len(keys), first_block + len(blocks))
+        last = min(len(keys), first_block + num_blocks)
         chunk = max(1, self.host.capacity_blocks // 2)
         stored, i = 0, first_block
         while i < last:
             plan = self._prepare(keys, table, i, min(last, i + chunk))
             try:
                 for buf, b in zip(plan.buffers, plan.block_indices, strict=True):
-                    buf.copy_(blocks[b - first_block].reshape(-1).view(torch.uint8))
+                    fill(b, buf)
             except BaseException:
                 self.complete_store(plan, success=False)
                 raise
@@ -430,6 +501,25 @@ class CacheManager:
         """
         tokens = np.array(tokens, dtype=np.int32)  # the caller may reuse its list
         return self.worker.submit(lambda: self.store_now(tokens, blocks, namespace, first_block=first_block))
+
+    def store_from(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        fill: Callable[[int, torch.Tensor], object],
+        namespace: str | None = None,
+        *,
+        first_block: int = 0,
+        num_blocks: int,
+    ) -> JobId:
+        """Asynchronous store whose payloads are copied on the transfer thread by ``fill(i, out)``.
+
+        ``fill`` writes block ``i``'s payload straight into its reserved host
+        slot ``out``: an engine passes a copy out of its own pool, so storing
+        costs its step no copy at all. Whatever ``fill`` reads must stay
+        unchanged until :meth:`poll` reports the job done.
+        """
+        tokens = np.array(tokens, dtype=np.int32)
+        return self.worker.submit(lambda: self._store_blocks(tokens, namespace, first_block, num_blocks, fill))
 
     def poll(self, job: JobId) -> JobStatus:
         return self.worker.poll(job)
@@ -508,6 +598,7 @@ class CacheManager:
             out[tier.kind.value] = snap
         with self._lock:
             out["pinned_blocks"] = len(self._pins)
+        out["break_even"] = self.costs.snapshot()
         return out
 
     def flush(self) -> int:
