@@ -47,3 +47,38 @@ def test_gpu_bench_moves_the_bytes_and_reports_both_directions() -> None:
     out = gpu.run(mib=16, reps=1)
     assert out["cuda"] and out["h2d_gbps"] > 0 and out["raw_pinned_h2d_gbps"] > 0
     assert out["d2h_gbps"] > 0 and out["h2d_vs_raw"] > 0
+
+
+def test_layerwise_load_to_a_gpu_pool_is_ordered_by_events() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.engine.onboard import LayerwiseLoad
+    from kvtier.engine.pool import KVPool
+    from kvtier.fetch import LoadHandle
+    from kvtier.tiers.base import TierKind
+
+    layout = toy_layout()
+    tier = HostTier(layout, 8 * 4096)
+    keys = [BlockKey(bytes([i]) * 16) for i in range(3)]
+    blocks = [payload(layout, 10 + i) for i in range(3)]
+    for key, block in zip(keys, blocks, strict=True):
+        tier.put(key, block, BlockRecord.of(range(layout.block_size), None))
+    pool = KVPool(layout, 4, device="cuda")
+    released: list[bool] = []
+    handle = LoadHandle(
+        "ns",
+        layout.block_size,
+        keys,
+        [tier.view(k) for k in keys],
+        [TierKind.HOST] * 3,
+        lambda h: released.append(True),
+    )
+    with ThreadPoolExecutor(1) as executor:
+        load = LayerwiseLoad(pool, [(handle, [3, 0, 2])], executor)
+        for layer in range(layout.num_layers):
+            load.wait(layer)  # the compute stream now waits on this layer's event
+            got = pool.layers[layer][[3, 0, 2]].cpu()
+            want = torch.stack([b[layer] for b in blocks])
+            assert torch.equal(got, want)
+        load.finish()
+    assert released == [True]

@@ -20,21 +20,29 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.breakeven import FetchPlan
 from kvtier.engine.llama import LlamaModel, SeqInput
+from kvtier.engine.onboard import LayerwiseLoad
 from kvtier.engine.pool import BlockTable, KVPool, blocks_for
 from kvtier.engine.resident import ResidentBlocks
 from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.fetch import Fetch, LoadHandle
 from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
 from kvtier.model.tokenizer import StreamDecoder, Tokenizer
 from kvtier.tiers.base import TierKind
+from kvtier.transfer import JobId, JobStatus
+
+log = logging.getLogger(__name__)
 
 
 class FinishReason(enum.StrEnum):
@@ -62,6 +70,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     stored_blocks: int = 0  # leading blocks known to be in kvtier already
+    fetch: Fetch | None = None  # started on arrival, taken on admission
+    fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival
 
     @property
     def all_ids(self) -> list[int]:
@@ -70,6 +80,18 @@ class Request:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+
+@dataclass
+class PrefetchCounters:
+    """What the arrival-time fetches did, since the engine started (the server reports them in /stats)."""
+
+    started: int = 0  # fetches started on arrival
+    blocks_planned: int = 0  # blocks the break-even model chose to fetch
+    blocks_used: int = 0  # blocks that landed in time and were copied into the pool
+    deadline_missed: int = 0  # fetches cut short by their deadline (the rest was recomputed)
+    recompute_chosen: int = 0  # requests whose cached blocks were cheaper to recompute than to fetch
+    cancelled: int = 0  # fetches dropped because the pool already held the prefix
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,8 @@ class Engine:
         keep_resident: bool = True,
         max_batch: int = 16,
         namespace: str = "default",
+        prefetch: bool = True,
+        layerwise: bool = True,
     ) -> None:
         want = model.kv_layout(block_size)
         if cache is not None and cache.layout != want:
@@ -130,6 +154,12 @@ class Engine:
         self._finished: list[Request] = []
         self.prefill_tokens_computed = 0
         self.prefill_tokens_skipped = 0
+        self.prefetch = prefetch and cache is not None
+        self.prefetch_counters = PrefetchCounters()
+        # One thread copies fetched KV into the pool, layer by layer, while the forward computes.
+        self._onboard = ThreadPoolExecutor(1, thread_name_prefix="kvtier-onboard") if layerwise else None
+        self._loads: list[tuple[LoadHandle, list[int]]] = []  # fetched this step, copied during its forward
+        self._storing: list[tuple[JobId, list[int]]] = []  # stores reading pool blocks, which they hold a ref on
 
     # -- requests --------------------------------------------------------------
     def add_request(
@@ -146,31 +176,75 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {limit}")
         rid = request_id or f"req-{next(self._ids)}"
-        self._waiting.append(
-            Request(
-                rid,
-                list(prompt_ids),
-                params,
-                namespace or self.namespace,
-                Sampler(params),
-                self.tokenizer.decode_stream(),
-                time.perf_counter(),
-            )
+        req = Request(
+            rid,
+            list(prompt_ids),
+            params,
+            namespace or self.namespace,
+            Sampler(params),
+            self.tokenizer.decode_stream(),
+            time.perf_counter(),
         )
+        self._start_fetch(req)
+        self._waiting.append(req)
         return rid
+
+    def _start_fetch(self, req: Request) -> None:
+        """On arrival: look the prompt up and start moving the blocks worth fetching up to host memory.
+
+        The break-even model sizes the fetch and sets its deadline, so the
+        disk reads run while the request still waits for a batch slot, and
+        admission takes whatever landed in time.
+        """
+        if not self.prefetch or self.cache is None or self.hasher is None:
+            return
+        usable = (len(req.prompt_ids) - 1) // self.block_size
+        if usable <= 0:
+            return
+        first = 0
+        if self.resident is not None:
+            keys = self.hasher.keys(req.prompt_ids, req.namespace)[:usable]
+            first = self.resident.peek(keys, block_tokens(req.prompt_ids, self.block_size))
+        if first >= usable:
+            return
+        result = self.cache.lookup(req.prompt_ids, req.namespace, first_block=first)
+        end = min(result.cached_blocks, usable)
+        if end <= first or end - first > self.cache.load_chunk:
+            return  # nothing below, or more than host can pin at once: admission loads it in pieces
+        plan = self.cache.costs.plan(result.tiers[: end - first], first, len(req.prompt_ids))
+        req.fetch_plan = plan
+        counters = self.prefetch_counters
+        if not plan.blocks:
+            counters.recompute_chosen += 1
+            return
+        req.fetch = self.cache.fetch(result, start=first, max_blocks=plan.blocks, deadline_s=plan.deadline_s)
+        counters.started += 1
+        counters.blocks_planned += plan.blocks
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
     # -- one scheduler step ------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        self._reap_stores()
         admitted = self._admit()
         batch = admitted + self._running
         if not batch:
             return []
         seqs = [self._seq_input(r) for r in batch]
-        logits = self.model(seqs, self.pool)
+        loads, self._loads = self._loads, []
+        onboarding = LayerwiseLoad(self.pool, loads, self._onboard) if loads else None
+        started = time.perf_counter()
+        try:
+            logits = self.model(seqs, self.pool, layer_ready=onboarding.wait if onboarding else None)
+        finally:
+            if onboarding is not None:
+                onboarding.finish()
         now = time.perf_counter()
+        if self.cache is not None:
+            self.cache.costs.observe_forward([(s.start, len(s.token_ids)) for s in seqs], now - started)
+            if onboarding is not None:
+                self.cache.costs.observe_fetch(TierKind.HOST, onboarding.nbytes, onboarding.seconds)
         outputs = []
         fresh = {id(r) for r in admitted}
         for req, row in zip(batch, logits, strict=True):
@@ -205,10 +279,14 @@ class Engine:
             if not self._make_room(need - len(req.table.block_ids)):
                 self.pool.release(req.table)
                 req.served_from.clear()
-                break  # wait for running requests to finish
+                break  # wait for running requests (or stores still reading the pool) to finish
             self._waiting.popleft()
             if self.cache is not None and len(req.table.block_ids) < usable:
                 self._load_from_cache(req, usable, len(req.table.block_ids))
+            elif req.fetch is not None:
+                req.fetch.cancel()  # the pool already holds what it would bring
+                self.prefetch_counters.cancelled += 1
+            req.fetch = None
             req.table.num_tokens = req.cached_tokens = len(req.table.block_ids) * self.block_size
             req.stored_blocks = len(req.table.block_ids)
             self.pool.grow(req.table, total)
@@ -219,6 +297,9 @@ class Engine:
 
     def _make_room(self, need: int) -> bool:
         short = need - self.pool.num_free
+        if short > 0 and self._storing:
+            self._reap_stores(wait=True)  # blocks a store still reads come back once it is done
+            short = need - self.pool.num_free
         if short > 0 and self.resident is not None:
             self.resident.release(short)
         return self.pool.num_free >= need
@@ -234,8 +315,34 @@ class Engine:
             req.served_from[TierKind.DEVICE] = len(ids) * self.block_size
 
     def _load_from_cache(self, req: Request, usable: int, first: int) -> None:
-        """Copy kvtier's blocks ``first ..`` into fresh pool blocks, one host-sized chunk at a time."""
+        """Give the request pool blocks for kvtier's blocks ``first ..``; their KV arrives during the forward.
+
+        A fetch started on arrival is taken (waiting at most until its
+        deadline) and its blocks are copied layer by layer under this step's
+        forward. Without one (a prefix larger than host can pin at once, or
+        the resident prefix changed since arrival), blocks are loaded and
+        copied here, one host-sized chunk at a time.
+        """
         assert self.cache is not None
+        fetch, plan = req.fetch, req.fetch_plan
+        if plan is not None and plan.blocks == 0 and (fetch is None or fetch.first_block == first):
+            return  # the break-even model chose to recompute
+        if fetch is not None and fetch.first_block == first:
+            costs, total = self.cache.costs, len(req.prompt_ids)
+            handle = fetch.take(lambda landed, t: costs.extension_s(first, fetch.wanted, landed, t, total))
+            self.prefetch_counters.blocks_used += len(handle.blocks)
+            self.prefetch_counters.deadline_missed += fetch.missed_deadline
+            if handle.blocks:
+                fresh = self.pool.allocate(len(handle.blocks))
+                self._loads.append((handle, fresh))
+                req.table.block_ids.extend(fresh)
+                self._count_served(req, handle)
+            else:
+                handle.release()
+            return
+        if fetch is not None:
+            fetch.cancel()
+            self.prefetch_counters.cancelled += 1
         result = self.cache.lookup(req.prompt_ids, req.namespace, first_block=first)
         end = min(result.cached_blocks, usable)
         at = first
@@ -244,12 +351,14 @@ class Engine:
                 if not handle.blocks:
                     break  # evicted since the lookup, or a failed read: recompute from here
                 fresh = self.pool.allocate(len(handle.blocks))
-                for block_id, payload in zip(fresh, handle.blocks, strict=True):
-                    self.pool.write_block_from_payload(block_id, payload)
-                for kind in handle.served_from:
-                    req.served_from[kind] = req.served_from.get(kind, 0) + self.block_size
+                LayerwiseLoad(self.pool, [(handle, fresh)]).finish()  # synchronous: the handle is reused
+                self._count_served(req, handle)
             req.table.block_ids.extend(fresh)
             at += len(fresh)
+
+    def _count_served(self, req: Request, handle: LoadHandle) -> None:
+        for kind in handle.served_from:
+            req.served_from[kind] = req.served_from.get(kind, 0) + self.block_size
 
     # -- sampling and stopping ------------------------------------------------------
     def _advance(self, req: Request, token: int) -> StepOutput:
@@ -289,16 +398,46 @@ class Engine:
 
     # -- retiring: store new blocks, keep them resident, free the rest -----------------
     def _store_new_blocks(self, req: Request) -> None:
-        """Offer kvtier the request's full blocks it does not have yet (async; copied out of the pool first)."""
+        """Offer kvtier the request's full blocks it does not have yet, copied out of the pool off this thread.
+
+        The store job copies each pool block straight into its host slot on
+        a transfer thread. Until it is done the engine holds an extra
+        reference on those blocks (:meth:`_reap_stores` drops it), so they
+        can be neither freed nor reused under the copy; full blocks are never
+        written again, so nothing changes them either.
+        """
         full = req.table.num_tokens // self.block_size
         if self.cache is None or full <= req.stored_blocks:
             return
         first = req.stored_blocks
-        payloads = torch.empty(full - first, self.pool.layout.block_bytes, dtype=torch.uint8)
-        for row, block_id in zip(payloads, req.table.block_ids[first:full], strict=True):
-            self.pool.read_block_to_payload(block_id, row)
-        self.cache.store(req.all_ids[: full * self.block_size], list(payloads), req.namespace, first_block=first)
+        ids = req.table.block_ids[first:full]
+        self.pool.share(ids)
+        pool = self.pool
+
+        def fill(block: int, out: torch.Tensor) -> None:
+            pool.read_block_to_payload(ids[block - first], out)
+
+        job = self.cache.store_from(
+            req.all_ids[: full * self.block_size], fill, req.namespace, first_block=first, num_blocks=full - first
+        )
+        self._storing.append((job, ids))
         req.stored_blocks = full
+
+    def _reap_stores(self, *, wait: bool = False) -> None:
+        """Drop the pool references of finished stores; a failed store is logged (its blocks are misses later)."""
+        if self.cache is None or not self._storing:
+            return
+        pending = []
+        for job, ids in self._storing:
+            if not wait and self.cache.poll(job) is JobStatus.PENDING:
+                pending.append((job, ids))
+                continue
+            try:
+                self.cache.wait(job)
+            except Exception:
+                log.exception("storing %d blocks failed; they will be recomputed when asked for", len(ids))
+            self.pool.free(ids)
+        self._storing = pending
 
     def _retire(self, req: Request) -> None:
         self._store_new_blocks(req)
@@ -321,6 +460,7 @@ class Engine:
     def drain_stores(self) -> None:
         """Wait until every block offered to kvtier is stored (tests and benchmarks need a settled cache)."""
         if self.cache is not None:
+            self._reap_stores(wait=True)
             self.cache.worker.drain()
 
     def generate(

@@ -177,19 +177,24 @@ class LlamaModel:
 
     # -- forward ---------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[SeqInput], pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, seqs: Sequence[SeqInput], pool: KVPool, *, layer_ready: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Run the new tokens of ``seqs``; float32 logits of each sequence's last new token, ``[S, vocab]``.
 
         The lm_head runs on the last rows only: on a long prefill it would
-        otherwise cost as much as several layers.
+        otherwise cost as much as several layers. ``layer_ready(l)``, when
+        given, is called right before layer *l* first reads the pool: cached
+        K/V still being copied in (:class:`~kvtier.engine.onboard.LayerwiseLoad`)
+        only has to be there by then.
         """
-        hidden, plan = self._hidden(seqs, pool)
+        hidden, plan = self._hidden(seqs, pool, layer_ready)
         return self._logits(hidden[plan.last_rows])
 
     @torch.inference_mode()
     def forward_all(self, seqs: Sequence[SeqInput], pool: KVPool) -> list[torch.Tensor]:
         """Like :meth:`forward` but logits at every new position, ``[len(token_ids), vocab]`` per sequence."""
-        hidden, plan = self._hidden(seqs, pool)
+        hidden, plan = self._hidden(seqs, pool, None)
         bounds = [0, *(plan.last_rows + 1).tolist()]
         return [self._logits(hidden[a:b]) for a, b in itertools.pairwise(bounds)]
 
@@ -198,13 +203,15 @@ class LlamaModel:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.lm_head.T).float()
 
-    def _hidden(self, seqs: Sequence[SeqInput], pool: KVPool) -> tuple[torch.Tensor, _Plan]:
+    def _hidden(
+        self, seqs: Sequence[SeqInput], pool: KVPool, layer_ready: Callable[[int], None] | None
+    ) -> tuple[torch.Tensor, _Plan]:
         self._check(seqs, pool)
         plan = self._plan(seqs, pool)
         eps = self.config.rms_norm_eps
         x = F.embedding(plan.ids, self.embed)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), plan, pool)
+            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), plan, pool, layer_ready)
             x = x + self._mlp(layer, rms_norm(x, layer.mlp_norm, eps))
         for s in seqs:
             s.table.num_tokens = s.start + len(s.token_ids)
@@ -262,13 +269,23 @@ class LlamaModel:
         gate, up = (h @ layer.w_gate_up.T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ layer.w_down.T
 
-    def _attention(self, index: int, layer: _Layer, h: torch.Tensor, plan: _Plan, pool: KVPool) -> torch.Tensor:
+    def _attention(
+        self,
+        index: int,
+        layer: _Layer,
+        h: torch.Tensor,
+        plan: _Plan,
+        pool: KVPool,
+        layer_ready: Callable[[int], None] | None,
+    ) -> torch.Tensor:
         c = self.config
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = (h @ layer.wqkv.T).split((q_dim, kv_dim, kv_dim), dim=-1)
         q = apply_rope(q.reshape(-1, c.num_heads, c.head_dim), plan.cos, plan.sin)
         k = apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), plan.cos, plan.sin)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        if layer_ready is not None:
+            layer_ready(index)  # cached K/V of this layer are in the pool from here on
         pool.write(index, plan.slots, k, v)
         out = torch.empty_like(q)
         for p in plan.prefills:

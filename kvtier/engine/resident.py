@@ -50,6 +50,16 @@ class ResidentBlocks:
             self._blocks.move_to_end(key)
         return [block_id for _, block_id in hits]
 
+    def peek(self, keys: list[BlockKey], blocks: np.ndarray) -> int:
+        """How many leading ``keys`` :meth:`match` would share now, without touching recency."""
+        n = 0
+        for key, tokens in zip(keys, blocks, strict=False):
+            hit = self._blocks.get(key)
+            if hit is None or not np.array_equal(hit.tokens, tokens):
+                break
+            n += 1
+        return n
+
     def keep(self, keys: list[BlockKey], block_ids: list[int], blocks: np.ndarray) -> None:
         """Hold a reference to each full block of a finished request not already held."""
         for key, block_id, tokens in reversed(list(zip(keys, block_ids, blocks, strict=False))):

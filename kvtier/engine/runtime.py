@@ -81,4 +81,6 @@ def make_engine(
         keep_resident=resident and hasher is not None,
         max_batch=e.max_batch,
         namespace=config.cache.namespace,
+        prefetch=config.transfer.prefetch,
+        layerwise=config.transfer.layerwise,
     )

@@ -1,0 +1,130 @@
+"""Step ③ on the engine's side: fetched KV into the pool one layer at a time, under compute.
+
+A forward needs layer *l*'s cached K/V only when layer *l* attends, after its
+norm and QKV projection, and the layers before it need none of it. So the
+copy of layer *l* of every fetched block runs on a worker thread while
+earlier layers compute, and the forward waits (:meth:`LayerwiseLoad.wait`)
+right before each layer's attention reads the pool: the same contract as
+vLLM's ``start_load_kv`` / ``wait_for_layer_load``.
+
+On the CPU, one layer of every block is one call of the native
+``copy_regions`` (a ``memcpy`` per block with the GIL released), from the
+pinned host slots straight into the pool's layer slice: a block payload and a
+pool block have the same per-layer byte layout. On a GPU the copies are
+issued on a dedicated CUDA stream and layer *l* is done when an event
+recorded after its copies has fired; the compute stream waits on that event
+(device-side, no host sync) before reading the layer.
+
+Handles stay pinned until :meth:`LayerwiseLoad.finish`, after the forward:
+eviction cannot reuse a host slot that is still being read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kvtier.engine.pool import KVPool
+from kvtier.fetch import LoadHandle
+from kvtier.tiers import native
+
+
+class LayerwiseLoad:
+    """The copies of every fetched block of one forward, layer by layer.
+
+    ``parts`` pairs each pinned :class:`LoadHandle` with the pool blocks its
+    blocks go to. With an ``executor`` the copies run there (layer 0 first);
+    without one they all run before the constructor returns (no overlap).
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        parts: Sequence[tuple[LoadHandle, Sequence[int]]],
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self.pool = pool
+        self.parts = list(parts)
+        self.num_blocks = sum(len(ids) for _, ids in self.parts)
+        self.nbytes = self.num_blocks * pool.layout.block_bytes
+        self.seconds = 0.0  # time the copies themselves took
+        layers = pool.layout.num_layers
+        self._ready = [threading.Event() for _ in range(layers)]
+        self._cuda = pool.device.type == "cuda"
+        self._events: list[torch.cuda.Event] = []
+        self._error: BaseException | None = None
+        self._future: Future[None] | None = None
+        if executor is None:
+            self._run()
+        else:
+            self._future = executor.submit(self._run)
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            if self._cuda:
+                self._copy_cuda()
+            else:
+                self._copy_host()
+        except BaseException as err:
+            self._error = err
+            raise
+        finally:
+            for ready in self._ready:
+                ready.set()  # on error too: a waiting forward wakes up and raises
+            self.seconds = time.perf_counter() - started
+
+    def _copy_host(self) -> None:
+        lay = self.pool.layout
+        src = np.array([b.data_ptr() for handle, _ in self.parts for b in handle.blocks], dtype=np.int64)
+        ids = np.array([i for _, ids in self.parts for i in ids], dtype=np.int64)
+        base = self.pool.kv.data_ptr()
+        for layer in range(lay.num_layers):
+            # pool.kv is [layers, blocks, *layer_shape], contiguous: block b of layer l starts at (l*NB + b) slices
+            dst = base + (layer * self.pool.num_blocks + ids) * lay.layer_bytes
+            native.copy_regions(dst, src + lay.layer_offset(layer), lay.layer_bytes)
+            self._ready[layer].set()
+
+    def _copy_cuda(self) -> None:
+        device = self.pool.device
+        stream = torch.cuda.Stream(device)
+        typed = [
+            (self.pool.layout.as_blocks(b.reshape(-1)), block_id)
+            for handle, ids in self.parts
+            for b, block_id in zip(handle.blocks, ids, strict=True)
+        ]
+        with torch.cuda.stream(stream):
+            for layer, view in enumerate(self.pool.layers):
+                for payload, block_id in typed:
+                    view[block_id].copy_(payload[layer], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._events.append(event)
+                self._ready[layer].set()
+
+    def wait(self, layer: int) -> None:
+        """Block until layer ``layer`` of every fetched block is in the pool (on a GPU: for the compute stream)."""
+        self._ready[layer].wait()
+        if self._error is not None:
+            raise RuntimeError("copying fetched KV into the pool failed") from self._error
+        if self._cuda:
+            torch.cuda.current_stream(self.pool.device).wait_event(self._events[layer])
+
+    def finish(self) -> None:
+        """Wait for the last copy, then unpin every handle (after the forward, or when it failed)."""
+        try:
+            if self._future is not None:
+                self._future.exception()  # the error, if any, was raised through wait()
+            if self._events:
+                self._events[-1].synchronize()
+        finally:
+            for handle, _ in self.parts:
+                handle.release()
+
+
+__all__ = ["LayerwiseLoad"]

@@ -1,0 +1,136 @@
+"""Layer-wise onboarding and arrival-time prefetch: the pool gets exactly the cached bytes, in layer order."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.config import Config
+from kvtier.engine.llama import SeqInput
+from kvtier.engine.onboard import LayerwiseLoad
+from kvtier.engine.pool import BlockTable, KVPool
+from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
+from kvtier.fetch import LoadHandle
+from kvtier.tiers import native
+from kvtier.tiers.base import TierKind
+from tests.engine.test_engine import GREEDY, baseline, check_reuse, config, converse  # noqa: F401 (fixture)
+from tests.helpers import as_bytes, payload, toy_layout
+
+
+def handle_of(blocks: list[torch.Tensor], released: list[bool]) -> LoadHandle:
+    return LoadHandle(
+        "ns",
+        4,
+        [b"k%d" % i for i in range(len(blocks))],
+        blocks,
+        [TierKind.HOST] * len(blocks),
+        lambda h: released.append(True),
+    )
+
+
+def test_layerwise_copy_puts_each_layer_in_place_before_wait_returns() -> None:
+    layout = toy_layout()
+    pool = KVPool(layout, num_blocks=8)
+    blocks = [as_bytes(payload(layout, seed)).clone() for seed in range(5)]
+    released: list[bool] = []
+    targets = [6, 1, 3, 0, 7]
+    assert native.NATIVE  # the copy under test is the C one
+    with ThreadPoolExecutor(1) as executor:
+        load = LayerwiseLoad(
+            pool,
+            [(handle_of(blocks[:2], released), targets[:2]), (handle_of(blocks[2:], released), targets[2:])],
+            executor,
+        )
+        for layer in range(layout.num_layers):
+            load.wait(layer)
+            for block, target in zip(blocks, targets, strict=True):
+                assert torch.equal(pool.layers[layer][target], layout.as_blocks(block)[layer])
+        load.finish()
+    assert released == [True, True]
+    expected = KVPool(layout, num_blocks=8)
+    for block, target in zip(blocks, targets, strict=True):
+        expected.write_block_from_payload(target, block)
+    assert torch.equal(pool.kv, expected.kv)  # nothing else in the pool was touched
+    assert load.nbytes == 5 * layout.block_bytes
+
+
+def test_the_python_copy_matches_the_native_one() -> None:
+    src = torch.arange(64, dtype=torch.uint8)
+    out = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    for backend, dst in zip((native.NATIVE_BACKEND, native.PYTHON), out, strict=True):
+        d = np.array([dst.data_ptr() + 8, dst.data_ptr() + 40], dtype=np.int64)
+        s = np.array([src.data_ptr(), src.data_ptr() + 20], dtype=np.int64)
+        assert backend.copy_regions(d, s, 16) == 2
+    assert (
+        torch.equal(out[0], out[1]) and torch.equal(out[0][8:24], src[:16]) and torch.equal(out[0][40:56], src[20:36])
+    )
+
+
+def test_the_forward_asks_for_every_layer_in_order_before_reading_it(loaded_model: LoadedModel) -> None:
+    model = loaded_model.model
+    pool = model.make_pool(16, 8)
+    table = BlockTable()
+    pool.grow(table, 40)
+    asked: list[int] = []
+    model.forward([SeqInput(list(range(100, 140)), 0, table)], pool, layer_ready=asked.append)
+    assert asked == list(range(model.config.num_layers))
+
+
+def with_transfer(cfg: Config, **transfer: object) -> Config:
+    return Config.model_validate(cfg.model_dump() | {"transfer": cfg.transfer.model_dump() | transfer})
+
+
+def test_reuse_without_prefetch_or_layerwise_copies_is_exact_too(
+    loaded_model: LoadedModel,
+    tmp_path: Path,
+    baseline,  # noqa: F811
+) -> None:
+    cfg = with_transfer(config(tmp_path, keep_resident=False), prefetch=False, layerwise=False)
+    with open_cache(loaded_model, cfg) as cache:
+        engine = make_engine(loaded_model, cfg, cache=cache)
+        check_reuse(converse(engine, loaded_model), baseline)
+        assert engine.prefetch_counters.started == 0
+        assert engine.pool.num_free == engine.pool.num_blocks  # every store gave its pool references back
+
+
+def test_prefetch_serves_disk_blocks_and_a_missed_deadline_recomputes_exactly(
+    loaded_model: LoadedModel,
+    tmp_path: Path,
+    baseline,  # noqa: F811
+) -> None:
+    cfg = config(tmp_path, keep_resident=False)
+    cfg = Config.model_validate(cfg.model_dump() | {"cache": cfg.cache.model_dump() | {"write_mode": "write_through"}})
+    ids, out, _ = baseline[-1]
+    with open_cache(loaded_model, cfg) as cache:
+        engine = make_engine(loaded_model, cfg, cache=cache)
+        engine.generate([ids], GREEDY)
+        engine.drain_stores()
+        cache.clear(TierKind.HOST)
+        (done,) = engine.generate([ids], GREEDY)
+        assert done.token_ids == out
+        assert done.served_from == {TierKind.DISK: done.cached_tokens} and done.cached_tokens > 0
+        counters = engine.prefetch_counters
+        assert counters.started == 1 and counters.blocks_used == counters.blocks_planned > 0
+        assert cache.stats()["break_even"]["tiers"]["disk"]["samples"] >= 1
+    # The same, with a deadline that has always passed and no extension: every block is recomputed.
+    strict = with_transfer(cfg, deadline_slack=1e-12)
+    with open_cache(loaded_model, strict) as cache:
+        engine = make_engine(loaded_model, strict, cache=cache)
+        go, started = threading.Event(), threading.Barrier(strict.transfer.workers + 1)
+        for _ in range(strict.transfer.workers):  # hold the transfer threads: nothing lands before the take
+            cache.worker.submit(lambda: (started.wait(), go.wait()))
+        started.wait()
+        engine.add_request(ids, GREEDY)
+        engine.step()
+        go.set()
+        while engine.has_unfinished():
+            engine.step()
+        (req,) = engine.collect_finished()
+        assert req.output_ids == out and req.cached_tokens == 0
+        assert engine.prefetch_counters.deadline_missed == 1
+        engine.drain_stores()
+        assert cache.stats()["pinned_blocks"] == 0
