@@ -154,7 +154,9 @@ def _job(
 async def completion_job(state: ServerState, body: CompletionRequest, tenant: Tenant) -> Job:
     check_model(state, body.model)
     ids = await prompt_ids(state, body.prompt)
-    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    # A default is the server's to keep within its own limit: a client that sent none is never refused for it.
+    default = min(COMPLETION_DEFAULT_MAX_TOKENS, state.config.server.max_tokens_limit)
+    max_tokens = body.max_tokens if body.max_tokens is not None else default
     return _job(state, "cmpl", ids, body, max_tokens, tenant)
 
 

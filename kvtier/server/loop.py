@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvtier.engine.engine import Engine, FinishReason, Request
+from kvtier.engine.engine import Engine, FinishReason, PrefetchCounters, Request
 from kvtier.engine.sampling import SamplingParams
 from kvtier.server.metrics import EngineMetrics, PoolSnapshot
 
@@ -157,6 +157,11 @@ class EngineUnavailable(RuntimeError):
     pass
 
 
+def _plus(a: PrefetchCounters, b: PrefetchCounters) -> PrefetchCounters:
+    """Field by field, into a new object."""
+    return PrefetchCounters(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(PrefetchCounters)})
+
+
 class EngineLoop:
     def __init__(self, build: Callable[[], Engine], metrics: EngineMetrics) -> None:
         self._build = build
@@ -166,7 +171,8 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._subs: dict[str, Submission] = {}
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
-        self._publish_pool()
+        self._prefetch_before = PrefetchCounters()  # engines replaced after a failed step: counters never go back
+        self._publish()
 
     # -- the HTTP side (any thread) ------------------------------------------------------
     def start(self) -> None:
@@ -233,7 +239,7 @@ class EngineLoop:
             command.future.set_result(command.fn(self._engine))
         except Exception as err:  # handed to the caller, who re-raises it: nothing is swallowed here
             command.future.set_exception(err)
-        self._publish_pool()
+        self._publish()
 
     def _step(self) -> None:
         engine = self._engine
@@ -244,7 +250,9 @@ class EngineLoop:
         except Exception:  # the thread's last line of defence; see the module docstring
             log.exception("engine step failed: failing %d requests and rebuilding the engine", len(self._subs))
             self._fail_all(Failure.INTERNAL, "internal engine error")
+            self._prefetch_before = _plus(self._prefetch_before, engine.prefetch_counters)
             self._engine = self._build()
+            self._publish()
             return
         self.metrics.observe_step(
             seconds=time.perf_counter() - started,
@@ -262,7 +270,7 @@ class EngineLoop:
             if sub is not None:
                 sub.stream.put(Outcome.of(req))
         self.metrics.set_in_flight(len(self._subs))
-        self._publish_pool()
+        self._publish()
 
     def _fail_all(self, failure: Failure, message: str) -> None:
         for sub in self._subs.values():
@@ -270,8 +278,10 @@ class EngineLoop:
         self._subs.clear()
         self.metrics.set_in_flight(0)
 
-    def _publish_pool(self) -> None:
+    def _publish(self) -> None:
+        """What /stats shows of the engine, as copies the HTTP side may read from any thread."""
         engine = self._engine
+        self.metrics.set_prefetch(_plus(self._prefetch_before, engine.prefetch_counters))
         self.metrics.set_pool(
             PoolSnapshot(
                 num_blocks=engine.pool.num_blocks,

@@ -4,7 +4,8 @@ Both views are built from the same snapshot, so they cannot disagree.
 Host and disk figures come from the cache manager's own counters; the
 device tier (the engine's pool) and the engine totals are recorded here by
 the engine thread (:class:`EngineMetrics`, thread-safe) as it steps, so
-the HTTP side never reads the engine itself.
+the HTTP side never reads the engine itself. The reload-vs-recompute cost
+model's figures (``break_even``) come from the cache manager, which owns it.
 
 The prefill time saved is an estimate: each step's wall time is split
 between its prefilled tokens and its decoded ones in proportion to their
@@ -15,6 +16,7 @@ token, so this under-counts what a long cached prefix saves.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections import Counter
@@ -26,9 +28,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvtier.engine.engine import FinishReason, Request
+from kvtier.engine.engine import FinishReason, PrefetchCounters, Request
 from kvtier.manager import CacheManager
-from kvtier.server.schemas import EngineReport, LatencyReport, StatsReport, TierReport
+from kvtier.server.schemas import (
+    BreakEvenReport,
+    EngineReport,
+    LatencyReport,
+    PrefetchReport,
+    StatsReport,
+    TierReport,
+)
 from kvtier.stats import LATENCY_BUCKETS_S, Histogram
 from kvtier.tiers.base import TierKind
 
@@ -74,6 +83,7 @@ class EngineMetrics:
         self._device_miss = 0
         self._in_flight = 0
         self._pool = PoolSnapshot(0, 0, 0, 0)
+        self._prefetch = PrefetchCounters()
 
     def observe_step(self, *, seconds: float, prefill_tokens: int, skipped_tokens: int, batch: int) -> None:
         with self._lock:
@@ -100,6 +110,12 @@ class EngineMetrics:
         with self._lock:
             self._pool = pool
 
+    def set_prefetch(self, counters: PrefetchCounters) -> None:
+        """Takes a copy: the engine thread goes on updating its own."""
+        copy = dataclasses.replace(counters)
+        with self._lock:
+            self._prefetch = copy
+
     def engine_report(self) -> EngineReport:
         with self._lock:
             per_token = self._prefill_seconds / self._prefill_computed if self._prefill_computed else None
@@ -111,6 +127,7 @@ class EngineMetrics:
                 ttft=latency_report(self._ttft.snapshot()),
                 prefill_seconds_per_token=per_token,
                 prefill_seconds_saved_estimate=(per_token or 0.0) * self._prefill_skipped,
+                prefetch=PrefetchReport.model_validate(dataclasses.asdict(self._prefetch)),
             )
 
     def device_report(self) -> TierReport:
@@ -174,6 +191,7 @@ def build_report(model: str, cache: CacheManager, metrics: EngineMetrics) -> Sta
         pinned_blocks=stats["pinned_blocks"],
         ttl_pinned_blocks=cache.ttl_pinned(),
         engine=metrics.engine_report(),
+        break_even=BreakEvenReport.model_validate(stats["break_even"]),
     )
 
 
@@ -255,6 +273,31 @@ def _engine_families(report: StatsReport) -> Iterator[Metric]:
     yield GaugeMetricFamily("kvtier_ttl_pinned_blocks", "Keys under a live admin pin.", report.ttl_pinned_blocks)
 
 
+def _cost_families(report: StatsReport) -> Iterator[Metric]:
+    """The break-even model's fitted figures, in base units (the JSON quotes them in ms and GB/s)."""
+    costs = report.break_even
+    bandwidth = GaugeMetricFamily(
+        "kvtier_tier_bandwidth_bytes_per_second", "Fitted fetch bandwidth of the tier.", labels=["tier"]
+    )
+    latency = GaugeMetricFamily(
+        "kvtier_tier_fetch_latency_seconds", "Fitted fixed cost of one fetch batch from the tier.", labels=["tier"]
+    )
+    for kind, tier in costs.tiers.items():
+        if tier.bandwidth_gbps is not None:
+            bandwidth.add_metric([kind.value], tier.bandwidth_gbps * 1e9)
+        latency.add_metric([kind.value], tier.latency_ms / 1e3)
+    yield bandwidth
+    yield latency
+    yield GaugeMetricFamily(
+        "kvtier_prefill_model_seconds_per_token",
+        "Fitted prefill seconds per computed token (the linear part; attention is quoted apart in /stats).",
+        costs.prefill.ms_per_token / 1e3,
+    )
+    prefetch = report.engine.prefetch
+    for name, field in PrefetchReport.model_fields.items():
+        yield CounterMetricFamily(f"kvtier_prefetch_{name}", field.description or name, getattr(prefetch, name))
+
+
 class StatsCollector(Collector):
     """Reads a fresh :class:`StatsReport` at every scrape; nothing is double-booked in prometheus_client."""
 
@@ -265,6 +308,7 @@ class StatsCollector(Collector):
         report = self._report()
         yield from _tier_families(report)
         yield from _engine_families(report)
+        yield from _cost_families(report)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -307,6 +307,19 @@ class TierReport(BaseModel):
     load_latency: LatencyReport
 
 
+class PrefetchReport(BaseModel):
+    """The arrival-time fetches (:class:`kvtier.engine.engine.PrefetchCounters`), since the server started."""
+
+    started: int = Field(description="Fetches started when a request arrived.")
+    blocks_planned: int = Field(description="Blocks the break-even model chose to fetch rather than recompute.")
+    blocks_used: int = Field(description="Of blocks_planned, those that landed in time and were copied into the pool.")
+    deadline_missed: int = Field(description="Fetches cut short by their deadline (the rest was recomputed).")
+    recompute_chosen: int = Field(description="Requests whose cached blocks were cheaper to recompute than to fetch.")
+    cancelled: int = Field(
+        description="Fetches dropped at admission: the pool's resident prefix had changed since arrival."
+    )
+
+
 class EngineReport(BaseModel):
     requests: dict[FinishReason, int] = Field(description="Finished requests by finish reason.")
     in_flight: int
@@ -317,6 +330,55 @@ class EngineReport(BaseModel):
         description="Measured: step time spent on prefill (a token-proportional share) per prefilled token."
     )
     prefill_seconds_saved_estimate: float = Field(description="prefill_tokens_skipped x prefill_seconds_per_token.")
+    prefetch: PrefetchReport
+
+
+class TierCostReport(BaseModel):
+    """One tier's fitted fetch cost, ``seconds = latency + bytes / bandwidth`` (the prior until samples arrive)."""
+
+    latency_ms: float = Field(description="Fixed cost of one batch fetched from the tier, in milliseconds.")
+    bandwidth_gbps: float | None = Field(
+        description="Fitted bandwidth in GB/s (1e9 bytes per second); null: the fit found no per-byte cost."
+    )
+    samples: int = Field(description="Fetch batches measured so far; 0: latency and bandwidth are the prior.")
+
+
+class PrefillCostReport(BaseModel):
+    """The engine's fitted prefill cost, ``seconds = overhead + a x tokens + b x attended positions``."""
+
+    overhead_ms: float = Field(description="Fixed cost of one forward that prefills, in milliseconds.")
+    ms_per_token: float = Field(description="a: milliseconds per token computed (the linear layers).")
+    ns_per_attended_position: float = Field(
+        description="b: nanoseconds per (token, earlier position) pair attended (the quadratic part of attention)."
+    )
+    samples: int = Field(description="Prefilling forwards measured so far; 0: the coefficients are the prior.")
+
+
+class BlockCostReport(BaseModel):
+    """One more block at a given context length: recomputed, or fetched (each tier's batch latency not included)."""
+
+    recompute_ms: float = Field(description="Milliseconds to prefill one block's tokens on top of the context.")
+    host_fetch_ms: float = Field(description="Milliseconds to copy one block from host into the pool.")
+    disk_fetch_ms: float = Field(description="Milliseconds to bring one block from disk (via host) into the pool.")
+    host_wins_x: float | None = Field(description="recompute_ms / host_fetch_ms; above 1 fetching wins.")
+    disk_wins_x: float | None = Field(description="recompute_ms / disk_fetch_ms; above 1 fetching wins.")
+
+
+class BreakEvenReport(BaseModel):
+    """The reload-vs-recompute cost model (:mod:`kvtier.breakeven`) that sizes prefetches and sets their deadlines."""
+
+    tiers: dict[TierKind, TierCostReport] = Field(
+        description="Fetch cost per tier; device (blocks already in the pool) is never measured: its prior."
+    )
+    prefill: PrefillCostReport
+    per_block_at_context: dict[int, BlockCostReport] = Field(
+        description="Keyed by the tokens already in context (attention makes a block dearer the longer it is)."
+    )
+    block_tokens: int = Field(description="Tokens per block.")
+    block_bytes: int = Field(description="Payload bytes per block (every layer's K and V).")
+    deadline_slack: float = Field(
+        description="A prefetch is waited for up to this many times its predicted time (never past what it saves)."
+    )
 
 
 class StatsReport(BaseModel):
@@ -326,3 +388,4 @@ class StatsReport(BaseModel):
     pinned_blocks: int = Field(description="Host blocks pinned by loads in progress.")
     ttl_pinned_blocks: int = Field(description="Keys under a live /admin/pin.")
     engine: EngineReport
+    break_even: BreakEvenReport

@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import requests
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import Config, load_config
 from kvtier.engine.engine import Completion
@@ -28,9 +29,10 @@ from kvtier.engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16  # block_size, the default
+BLOCK_BYTES = 46080 * B  # one fp32 block of SmolLM2-135M: 30 layers x K and V x 3 heads x 64 x 4 bytes, per token
 ADMIN = "admin-token-for-tests-0123456789"
 SIZES: dict[str, Any] = {
-    "engine": {"pool_bytes": 400 * 46080 * B, "dtype": "float32"},  # 400 fp32 blocks of SmolLM2-135M
+    "engine": {"pool_bytes": 400 * BLOCK_BYTES, "dtype": "float32"},  # 400 blocks
     "host": {"capacity_bytes": "64MiB"},
     "disk": {"capacity_bytes": "128MiB"},
 }
@@ -135,3 +137,12 @@ class Reference:
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[int], Completion]:
         ids = self.loaded.chat_ids(messages)
         return ids, self.run(ids, max_tokens)
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus exposition as ``{(sample name, sorted labels): value}``."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

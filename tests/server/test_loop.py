@@ -1,4 +1,7 @@
-"""The engine thread on the real model: one request's failure ends that request only, and a crash is survived."""
+"""The engine thread on the real model: one request's failure ends that request only, and a crash is survived.
+
+A rebuilt engine starts its counters at zero; what the server reports keeps the lost engine's counts.
+"""
 
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ def test_a_failed_step_fails_the_batch_then_a_rebuilt_engine_serves(
                 raise RuntimeError("injected step failure")
 
             engine.step = crash  # type: ignore[method-assign]
+            engine.prefetch_counters.started, engine.prefetch_counters.blocks_planned = 2, 5  # as if it had fetched
         built.append(engine)
         return engine
 
@@ -96,6 +100,8 @@ def test_a_failed_step_fails_the_batch_then_a_rebuilt_engine_serves(
     assert [o.failure for o in crashed] == [Failure.INTERNAL, Failure.INTERNAL]
     assert len(built) == 2 and served.failure is None and served.text == expected
     assert current is built[1]  # call() runs on the rebuilt engine
+    prefetch = loop.metrics.engine_report().prefetch
+    assert (prefetch.started, prefetch.blocks_planned) == (2, 5), "the lost engine's counters were dropped"
     assert not loop.alive
 
 

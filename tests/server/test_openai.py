@@ -14,11 +14,10 @@ from typing import Any
 import openai
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.runtime import LoadedModel
 from tests.helpers import shared_full_blocks
-from tests.server.live import B, LiveServer, Reference, running
+from tests.server.live import BLOCK_BYTES, B, LiveServer, Reference, metric_values, running
 
 MAX = 8
 TURNS = ["List three prime numbers.", "Now add them up.", "Is the sum even or odd?"]
@@ -135,14 +134,6 @@ def test_a_client_that_disconnects_mid_stream_harms_nothing(
 
 
 # -- /stats and /metrics ----------------------------------------------------------------------------
-def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def settled(server: LiveServer) -> tuple[dict[str, Any], dict]:
     """/stats and /metrics at a moment when nothing moves (stores land after the response, asynchronously)."""
     for _ in range(100):
@@ -192,6 +183,82 @@ def test_metrics_parse_move_with_requests_and_match_stats(
             assert report[field] == m1[(f"kvtier_tier_{field}", (("tier", tier),))], (tier, field)
         assert report["load_latency"]["count"] == m1[("kvtier_tier_load_latency_seconds_count", (("tier", tier),))]
     assert after["tiers"]["host"]["blocks"] > 0 and after["tiers"]["host"]["capacity_bytes"] > 0
+
+    # The cost model learnt from both prefills (decode-only forwards teach it nothing); the second turn
+    # came from the pool, so no host copy was measured, and nothing was worth prefetching on arrival:
+    # the first turn's prefix was cached nowhere, the second's was resident.
+    costs, was = after["break_even"], before["break_even"]
+    prefills = 1 + (prompt - reused > 1)
+    assert costs["prefill"]["samples"] - was["prefill"]["samples"] == prefills >= 1
+    assert {t: c["samples"] for t, c in costs["tiers"].items()} == {t: c["samples"] for t, c in was["tiers"].items()}
+    assert engine["prefetch"] == before["engine"]["prefetch"]
+    assert_cost_model_matches(after, m1)
+
+
+def assert_cost_model_matches(stats: dict[str, Any], metrics: dict) -> None:
+    """/stats' break-even figures and prefetch counters, as /metrics shows them (base units), and their sense."""
+    costs = stats["break_even"]
+    assert set(costs["tiers"]) == {"device", "host", "disk"}
+    for tier, fit in costs["tiers"].items():
+        label = (("tier", tier),)
+        assert metrics[("kvtier_tier_bandwidth_bytes_per_second", label)] == fit["bandwidth_gbps"] * 1e9 > 0
+        assert metrics[("kvtier_tier_fetch_latency_seconds", label)] == fit["latency_ms"] / 1e3 >= 0
+    assert metrics[("kvtier_prefill_model_seconds_per_token", ())] == costs["prefill"]["ms_per_token"] / 1e3
+    assert set(costs["per_block_at_context"]) == {"1024", "4096"}
+    for figures in costs["per_block_at_context"].values():
+        assert all(figures[f] > 0 for f in ("recompute_ms", "host_fetch_ms", "disk_fetch_ms")), figures
+    short, long = costs["per_block_at_context"]["1024"], costs["per_block_at_context"]["4096"]
+    assert long["recompute_ms"] >= short["recompute_ms"]  # attention: a block costs more the longer the context
+    assert (costs["block_tokens"], costs["block_bytes"]) == (B, BLOCK_BYTES)
+    prefetch = stats["engine"]["prefetch"]
+    assert prefetch == {name: metrics[(f"kvtier_prefetch_{name}_total", ())] for name in prefetch}
+    assert prefetch["blocks_used"] <= prefetch["blocks_planned"]
+    assert prefetch["deadline_missed"] <= prefetch["started"]
+
+
+def test_a_turn_served_from_host_is_prefetched_and_its_copy_measured(
+    server: LiveServer, client: openai.OpenAI, model: str, loaded_model: LoadedModel
+) -> None:
+    messages = [
+        {"role": "system", "content": "Hf2 prefetch test. A system prompt long enough to fill a block or two."},
+        {"role": "user", "content": "Say one word."},
+    ]
+    ids = loaded_model.chat_ids(messages)
+    full, reused = len(ids) // B * B, (len(ids) - 1) // B * B  # cached; served (one token is always computed)
+    first = chat(client, model, messages, max_tokens=4)
+
+    def look() -> dict:
+        return server.admin_post("/lookup", {"messages": messages}).json()
+
+    stored = poll(look, lambda r: r["cached_tokens"] == full)  # stores land asynchronously
+    assert stored["tiers"] == {"host": full} and reused > 0
+    assert server.admin_post("/admin/clear", {"tier": "device"}).json()["dropped_blocks"]["device"] > 0
+    before, _ = settled(server)
+    second = chat(client, model, messages, max_tokens=4)
+    after, m1 = settled(server)
+
+    assert second.usage.prompt_tokens_details.cached_tokens == reused
+    assert second.choices[0].message.content == first.choices[0].message.content
+    hits = {t: after["tiers"][t]["hit_tokens"] - before["tiers"][t]["hit_tokens"] for t in ("device", "host")}
+    assert hits == {"device": 0, "host": full}  # a lookup counts every cached full block, the last one too
+    # On arrival the model chose to fetch every block the turn can use (a host copy beats recomputing by far),
+    # they were pinned at once, and all were copied into the pool under the forward: one measured host batch.
+    prefetch = {k: v - before["engine"]["prefetch"][k] for k, v in after["engine"]["prefetch"].items()}
+    blocks = reused // B
+    assert prefetch == {
+        "started": 1,
+        "blocks_planned": blocks,
+        "blocks_used": blocks,
+        "deadline_missed": 0,
+        "recompute_chosen": 0,
+        "cancelled": 0,
+    }
+    costs, was = after["break_even"], before["break_even"]
+    assert costs["tiers"]["host"]["samples"] - was["tiers"]["host"]["samples"] == 1
+    assert costs["tiers"]["disk"]["samples"] == was["tiers"]["disk"]["samples"]
+    assert costs["prefill"]["samples"] - was["prefill"]["samples"] == (len(ids) - reused > 1)
+    assert costs["prefill"]["samples"] >= 1 and costs["tiers"]["host"]["samples"] >= 1
+    assert_cost_model_matches(after, m1)
 
 
 # -- admin --------------------------------------------------------------------------------------------
