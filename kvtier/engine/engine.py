@@ -463,6 +463,23 @@ class Engine:
             self._reap_stores(wait=True)
             self.cache.worker.drain()
 
+    def close(self) -> None:
+        """Give back everything held outside the pool: pending fetches' pins, store references, the copy thread.
+
+        After a failed step too (the server rebuilds its engine then): the
+        waiting requests' fetches pin host slots that nobody would release.
+        """
+        for req in self._waiting:
+            if req.fetch is not None:
+                req.fetch.cancel()
+                req.fetch = None
+        for handle, _ in self._loads:
+            handle.release()
+        self._loads = []
+        self.drain_stores()
+        if self._onboard is not None:
+            self._onboard.shutdown(wait=True)
+
     def generate(
         self,
         prompts: Iterable[Sequence[int]],

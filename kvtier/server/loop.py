@@ -207,7 +207,7 @@ class EngineLoop:
             if self._engine.has_unfinished():
                 self._step()
         self._fail_all(Failure.SHUTDOWN, "the server is shutting down")
-        self._engine.drain_stores()
+        self._engine.close()
 
     def _take(self, block: bool) -> bool:
         """Run every queued command, first waiting for one when the engine is idle; False: stop."""
@@ -251,6 +251,10 @@ class EngineLoop:
             log.exception("engine step failed: failing %d requests and rebuilding the engine", len(self._subs))
             self._fail_all(Failure.INTERNAL, "internal engine error")
             self._prefetch_before = _plus(self._prefetch_before, engine.prefetch_counters)
+            try:
+                engine.close()  # its pins and pool references; the pool itself goes with it
+            except Exception:
+                log.exception("closing the failed engine failed too")
             self._engine = self._build()
             self._publish()
             return

@@ -134,3 +134,16 @@ def test_prefetch_serves_disk_blocks_and_a_missed_deadline_recomputes_exactly(
         assert engine.prefetch_counters.deadline_missed == 1
         engine.drain_stores()
         assert cache.stats()["pinned_blocks"] == 0
+
+
+def test_close_gives_back_the_pins_of_requests_still_waiting(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    cfg = config(tmp_path, keep_resident=False)
+    ids = loaded_model.chat_ids([{"role": "user", "content": "Name the planets of the solar system, in order."}])
+    with open_cache(loaded_model, cfg) as cache:
+        engine = make_engine(loaded_model, cfg, cache=cache)
+        engine.generate([ids], GREEDY)
+        engine.drain_stores()
+        engine.add_request(ids, GREEDY)  # its fetch pins the host blocks at once
+        assert cache.stats()["pinned_blocks"] == engine.prefetch_counters.blocks_planned > 0
+        engine.close()
+        assert cache.stats()["pinned_blocks"] == 0
