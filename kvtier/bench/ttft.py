@@ -5,25 +5,38 @@ seen before plus 64 new tokens. Measured back to back on the same loaded
 weights:
 
 * ``miss``: nothing cached, the full ``N + 64`` tokens are prefilled;
-* ``host_hit``: the prefix's blocks are in kvtier's host tier;
+* ``host_hit``: the prefix's blocks are in kvtier's host tier, copied into
+  the pool layer by layer under the forward (the default);
+* ``host_hit_sync``: the same with ``transfer.layerwise: false``: every block
+  is copied into the pool before the forward starts (what the overlap saves);
 * ``disk_hit``: only on disk, with the slab's page cache dropped
   (``posix_fadvise(DONTNEED)``; ``"cold": false`` in the JSON if that failed);
 * ``resident_hit``: the prefix is still in the engine's own pool (device tier).
 
-Each repetition appends a different 64-token tail, so no repetition can hit
-the blocks of an earlier one's tail. Medians over ``reps``.
+``raw_prefill`` is the hardware's own speed for the same work: the
+forward's matrix products (same shapes, dtype and thread count, one
+``torch.mm`` each) plus causal SDPA over the same ``N + 64`` tokens, with
+none of the engine around them: how close the full recompute runs to what
+this machine can do at all.
+
+Each repetition appends a different 64-token tail, and each cached case has
+tails of its own, so no measurement can hit the blocks of an earlier one's
+tail. Medians over ``reps``.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvtier.bench import results
@@ -60,11 +73,29 @@ def _ttft(engine: Engine, ids: list[int]) -> float:
     return done.ttft_s
 
 
-def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
-    ids = text_tokens(loaded, spec.tokens + NEW_TOKENS * (spec.reps + 1))
+CACHED_CASES = 3  # host hit, host hit copy-first, disk hit: each needs tails no other case has stored
+
+
+def case_prompts(loaded: LoadedModel, spec: TTFTSpec, case: int = 0) -> tuple[list[int], list[list[int]]]:
+    """The prefix, and ``reps + 1`` prompts (prefix + a 64-token tail) for cached case ``case``.
+
+    Every cached case stores its tails' blocks (write-through, so on disk
+    too); a later case on the same prompts would find its tail cached and
+    measure a shorter prefill. So each case gets tails of its own, from
+    further along the same text. Case 0 (the host hit, and the peers'
+    prompts) comes first in the text.
+    """
+    per_case = NEW_TOKENS * (spec.reps + 1)
+    ids = text_tokens(loaded, spec.tokens + per_case * CACHED_CASES)
     prefix = ids[: spec.tokens]
-    tails = [ids[spec.tokens + NEW_TOKENS * r : spec.tokens + NEW_TOKENS * (r + 1)] for r in range(spec.reps + 1)]
-    prompts = [prefix + t for t in tails]  # prompts[0] warms up; the rest are measured
+    at = spec.tokens + per_case * case
+    tails = [ids[at + NEW_TOKENS * r : at + NEW_TOKENS * (r + 1)] for r in range(spec.reps + 1)]
+    return prefix, [prefix + t for t in tails]  # the first prompt warms up; the rest are measured
+
+
+def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
+    prefix, prompts = case_prompts(loaded, spec, 0)
+    sync_prompts, disk_prompts = case_prompts(loaded, spec, 1)[1], case_prompts(loaded, spec, 2)[1]
     times: dict[str, list[float]] = {}
     cold: list[bool] = []
     with tempfile.TemporaryDirectory(prefix="bench-ttft-", dir=_mkdir(config.data_dir)) as tmp:
@@ -73,13 +104,18 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
         tree["disk"] = {**tree["disk"], "path": None, "enabled": True, "capacity_bytes": 2 * 1024**3}
         tree["cache"] = {**tree["cache"], "write_mode": "write_through"}  # so the disk holds the prefix too
         cfg = Config.model_validate(tree)
-        with open_cache(loaded, cfg) as cache, tqdm(total=4, desc="bench ttft", unit="case", leave=False) as bar:
+        with open_cache(loaded, cfg) as cache, tqdm(total=5, desc="bench ttft", unit="case", leave=False) as bar:
             recompute = make_engine(loaded, cfg, cache=None, keep_resident=False)
             times["miss_s"] = _measure(lambda p: _ttft(recompute, p), prompts)
+            times["raw_prefill_s"] = _measure(lambda p: raw_prefill_s(loaded, len(p)), prompts)
             bar.update()
             tiered = make_engine(loaded, cfg, cache=cache, keep_resident=False)
             _ttft(tiered, prefix)
             times["host_hit_s"] = _measure(lambda p: _ttft(tiered, p), prompts)
+            bar.update()
+            sync_cfg = Config.model_validate(tree | {"transfer": {**tree["transfer"], "layerwise": False}})
+            sync = make_engine(loaded, sync_cfg, cache=cache, keep_resident=False)
+            times["host_hit_sync_s"] = _measure(lambda p: _ttft(sync, p), sync_prompts)
             bar.update()
 
             def from_disk(p: list[int]) -> float:
@@ -87,7 +123,7 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
                 cold.append(cache.disk is not None and cache.disk.drop_page_cache())
                 return _ttft(tiered, p)
 
-            times["disk_hit_s"] = _measure(from_disk, prompts)
+            times["disk_hit_s"] = _measure(from_disk, disk_prompts)
             bar.update()
             resident = make_engine(loaded, cfg, cache=None, keep_resident=True, hasher=cache.hasher)
             _ttft(resident, prefix)
@@ -107,6 +143,26 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
     return out
 
 
+def raw_prefill_s(loaded: LoadedModel, tokens: int) -> float:
+    """Seconds for a prefill's bare matrix products and attention: the floor an engine can approach."""
+    model = loaded.model
+    c = model.config
+    x = torch.randn(tokens, c.hidden_size).to(model.dtype)
+    mlp_in = torch.randn(tokens, c.intermediate_size).to(model.dtype)
+    q = torch.randn(1, c.num_heads, tokens, c.head_dim).to(model.dtype)
+    kv = torch.randn(1, c.num_kv_heads, tokens, c.head_dim).to(model.dtype)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        for layer in model.layers:
+            torch.mm(x, layer.wqkv.T)
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+            torch.mm(x, layer.wo.T)
+            torch.mm(x, layer.w_gate_up.T)
+            torch.mm(mlp_in, layer.w_down.T)
+        torch.mm(x[-1:], model.lm_head.T)
+        return time.perf_counter() - started
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -123,6 +179,8 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
         "miss_vs_host_hit": round(miss / result["host_hit_s"], 1),
         "miss_vs_disk_hit": round(miss / result["disk_hit_s"], 1),
         "host_hit_vs_resident": round(result["host_hit_s"] / result["resident_hit_s"], 2),
+        "layerwise_vs_sync": round(result["host_hit_s"] / result["host_hit_sync_s"], 2),
+        "miss_vs_raw_prefill": round(miss / result["raw_prefill_s"], 2),
     }
 
 
@@ -132,8 +190,11 @@ def table(result: dict[str, Any]) -> str:
         [
             f"kvtier TTFT: {result['tokens']:,}-token prefix + {result['new_tokens']} new tokens, "
             f"{result['setup']['dtype']}, median of {result['setup']['reps']}",
-            f"  full recompute      {result['miss_s']:8.3f} s",
+            f"  full recompute      {result['miss_s']:8.3f} s   bare matmuls + SDPA {result['raw_prefill_s']:.3f} s "
+            f"(recompute / raw = {r['miss_vs_raw_prefill']:.2f})",
             f"  host-tier hit       {result['host_hit_s']:8.3f} s   {r['miss_vs_host_hit']:6.1f}x faster",
+            f"  host hit, no overlap{result['host_hit_sync_s']:8.3f} s   layer-wise / copy-first = "
+            f"{r['layerwise_vs_sync']:.2f}",
             f"  disk-tier hit       {result['disk_hit_s']:8.3f} s   {r['miss_vs_disk_hit']:6.1f}x faster"
             f"   (cold page cache: {result['cold']})",
             f"  resident in pool    {result['resident_hit_s']:8.3f} s   host hit / resident = "
@@ -152,10 +213,10 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     plt = results.pyplot()
     if plt is None:
         return None
-    names = ["full recompute", "host hit", "disk hit (cold)", "resident"]
-    values = [result[k] for k in ("miss_s", "host_hit_s", "disk_hit_s", "resident_hit_s")]
+    names = ["full recompute", "host hit", "host hit,\ncopy first", "disk hit (cold)", "resident"]
+    values = [result[k] for k in ("miss_s", "host_hit_s", "host_hit_sync_s", "disk_hit_s", "resident_hit_s")]
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar(names, values, color=["#999999", "#4c72b0", "#dd8452", "#55a868"])
+    bars = ax.bar(names, values, color=["#999999", "#4c72b0", "#8fa8d6", "#dd8452", "#55a868"])
     ax.bar_label(bars, labels=[f"{v:.3f}s" for v in values])
     ax.set_yscale("log")
     ax.set_ylabel("time to first token (s, log)")
