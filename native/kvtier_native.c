@@ -1094,6 +1094,753 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------------------------- */
+/* paged_decode_attention: the engine's decode attention, read in place       */
+/* ------------------------------------------------------------------------- */
+
+/*
+ * One new token per sequence attends to its cached positions, which lie in the
+ * sequence's pool blocks (a layer's pool is [blocks, 2 (K, V), kv_heads, block, dim]).
+ * Each (sequence, KV head) pair walks its blocks straight in the pool: the scores of
+ * the group's query heads against one block, an online (streaming) softmax over the
+ * blocks in float32, and V accumulated under it. Nothing is gathered: at context
+ * 2,048 the K/V of one layer are megabytes, so what decode costs is reading them
+ * once, not copying them first.
+ *
+ * Work is cut into units of (sequence, KV head, run of blocks) so that even a single
+ * sequence with three KV heads keeps two threads busy; each unit leaves an
+ * unnormalised partial (its running max, sum and V accumulator per query head) and
+ * the calling thread merges a pair's partials at the end, as flash-decoding does.
+ * Units are claimed from a shared counter, so a worker that wakes late just claims
+ * fewer of them.
+ *
+ * A unit runs one of three builds, chosen once with __builtin_cpu_supports: AVX-512
+ * intrinsics (attn512_body); or one portable C body written for the auto-vectoriser
+ * (partial sums as wide as a vector, so a dot product needs no reassociation; exp as
+ * a polynomial, since libm's expf does not vectorise without -ffast-math), compiled
+ * for AVX2+FMA and for the base ISA (SSE2 on x86-64, NEON on aarch64). Nothing needs
+ * -march: the build runs on any x86-64 or aarch64.
+ */
+
+#include <math.h>
+#include <stddef.h>
+
+#define ATTN_LANES 16
+#define ATTN_MAX_GROUP 16
+#define ATTN_MAX_DIM 256
+#define ATTN_MAX_BLOCK 256
+#define ATTN_MAX_THREADS 16
+/* A unit covers at least this many blocks: below it, setting up and merging a
+ * partial costs more than the blocks it spreads. */
+#define ATTN_MIN_UNIT_BLOCKS 8
+/* Sequences are cut into about this many runs of blocks in all (times the KV heads),
+ * enough for dynamic claiming to even out two threads. The cut depends on the
+ * lengths alone, never on the thread count, so a result is the same bits whoever
+ * computes it. */
+#define ATTN_TARGET_RUNS 8
+
+typedef struct {
+    int seq, head, b0, b1; /* blocks [b0, b1) of the sequence's table */
+} attn_unit_t;
+
+typedef struct {
+    const char *kv;                         /* the layer's pool */
+    ptrdiff_t s_block, s_kv, s_head, s_pos; /* its strides, in elements */
+    int bf16;
+    const char *q; /* [num_seqs, kv_heads * group, dim], the model dtype */
+    char *out;     /* the same shape and dtype */
+    const int32_t *tables, *starts, *lengths;
+    int num_seqs, kv_heads, group, dim, block;
+    float scale;
+    attn_unit_t *units;
+    float *parts; /* per unit: m[group], l[group], acc[group * dim] */
+    size_t n_units, part_floats;
+    size_t next; /* the next unclaimed unit (atomic) */
+} attn_job_t;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 does; NaN stays a (quiet) NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (Cephes expf): x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
+ * polynomial in r, 2^n put straight into the exponent bits. Relative error ~2e-7.
+ * Inputs below -87 give exp(-87) ~ 1.6e-38 rather than 0, harmless next to the
+ * running maximum's exp(0) = 1. Branch-free, so loops of it vectorise. */
+static inline __attribute__((always_inline)) float attn_exp(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float p;
+    memcpy(&p, &e, 4);
+    return y * p;
+}
+
+/* Row p of a K or V tile as float32: the pool itself for float32, else converted into buf. */
+static inline __attribute__((always_inline)) const float *attn_row(const char *base, ptrdiff_t off, int bf16, int dim,
+                                                                   float *buf) {
+    if (!bf16) return (const float *)base + off;
+    const uint16_t *h = (const uint16_t *)base + off;
+    for (int d = 0; d < dim; d++) buf[d] = bf16_to_f32(h[d]);
+    return buf;
+}
+
+/* A dot product in `lanes` partial sums (as wide as the variant's vectors), so that it
+ * vectorises without reassociating a float sum; dim is a multiple of 16. */
+static inline __attribute__((always_inline)) float attn_dot(const float *a, const float *b, int dim, const int lanes) {
+    float lane[ATTN_LANES] = {0};
+    for (int d = 0; d < dim; d += lanes)
+        for (int l = 0; l < lanes; l++) lane[l] += a[d + l] * b[d + l];
+    float sum = 0.0f;
+    for (int l = 0; l < lanes; l++) sum += lane[l];
+    return sum;
+}
+
+/*
+ * One unit: the group's query heads against blocks [b0, b1) of one sequence and KV
+ * head, into part = m[G], l[G], acc[G * D] (acc not yet divided by l).
+ */
+static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_t *j, const attn_unit_t *u,
+                                                                 float *part, const int bf16,
+                                                                 const int lanes) {
+    const int G = j->group, D = j->dim, B = j->block;
+    const int len = j->lengths[u->seq];
+    const int32_t *ids = j->tables + j->starts[u->seq];
+    /* Local, not in part: the compiler then knows no store to them changes K or V. */
+    float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP], acc[ATTN_MAX_GROUP * ATTN_MAX_DIM];
+    float q[ATTN_MAX_GROUP * ATTN_MAX_DIM];
+    float s[ATTN_MAX_GROUP][ATTN_MAX_BLOCK + ATTN_LANES];
+    float kbuf[ATTN_MAX_DIM], vbuf[ATTN_MAX_DIM];
+    const int BP = (B + ATTN_LANES - 1) / ATTN_LANES * ATTN_LANES;
+
+    const size_t q_row = (size_t)(u->seq * j->kv_heads + u->head) * G * D; /* query heads head*G .. head*G+G-1 */
+    for (int i = 0; i < G * D; i++)
+        q[i] = (bf16 ? bf16_to_f32(((const uint16_t *)j->q)[q_row + i]) : ((const float *)j->q)[q_row + i]) * j->scale;
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+
+    for (int b = u->b0; b < u->b1; b++) {
+        const int n = len - b * B < B ? len - b * B : B;
+        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head;
+        const ptrdiff_t v_off = k_off + j->s_kv;
+        if (b + 1 < u->b1) { /* the next block is anywhere in the pool: start fetching it */
+            const char *nk = j->kv + ((ptrdiff_t)ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head) * (bf16 ? 2 : 4);
+            __builtin_prefetch(nk);
+            __builtin_prefetch(nk + j->s_kv * (bf16 ? 2 : 4));
+        }
+        for (int p = 0; p < n; p++) {
+            const float *k = attn_row(j->kv, k_off + p * j->s_pos, bf16, D, kbuf);
+            for (int g = 0; g < G; g++) s[g][p] = attn_dot(q + g * D, k, D, lanes);
+        }
+        for (int g = 0; g < G; g++) {
+            float *sg = s[g];
+            for (int p = n; p < BP; p++) sg[p] = -INFINITY;
+            float lane[ATTN_LANES];
+            for (int i = 0; i < ATTN_LANES; i++) lane[i] = sg[i];
+            for (int p = ATTN_LANES; p < BP; p += ATTN_LANES)
+                for (int i = 0; i < ATTN_LANES; i++) lane[i] = sg[p + i] > lane[i] ? sg[p + i] : lane[i];
+            float mx = m[g];
+            for (int i = 0; i < ATTN_LANES; i++) mx = lane[i] > mx ? lane[i] : mx;
+            float sum = 0.0f;
+            for (int p = 0; p < BP; p++) sg[p] = attn_exp(sg[p] - mx);
+            for (int p = n; p < BP; p++) sg[p] = 0.0f;
+            for (int p = 0; p < n; p++) sum += sg[p];
+            if (mx > m[g]) {
+                const float c = attn_exp(m[g] - mx);
+                float *a = acc + g * D;
+                for (int d = 0; d < D; d++) a[d] *= c;
+                l[g] *= c;
+                m[g] = mx;
+            }
+            l[g] += sum;
+        }
+        for (int p = 0; p < n; p++) {
+            const float *v = attn_row(j->kv, v_off + p * j->s_pos, bf16, D, vbuf);
+            for (int g = 0; g < G; g++) {
+                const float w = s[g][p];
+                float *a = acc + g * D;
+                for (int d = 0; d < D; d++) a[d] += w * v[d];
+            }
+        }
+    }
+    memcpy(part, m, sizeof(float) * (size_t)G);
+    memcpy(part + G, l, sizeof(float) * (size_t)G);
+    memcpy(part + 2 * G, acc, sizeof(float) * (size_t)G * D);
+}
+
+#define ATTN_VARIANT(name, attr, lanes)                                                             \
+    attr static void name(const attn_job_t *j, const attn_unit_t *u, float *part) {                \
+        if (j->bf16) attn_unit_body(j, u, part, 1, lanes);                                          \
+        else attn_unit_body(j, u, part, 0, lanes);                                                  \
+    }
+
+ATTN_VARIANT(attn_unit_base, , 4)
+#ifdef KVT_X86
+ATTN_VARIANT(attn_unit_avx2, __attribute__((target("avx2,fma"))), 8)
+/*
+ * The AVX-512 unit, by hand: the auto-vectorised body above reduces every dot product
+ * on its own, through the stack. Here a tile of 16 positions is scored as 16 vector
+ * products folded into one vector of 16 scores (attn512_scores), the tile's softmax
+ * weights are one vector, and V is accumulated in registers, four heads per V row. nv
+ * (head_dim / 16) is a constant in the common instantiations (4 and 8: head_dim 64
+ * and 128), so the accumulators stay in registers and row offsets are immediates.
+ * Measured on the 2-core EPYC (one thread, one layer of SmolLM2 at context 2,048 in
+ * cache): float32 ~100 us, bfloat16 ~75 us (118 us when bf16 was widened with
+ * vpmovzxwd rather than split, see attn512_load, and V read once per head); about
+ * 0.24 (fp32) and 0.18 (bf16) us per block and KV head, the same from L2 as from
+ * L3: bound by instructions more than by memory. From DRAM (30 layers in turn):
+ * ~165 and ~90 us.
+ */
+#include <immintrin.h>
+
+#define ATTN512 __attribute__((target("avx512f,fma")))
+#define ATTN512_INLINE static inline __attribute__((always_inline)) ATTN512
+
+/*
+ * Vector v of a row that starts at element off, as float32. For float32 and for
+ * bfloat16 rows whose length is not a multiple of 32 (`split` 0), elements
+ * [16v, 16v + 16). For other bfloat16 rows (`split` 1), each 64-byte run of 32
+ * elements gives two vectors without a shuffle: its even elements (v even: each
+ * 32-bit word shifted left 16) and its odd ones (v odd: the high halves, masked).
+ * A dot product does not care about the order as long as q is loaded the same way;
+ * the V accumulators are put back in order at the end (attn512_unsplit).
+ */
+ATTN512_INLINE __m512 attn512_load(const char *base, ptrdiff_t off, int v, const int bf16, const int split) {
+    if (split) {
+        const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)base + off + 32 * (v >> 1)));
+        return _mm512_castsi512_ps((v & 1) ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))
+                                           : _mm512_slli_epi32(x, 16));
+    }
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off + 16 * v));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + off + 16 * v);
+}
+
+/* Back to element order: vectors 2c and 2c + 1 hold the even and odd elements of run c. */
+ATTN512_INLINE void attn512_unsplit(float *dst, const float *src, int dim) {
+    for (int c = 0; c < dim; c += 32)
+        for (int i = 0; i < 16; i++) {
+            dst[c + 2 * i] = src[c + i];
+            dst[c + 2 * i + 1] = src[c + 16 + i];
+        }
+}
+
+/* The 16-lane partial products of q . K[row] (lane sums still to take). */
+/*
+ * The scores of one query head against a tile of nt <= 16 rows: lane p is q . K[p]
+ * (0 for p >= nt). Each row's dot product is 16 partial sums; the 16 vectors are folded
+ * into one as they come (pairs, then quads, then eights, then the tile: 15 shuffle-adds
+ * in all), which keeps at most a dozen of them alive at once.
+ */
+ATTN512_INLINE __m512 attn512_pair(__m512 a, __m512 b) { /* per 128-bit lane: [a b a b], each a sum of two */
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+ATTN512_INLINE __m512 attn512_quad(__m512 a, __m512 b) { /* per 128-bit lane: the sums of rows [4i, 4i + 4) */
+    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+ATTN512_INLINE __m512 attn512_fold(__m512 a, __m512 b) { /* 128-bit lanes 0, 2 of a, b plus lanes 1, 3 */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+ATTN512_INLINE __m512 attn512_row(const char *kv, ptrdiff_t row, const __m512 *qv, const int nv, const int bf16,
+                                  const int split) {
+    if (split) { /* each 64-byte load feeds two FMAs */
+        const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+        __m512 a = _mm512_setzero_ps();
+        for (int c = 0; c < nv / 2; c++) {
+            const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)kv + row + 32 * c));
+            a = _mm512_fmadd_ps(qv[2 * c], _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), a);
+            a = _mm512_fmadd_ps(qv[2 * c + 1], _mm512_castsi512_ps(_mm512_and_si512(x, hi)), a);
+        }
+        return a;
+    }
+    __m512 a = _mm512_mul_ps(qv[0], attn512_load(kv, row, 0, bf16, 0));
+    for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(qv[v], attn512_load(kv, row, v, bf16, 0), a);
+    return a;
+}
+
+/* o += w * V[row], V[row] loaded as attn512_load orders it. */
+ATTN512_INLINE void attn512_axpy(__m512 *o, __m512 w, const char *kv, ptrdiff_t row, const int nv, const int bf16,
+                                 const int split) {
+    if (split) {
+        const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+        for (int c = 0; c < nv / 2; c++) {
+            const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)kv + row + 32 * c));
+            o[2 * c] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), o[2 * c]);
+            o[2 * c + 1] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_and_si512(x, hi)), o[2 * c + 1]);
+        }
+        return;
+    }
+    for (int v = 0; v < nv; v++) o[v] = _mm512_fmadd_ps(w, attn512_load(kv, row, v, bf16, 0), o[v]);
+}
+
+/*
+ * acc[h][:] = corr[h] * acc[h][:] + sum over the tile's rows p of w[h][p] * V[p] for
+ * `heads` (<= 4, a constant) query heads at once: each V row is loaded once for all
+ * of them, and heads * nv independent accumulators hide the FMA latency.
+ */
+ATTN512_INLINE void attn512_pv(float *acc, const float *w, const float *corr, const char *kv, ptrdiff_t row, int nt,
+                               const int heads, const int nv, const int bf16, const int split) {
+    __m512 o[4][ATTN_MAX_DIM / 16];
+    for (int h = 0; h < heads; h++) {
+        const __m512 c = _mm512_set1_ps(corr[h]);
+        for (int v = 0; v < nv; v++) o[h][v] = _mm512_mul_ps(_mm512_load_ps(acc + h * nv * 16 + 16 * v), c);
+    }
+    for (int p = 0; p < nt; p++, row += nv * 16) {
+        __m512 x[ATTN_MAX_DIM / 16];
+        if (split) {
+            const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+            for (int c = 0; c < nv / 2; c++) {
+                const __m512i r = _mm512_loadu_si512((const void *)((const uint16_t *)kv + row + 32 * c));
+                x[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+                x[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(r, hi));
+            }
+        } else {
+            for (int v = 0; v < nv; v++) x[v] = attn512_load(kv, row, v, bf16, 0);
+        }
+        for (int h = 0; h < heads; h++) {
+            const __m512 wp = _mm512_set1_ps(w[h * ATTN_LANES + p]);
+            for (int v = 0; v < nv; v++) o[h][v] = _mm512_fmadd_ps(wp, x[v], o[h][v]);
+        }
+    }
+    for (int h = 0; h < heads; h++)
+        for (int v = 0; v < nv; v++) _mm512_store_ps(acc + h * nv * 16 + 16 * v, o[h][v]);
+}
+
+ATTN512_INLINE __m512 attn512_scores(const char *kv, ptrdiff_t k_off, ptrdiff_t s_pos, int nt, const __m512 *qv,
+                                     const int nv, const int bf16, const int split) {
+    __m512 quad[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512 pair[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const int p = 4 * i + 2 * h;
+            const __m512 a = p < nt ? attn512_row(kv, k_off + p * s_pos, qv, nv, bf16, split) : _mm512_setzero_ps();
+            const __m512 b = p + 1 < nt ? attn512_row(kv, k_off + (p + 1) * s_pos, qv, nv, bf16, split)
+                                        : _mm512_setzero_ps();
+            pair[h] = attn512_pair(a, b);
+        }
+        quad[i] = attn512_quad(pair[0], pair[1]);
+    }
+    return attn512_fold(attn512_fold(quad[0], quad[1]), attn512_fold(quad[2], quad[3]));
+}
+
+/* attn_exp, 16 at a time (the same polynomial; scalef puts in 2^n). */
+ATTN512_INLINE __m512 attn512_exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, float *part, const int bf16,
+                                 const int split, const int nv_const) {
+    const int G = j->group, D = j->dim, B = j->block;
+    const int nv = nv_const ? nv_const : D / 16;
+    const int len = j->lengths[u->seq];
+    const int32_t *ids = j->tables + j->starts[u->seq];
+    const ptrdiff_t esize = bf16 ? 2 : 4;
+    float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
+    float q[ATTN_MAX_GROUP * ATTN_MAX_DIM] __attribute__((aligned(64)));
+    float acc[ATTN_MAX_GROUP * ATTN_MAX_DIM] __attribute__((aligned(64)));
+    float w[ATTN_MAX_GROUP * ATTN_LANES] __attribute__((aligned(64)));
+    float corr[ATTN_MAX_GROUP];
+
+    const size_t q_row = (size_t)(u->seq * j->kv_heads + u->head) * G * D;
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < nv; v++)
+            _mm512_store_ps(q + g * D + 16 * v, _mm512_mul_ps(attn512_load(j->q, (ptrdiff_t)q_row + g * D, v, bf16, split),
+                                                              _mm512_set1_ps(j->scale)));
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+
+    for (int b = u->b0; b < u->b1; b++) {
+        const int n = len - b * B < B ? len - b * B : B;
+        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head;
+        const ptrdiff_t v_off = k_off + j->s_kv;
+        if (b + 1 < u->b1) { /* the next block is anywhere in the pool: fetch its two tiles whole now */
+            const char *nk = j->kv + ((ptrdiff_t)ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head) * esize;
+            const ptrdiff_t tile = (ptrdiff_t)(B - 1) * j->s_pos * esize + D * esize;
+            for (ptrdiff_t o = 0; o < tile; o += 64) {
+                _mm_prefetch(nk + o, _MM_HINT_T0);
+                _mm_prefetch(nk + j->s_kv * esize + o, _MM_HINT_T0);
+            }
+        }
+        for (int t0 = 0; t0 < n; t0 += ATTN_LANES) {
+            const int nt = n - t0 < ATTN_LANES ? n - t0 : ATTN_LANES;
+            const __mmask16 live = (__mmask16)((1u << nt) - 1);
+            __m512 sc[ATTN_MAX_GROUP];
+            for (int g = 0; g < G; g++) { /* all heads' scores first: their reductions overlap */
+                __m512 qv[ATTN_MAX_DIM / 16];
+                for (int v = 0; v < nv; v++) qv[v] = _mm512_load_ps(q + g * D + 16 * v);
+                sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                           attn512_scores(j->kv, k_off + t0 * D, D, nt, qv, nv, bf16, split));
+            }
+            for (int g = 0; g < G; g++) {
+                const __m512 s = sc[g];
+                const float mx = _mm512_reduce_max_ps(s);
+                float c = 1.0f;
+                if (mx > m[g]) {
+                    c = attn_exp(m[g] - mx);
+                    m[g] = mx;
+                }
+                const __m512 e = _mm512_maskz_mov_ps(live, attn512_exp(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
+                l[g] = l[g] * c + _mm512_reduce_add_ps(e);
+                _mm512_store_ps(w + g * ATTN_LANES, e);
+                corr[g] = c;
+            }
+            /* V, read once per row for up to four heads at a time */
+            for (int g = 0; g < G; g += 4) {
+                const int h = G - g < 4 ? G - g : 4;
+                const ptrdiff_t row = v_off + t0 * D;
+                float *ag = acc + g * D;
+                const float *wg = w + g * ATTN_LANES;
+                if (h == 4) attn512_pv(ag, wg, corr + g, j->kv, row, nt, 4, nv, bf16, split);
+                else if (h == 3) attn512_pv(ag, wg, corr + g, j->kv, row, nt, 3, nv, bf16, split);
+                else if (h == 2) attn512_pv(ag, wg, corr + g, j->kv, row, nt, 2, nv, bf16, split);
+                else attn512_pv(ag, wg, corr + g, j->kv, row, nt, 1, nv, bf16, split);
+            }
+        }
+    }
+    memcpy(part, m, sizeof(float) * (size_t)G);
+    memcpy(part + G, l, sizeof(float) * (size_t)G);
+    if (split)
+        for (int g = 0; g < G; g++) attn512_unsplit(part + 2 * G + g * D, acc + g * D, D);
+    else
+        memcpy(part + 2 * G, acc, sizeof(float) * (size_t)G * D);
+}
+
+ATTN512 static void attn_unit_avx512(const attn_job_t *j, const attn_unit_t *u, float *part) {
+    const int nv = j->dim / 16;
+    if (!j->bf16) {
+        if (nv == 4) attn512_body(j, u, part, 0, 0, 4);
+        else if (nv == 8) attn512_body(j, u, part, 0, 0, 8);
+        else attn512_body(j, u, part, 0, 0, 0);
+    } else if (j->dim % 32 == 0) {
+        if (nv == 4) attn512_body(j, u, part, 1, 1, 4);
+        else if (nv == 8) attn512_body(j, u, part, 1, 1, 8);
+        else attn512_body(j, u, part, 1, 1, 0);
+    } else {
+        attn512_body(j, u, part, 1, 0, 0);
+    }
+}
+#endif
+
+typedef void (*attn_unit_fn)(const attn_job_t *, const attn_unit_t *, float *);
+
+/* The builds this CPU can run, best first; the first is the one paged_decode_attention uses. */
+typedef struct {
+    const char *name;
+    attn_unit_fn fn;
+} attn_impl_t;
+static attn_impl_t attn_impls[3];
+static int attn_n_impls = 0;
+
+static void attn_pick(void) {
+#ifdef KVT_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) attn_impls[attn_n_impls++] = (attn_impl_t){"avx512", attn_unit_avx512};
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        attn_impls[attn_n_impls++] = (attn_impl_t){"avx2", attn_unit_avx2};
+#endif
+    attn_impls[attn_n_impls++] = (attn_impl_t){"base", attn_unit_base};
+}
+
+static void attn_claim_all(attn_job_t *j, attn_unit_fn fn) {
+    size_t i;
+    while ((i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED)) < j->n_units)
+        fn(j, &j->units[i], j->parts + i * j->part_floats);
+}
+
+/* Merge each (sequence, KV head)'s partials (units of one pair are adjacent) into out. */
+static void attn_merge(const attn_job_t *j) {
+    const int G = j->group, D = j->dim;
+    float o[ATTN_MAX_DIM];
+    size_t i = 0;
+    while (i < j->n_units) {
+        size_t e = i + 1;
+        while (e < j->n_units && j->units[e].seq == j->units[i].seq && j->units[e].head == j->units[i].head) e++;
+        for (int g = 0; g < G; g++) {
+            float mx = -INFINITY, total = 0.0f;
+            for (size_t k = i; k < e; k++) {
+                const float mk = j->parts[k * j->part_floats + g];
+                mx = mk > mx ? mk : mx;
+            }
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (size_t k = i; k < e; k++) {
+                const float *part = j->parts + k * j->part_floats;
+                const float c = part[G + g] > 0.0f ? attn_exp(part[g] - mx) : 0.0f; /* 0: a unit with no positions */
+                total += c * part[G + g];
+                const float *a = part + 2 * G + g * D;
+                for (int d = 0; d < D; d++) o[d] += c * a[d];
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            const size_t row = ((size_t)(j->units[i].seq * j->kv_heads + j->units[i].head) * G + g) * D;
+            for (int d = 0; d < D; d++) {
+                if (j->bf16) ((uint16_t *)j->out)[row + d] = f32_to_bf16(o[d] * inv);
+                else ((float *)j->out)[row + d] = o[d] * inv;
+            }
+        }
+        i = e;
+    }
+}
+
+/*
+ * The attention team: workers that sleep on a condition variable between calls
+ * (the engine's matmuls run in between, on the same cores: a spinning worker would
+ * take a core from them). One job is on offer at a time; a caller that finds
+ * another job in flight runs its own alone.
+ */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake, idle;
+    attn_job_t *job;
+    attn_unit_fn fn;
+    unsigned long gen; /* bumped per job, so a worker joins each one once */
+    int seats;         /* workers the job still takes */
+    int busy;          /* workers inside the job */
+    int workers;
+} attn_team = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0, 0};
+
+static void *attn_worker(void *arg) {
+    (void)arg;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&attn_team.mu);
+    for (;;) {
+        while (attn_team.job == NULL || attn_team.gen == seen || attn_team.seats == 0)
+            pthread_cond_wait(&attn_team.wake, &attn_team.mu);
+        attn_job_t *j = attn_team.job;
+        attn_unit_fn fn = attn_team.fn;
+        seen = attn_team.gen;
+        attn_team.seats--;
+        attn_team.busy++;
+        pthread_mutex_unlock(&attn_team.mu);
+        attn_claim_all(j, fn);
+        pthread_mutex_lock(&attn_team.mu);
+        if (--attn_team.busy == 0) pthread_cond_broadcast(&attn_team.idle);
+    }
+    return NULL;
+}
+
+static void attn_atfork_prepare(void) { pthread_mutex_lock(&attn_team.mu); }
+static void attn_atfork_parent(void) { pthread_mutex_unlock(&attn_team.mu); }
+static void attn_atfork_child(void) { /* the child has no workers and no job */
+    attn_team.job = NULL;
+    attn_team.seats = attn_team.busy = attn_team.workers = 0;
+    pthread_cond_init(&attn_team.wake, NULL);
+    pthread_cond_init(&attn_team.idle, NULL);
+    pthread_mutex_unlock(&attn_team.mu);
+}
+
+static pthread_once_t attn_once = PTHREAD_ONCE_INIT;
+static void attn_init(void) {
+    attn_pick();
+    pthread_atfork(attn_atfork_prepare, attn_atfork_parent, attn_atfork_child);
+}
+
+/* Runs without the GIL; returns once every unit is done and merged. */
+static void attn_run(attn_job_t *j, attn_unit_fn fn, int threads) {
+    int shared = 0;
+    if (threads > 1 && j->n_units > 1) {
+        pthread_mutex_lock(&attn_team.mu);
+        if (attn_team.job == NULL) {
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            while (attn_team.workers < threads - 1) {
+                pthread_t t;
+                if (pthread_create(&t, &attr, attn_worker, NULL) != 0) break; /* the caller still does the work */
+                attn_team.workers++;
+            }
+            pthread_attr_destroy(&attr);
+            attn_team.job = j;
+            attn_team.fn = fn;
+            attn_team.gen++;
+            attn_team.seats = threads - 1;
+            shared = 1;
+            pthread_cond_broadcast(&attn_team.wake);
+        }
+        pthread_mutex_unlock(&attn_team.mu);
+    }
+    attn_claim_all(j, fn);
+    if (shared) {
+        pthread_mutex_lock(&attn_team.mu);
+        attn_team.job = NULL; /* a worker not yet in stays out: every unit is claimed */
+        while (attn_team.busy > 0) pthread_cond_wait(&attn_team.idle, &attn_team.mu);
+        pthread_mutex_unlock(&attn_team.mu);
+    }
+    attn_merge(j);
+}
+
+/* Checks the shapes and the block tables (every id a pool block, enough of them for
+ * each length) before anything reads the pool; NULL and a Python error if not. */
+static const char *attn_check(const attn_job_t *j, Py_ssize_t num_blocks, int threads) {
+    if (j->num_seqs < 0 || j->kv_heads <= 0) return "num_seqs >= 0 and kv_heads > 0";
+    if (j->group <= 0 || j->group > ATTN_MAX_GROUP) return "group (query heads per KV head) must be 1..16";
+    if (j->dim <= 0 || j->dim > ATTN_MAX_DIM || j->dim % ATTN_LANES) return "head_dim must be a multiple of 16, <= 256";
+    if (j->block <= 0 || j->block > ATTN_MAX_BLOCK) return "block_size must be 1..256";
+    if (j->s_pos != j->dim) return "a block's rows must be contiguous (position stride == head_dim)";
+    if (threads <= 0 || threads > ATTN_MAX_THREADS) return "threads must be 1..16";
+    if (j->num_seqs > 0 && j->starts[0] != 0) return "starts[0] must be 0";
+    for (int s = 0; s < j->num_seqs; s++) {
+        const int32_t len = j->lengths[s], have = j->starts[s + 1] - j->starts[s];
+        if (len < 0 || have < 0) return "lengths and block counts must not be negative";
+        if (((int64_t)len + j->block - 1) / j->block > have) return "a sequence has fewer blocks than its length needs";
+        for (int32_t b = j->starts[s]; b < j->starts[s + 1]; b++)
+            if (j->tables[b] < 0 || j->tables[b] >= num_blocks) return "a block id is outside the pool";
+    }
+    return NULL;
+}
+
+/* Units of about the same number of blocks, (sequence, head) pairs adjacent; with
+ * j->units NULL, only counts them. */
+static size_t attn_plan_units(attn_job_t *j) {
+    int64_t work = 0;
+    for (int s = 0; s < j->num_seqs; s++) work += (j->lengths[s] + j->block - 1) / j->block;
+    int64_t per = (work + ATTN_TARGET_RUNS - 1) / ATTN_TARGET_RUNS;
+    per = per < ATTN_MIN_UNIT_BLOCKS ? ATTN_MIN_UNIT_BLOCKS : per;
+    size_t n = 0;
+    for (int s = 0; s < j->num_seqs; s++) {
+        const int nb = (j->lengths[s] + j->block - 1) / j->block;
+        const int cuts = nb == 0 ? 1 : (int)((nb + per - 1) / per);
+        for (int h = 0; h < j->kv_heads; h++)
+            for (int c = 0; c < cuts; c++) {
+                if (j->units != NULL) {
+                    attn_unit_t *u = &j->units[n];
+                    u->seq = s;
+                    u->head = h;
+                    u->b0 = (int)((int64_t)nb * c / cuts);
+                    u->b1 = (int)((int64_t)nb * (c + 1) / cuts);
+                }
+                n++;
+            }
+    }
+    return n;
+}
+
+static PyObject *attn_entry(PyObject *args, PyObject *kw, const char *impl) {
+    static char *kwlist[] = {"kv",     "strides", "num_blocks", "bf16",      "q",          "out",   "tables",
+                             "starts", "lengths", "num_seqs",   "kv_heads",  "group",      "head_dim",
+                             "block_size", "scale", "threads", NULL};
+    unsigned long long kv, q, out, tables, starts, lengths;
+    Py_ssize_t sb, skv, sh, sp, num_blocks;
+    int bf16, threads;
+    attn_job_t j = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKKKiiiiifi:paged_decode_attention", kwlist, &kv, &sb, &skv,
+                                     &sh, &sp, &num_blocks, &bf16, &q, &out, &tables, &starts, &lengths, &j.num_seqs,
+                                     &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads))
+        return NULL;
+    pthread_once(&attn_once, attn_init);
+    attn_unit_fn fn = attn_impls[0].fn;
+    if (impl != NULL) {
+        fn = NULL;
+        for (int i = 0; i < attn_n_impls; i++)
+            if (strcmp(attn_impls[i].name, impl) == 0) fn = attn_impls[i].fn;
+        if (fn == NULL) return PyErr_Format(PyExc_ValueError, "paged_decode_attention: this CPU cannot run %s", impl);
+    }
+    j.kv = (const char *)(uintptr_t)kv;
+    j.s_block = sb;
+    j.s_kv = skv;
+    j.s_head = sh;
+    j.s_pos = sp;
+    j.bf16 = bf16;
+    j.q = (const char *)(uintptr_t)q;
+    j.out = (char *)(uintptr_t)out;
+    j.tables = (const int32_t *)(uintptr_t)tables;
+    j.starts = (const int32_t *)(uintptr_t)starts;
+    j.lengths = (const int32_t *)(uintptr_t)lengths;
+    const char *bad = attn_check(&j, num_blocks, threads);
+    if (bad != NULL) return PyErr_Format(PyExc_ValueError, "paged_decode_attention: %s", bad);
+    if (j.num_seqs == 0) Py_RETURN_NONE;
+    j.n_units = attn_plan_units(&j);
+    j.part_floats = (size_t)j.group * (2 + (size_t)j.dim);
+    j.units = PyMem_RawMalloc(j.n_units * sizeof(attn_unit_t));
+    j.parts = PyMem_RawMalloc(j.n_units * j.part_floats * sizeof(float));
+    if (j.units == NULL || j.parts == NULL) {
+        PyMem_RawFree(j.units);
+        PyMem_RawFree(j.parts);
+        return PyErr_NoMemory();
+    }
+    attn_plan_units(&j);
+    Py_BEGIN_ALLOW_THREADS attn_run(&j, fn, threads);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(j.units);
+    PyMem_RawFree(j.parts);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_paged_decode_attention(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    return attn_entry(args, kw, NULL);
+}
+
+/* _paged_decode_attention_using(impl, *args): one named build, for tests. */
+static PyObject *py_paged_decode_attention_using(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    const char *impl;
+    if (PyTuple_GET_SIZE(args) < 1 || (impl = PyUnicode_AsUTF8(PyTuple_GET_ITEM(args, 0))) == NULL)
+        return PyErr_Format(PyExc_TypeError, "_paged_decode_attention_using(impl: str, *args)");
+    PyObject *rest = PyTuple_GetSlice(args, 1, PyTuple_GET_SIZE(args));
+    if (rest == NULL) return NULL;
+    PyObject *out = attn_entry(rest, kw, impl);
+    Py_DECREF(rest);
+    return out;
+}
+
+static PyObject *py_paged_decode_attention_impls(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    (void)arg;
+    pthread_once(&attn_once, attn_init);
+    PyObject *names = PyTuple_New(attn_n_impls);
+    for (int i = 0; names != NULL && i < attn_n_impls; i++) {
+        PyObject *name = PyUnicode_FromString(attn_impls[i].name);
+        if (name == NULL) Py_CLEAR(names);
+        else PyTuple_SET_ITEM(names, i, name);
+    }
+    return names;
+}
+
 static PyMethodDef methods[] = {
     {"preadv_batch", (PyCFunction)(void (*)(void))py_preadv_batch, METH_VARARGS | METH_KEYWORDS,
      "preadv_batch(fd, buffers, offsets, bounce=None, align=4096) -> list[int]\n\n"
@@ -1133,6 +1880,21 @@ static PyMethodDef methods[] = {
      "copy_regions(dst_addrs, src_addrs, nbytes) -> int\n\n"
      "memcpy(dst_addrs[i], src_addrs[i], nbytes) for each i of two int64 address arrays, without the "
      "GIL; returns how many. The addresses are trusted: the caller owns both sides and keeps them alive."},
+    {"paged_decode_attention", (PyCFunction)(void (*)(void))py_paged_decode_attention, METH_VARARGS | METH_KEYWORDS,
+     "paged_decode_attention(kv, strides, num_blocks, bf16, q, out, tables, starts, lengths, num_seqs, kv_heads, "
+     "group, head_dim, block_size, scale, threads) -> None\n\n"
+     "Decode attention read in place from a paged KV pool layer (see kvtier/engine/kernels.py, which wraps it): "
+     "out[s, h] = softmax(scale * q[s, h] . K[s, h // group]) V[s, h // group] over the first lengths[s] "
+     "positions of sequence s, whose blocks are tables[starts[s]:starts[s + 1]]. kv, q, out, tables, starts and "
+     "lengths are addresses (trusted, like copy_regions'); strides are the layer's block, K/V, head and position "
+     "strides in elements; bf16 says the pool, q and out are bfloat16 (else float32); tables, starts and lengths "
+     "are int32. Block ids and counts are checked against num_blocks and the lengths; the GIL is released."},
+    {"_paged_decode_attention_using", (PyCFunction)(void (*)(void))py_paged_decode_attention_using,
+     METH_VARARGS | METH_KEYWORDS, "_paged_decode_attention_using(impl, *args): paged_decode_attention on one named "
+     "build (one of paged_decode_attention_impls()), for tests."},
+    {"paged_decode_attention_impls", (PyCFunction)py_paged_decode_attention_impls, METH_NOARGS,
+     "paged_decode_attention_impls() -> tuple[str, ...]\n\nThe builds of paged_decode_attention this CPU runs "
+     "(avx512, avx2, base), best first: the first is the one it uses."},
     {NULL, NULL, 0, NULL},
 };
 

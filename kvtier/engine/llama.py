@@ -11,11 +11,12 @@ writes its new K/V into the pool first, then attends:
   blocks (one ``index_select``) and uses a causal mask shifted by ``start``
   (new token *i* sees positions ``<= start + i``); ``is_causal`` would align
   the triangle top-left, which is wrong once keys outnumber queries;
-* decodes (one new token each) are batched: K/V of all decoding sequences
-  are gathered padded to the longest, with a padding mask. The query heads
-  that share a KV head are folded into the query-length axis
-  (``[S, kv_heads, group, head_dim]``), so grouped-query attention needs no
-  repeated K/V.
+* decodes (one new token each) are batched, one call per layer into
+  :mod:`kvtier.engine.kernels`: on CPU a C kernel that reads each
+  sequence's K/V where they lie in its blocks; elsewhere K/V of all
+  decoding sequences gathered padded to the longest, with a padding mask.
+  Either way the query heads that share a KV head attend together, so
+  grouped-query attention needs no repeated K/V.
 
 Measured on the shared 2-core development CPU (2 threads, whole model, the
 machine otherwise idle; another busy process there makes 2-thread OpenMP
@@ -28,6 +29,12 @@ several times slower, so numbers taken under load mean nothing):
   with a boolean padding mask; bf16 22.7 matmul (bf16 softmax), 23.9 matmul
   with a float32 softmax, 24.2 to 26.2 SDPA. The matmul form with a float32
   softmax is kept: as fast as any, and as precise as SDPA's kernel;
+* the C decode kernel (:mod:`kvtier.engine.kernels`) against that gather +
+  matmul path, same conditions, median of 4 interleaved runs of 40 steps:
+  fp32 42.7 vs 47.5 ms/token, bf16 19.9 vs 21.6. Attention goes from ~22%
+  (fp32) / ~28% (bf16) of a step to ~12% / ~15% (torch.profiler); most of
+  the rest is the weight matmuls (``aten::mm``, ~70% of an fp32 step, which
+  MKL runs as a one-thread sgemv at ~15 GB/s);
 * SDPA on 3-D ``[heads, T, D]`` inputs takes the slow math path on CPU: a
   2,048-token causal prefill's attention went from 234 ms to 39 ms per
   layer once inputs were 4-D. ``enable_gqa=True`` costs nothing there,
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvtier.engine.kernels import DecodePlan, plan_decode
 from kvtier.engine.pool import BlockTable, Gather, KVPool, Slots
 from kvtier.layout import KVLayout
 from kvtier.model.config import ModelConfig
@@ -80,13 +88,13 @@ class _Prefill:
     rows: slice  # this sequence's rows of the flattened batch
     start: int
     gather: Gather | None  # None: nothing cached, attend to the fresh K/V
+    mask: torch.Tensor | None  # additive [T, start + T]: 0 where a new token may look, -inf elsewhere
 
 
 @dataclass(frozen=True)
 class _Decode:
     rows: torch.Tensor  # rows of the flattened batch, one per decoding sequence
-    gather: Gather
-    mask: torch.Tensor  # bool [S, 1, 1, padded length], True where a cached position exists
+    attention: DecodePlan  # the C kernel on CPU, else gather + matmul (kvtier.engine.kernels)
 
 
 @dataclass(frozen=True)
@@ -243,7 +251,8 @@ class LlamaModel:
                 decoding.append((row, s))
             else:
                 gather = pool.plan_gather([s.table], [s.start + n]) if s.start else None
-                prefills.append(_Prefill(slice(row, row + n), s.start, gather))
+                mask = self._shifted_causal_mask(s.start, n) if s.start else None
+                prefills.append(_Prefill(slice(row, row + n), s.start, gather, mask))
             row += n
             last_rows.append(row - 1)
         pos = torch.cat(positions).to(self.device)
@@ -257,13 +266,24 @@ class LlamaModel:
             decode=self._plan_decode(decoding, pool) if decoding else None,
         )
 
+    def _shifted_causal_mask(self, start: int, count: int) -> torch.Tensor:
+        """New token *i* sees positions ``<= start + i``, built once per forward for every layer.
+
+        Additive (0 / -inf) in the model dtype rather than boolean: SDPA
+        takes the same kernel either way, bit for bit, but converts a
+        boolean mask to this form on every call, which measured about 30%
+        of a 64-token tail's attention over a 4,096-token prefix.
+        """
+        total = start + count
+        query_pos = torch.arange(start, total, device=self.device)
+        allowed = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None]
+        mask = torch.zeros(count, total, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
+
     def _plan_decode(self, decoding: list[tuple[int, SeqInput]], pool: KVPool) -> _Decode:
-        lengths = torch.tensor([s.start + 1 for _, s in decoding])
-        gather = pool.plan_gather([s.table for _, s in decoding], lengths.tolist())
-        width = gather.num_blocks * pool.block_size
-        mask = (torch.arange(width)[None, :] < lengths[:, None]).view(len(decoding), 1, 1, width)
+        tables, lengths = [s.table for _, s in decoding], [s.start + 1 for _, s in decoding]
         rows = torch.tensor([r for r, _ in decoding], device=self.device)
-        return _Decode(rows, gather, mask.to(self.device))
+        return _Decode(rows, plan_decode(pool, tables, lengths, self.config.num_heads))
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = (h @ layer.w_gate_up.T).chunk(2, dim=-1)
@@ -310,21 +330,14 @@ class LlamaModel:
         total = p.start + q.shape[2]
         keys, values = pool.gather(index, p.gather)
         keys, values = keys[:, :, :total], values[:, :, :total]
-        query_pos = torch.arange(p.start, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, enable_gqa=True)
         return out[0].transpose(0, 1)
 
     def _decode_attention(self, index: int, d: _Decode, q: torch.Tensor, pool: KVPool) -> torch.Tensor:
         """Decoding tokens ``q [S, heads, D]``, each against its own sequence's cached positions.
 
-        Plain ``matmul → softmax → matmul`` measured a little faster than SDPA
-        with the padding mask here (see the module docstring). The softmax runs
-        in float32, as SDPA's kernel does internally, so bf16 loses nothing.
+        The kernel was picked once for the forward (:func:`~kvtier.engine.kernels.plan_decode`;
+        the plan holds the pool). A decode step runs the same one whether its
+        prefix was reused or recomputed, so reuse stays exact.
         """
-        c = self.config
-        keys, values = pool.gather(index, d.gather)
-        q = q.reshape(-1, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)  # heads i*group.. share KV i
-        scores = (q @ keys.transpose(-1, -2)).masked_fill_(~d.mask, float("-inf"))
-        probs = torch.softmax(scores * c.head_dim**-0.5, dim=-1, dtype=torch.float32).to(values.dtype)
-        return (probs @ values).reshape(-1, c.num_heads, c.head_dim)
+        return d.attention.attend(index, q)

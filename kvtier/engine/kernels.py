@@ -1,0 +1,218 @@
+"""Decode attention over the paged pool: a C kernel that reads K/V in place, or torch's gather-then-matmul.
+
+A decode step is one new token per sequence, each attending to all of its
+cached positions. At context 2,048 that is megabytes of K/V per layer
+against a few hundred multiply-adds per position, so the cost is reading
+them: the torch path copies every layer's K/V of each sequence out of its
+blocks (``index_select``) and then reads the copy twice (``q @ K``, then
+``probs @ V``); the C kernel (``paged_decode_attention`` in
+``native/kvtier_native.c``) walks the blocks where they lie and reads each
+byte once, with an online softmax in float32, on two threads.
+
+Which one runs is chosen once per forward by :func:`plan_decode`:
+
+* :class:`NativeDecode` where the extension has the kernel, the pool is on
+  the CPU in float32 or bfloat16, and the shapes fit it (head_dim a multiple
+  of 16, at most 256; at most 16 query heads per KV head; blocks of at most
+  256 positions);
+* :class:`TorchDecode` everywhere else (CUDA, float16, an extension built
+  before the kernel existed): ``matmul → softmax(float32) → matmul`` over
+  gathered, padded K/V.
+
+Both compute ``softmax(q·K / sqrt(head_dim)) V`` over exactly the first
+``length`` positions of each sequence, with the query heads ``i*group ..
+(i+1)*group - 1`` sharing KV head ``i``. They differ only in rounding: the
+C kernel accumulates in float32 whatever the pool dtype, where torch's
+bfloat16 matmuls round the scores and probabilities to bfloat16.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from kvtier.engine.pool import BlockTable, Gather, KVPool, blocks_for
+
+try:
+    _native = importlib.import_module("kvtier._native")
+except ImportError:  # not built: the torch path serves
+    _native = None
+
+NATIVE: bool = hasattr(_native, "paged_decode_attention")
+"""Whether the extension has the C kernel (an older build, or none at all, has not)."""
+
+IMPLS: tuple[str, ...] = _native.paged_decode_attention_impls() if NATIVE else ()
+"""The C kernel's builds this CPU runs, best first (``avx512``, ``avx2``, ``base``): the first is the one used."""
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
+
+
+@dataclass(frozen=True)
+class PagedBlocks:
+    """Several sequences' block tables flattened for the C kernel (built once per forward, used by every layer).
+
+    Sequence *s* holds positions ``[0, lengths[s])`` in blocks
+    ``ids[starts[s]:starts[s + 1]]``, only as many as those positions need.
+    """
+
+    ids: torch.Tensor  # int32 [total blocks]
+    starts: torch.Tensor  # int32 [S + 1]
+    lengths: torch.Tensor  # int32 [S]
+
+    @classmethod
+    def of(cls, tables: Sequence[BlockTable], lengths: Sequence[int], block_size: int) -> PagedBlocks:
+        used = [t.block_ids[: blocks_for(n, block_size)] for t, n in zip(tables, lengths, strict=True)]
+        starts = [0]
+        for ids in used:
+            starts.append(starts[-1] + len(ids))
+        return cls(
+            ids=torch.tensor([b for ids in used for b in ids], dtype=torch.int32),
+            starts=torch.tensor(starts, dtype=torch.int32),
+            lengths=torch.tensor(list(lengths), dtype=torch.int32),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+
+def native_fits(layer_kv: torch.Tensor, num_heads: int) -> bool:
+    """Whether the C kernel can attend over this pool layer (``[blocks, 2, kv_heads, block, dim]``)."""
+    _, _, kv_heads, block, dim = layer_kv.shape
+    return (
+        NATIVE
+        and layer_kv.device.type == "cpu"
+        and layer_kv.dtype in NATIVE_DTYPES
+        and layer_kv.stride(-1) == 1
+        and layer_kv.stride(-2) == dim
+        and num_heads % kv_heads == 0
+        and num_heads // kv_heads <= MAX_GROUP
+        and dim % 16 == 0
+        and dim <= MAX_HEAD_DIM
+        and block <= MAX_BLOCK
+    )
+
+
+def paged_attention(
+    layer_kv: torch.Tensor, blocks: PagedBlocks, q: torch.Tensor, *, threads: int | None = None, impl: str | None = None
+) -> torch.Tensor:
+    """Decode attention of ``q [S, heads, dim]`` over one pool layer, by the C kernel; ``[S, heads, dim]``.
+
+    ``layer_kv`` is a pool layer ``[blocks, 2, kv_heads, block_size, dim]``
+    (``pool.layers[l]``); the C side checks every block id against it and
+    each sequence's block count against its length. See :class:`NativeDecode`
+    for ``threads`` and ``impl``.
+    """
+    return NativeDecode([layer_kv], blocks, q.shape[1], threads=threads, impl=impl).attend(0, q)
+
+
+def gathered_attention(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The torch path: ``q [S, heads, D]`` against gathered ``keys``/``values [S, kv_heads, T, D]``.
+
+    ``mask [S, 1, 1, T]`` is True where a position exists. Plain ``matmul →
+    softmax → matmul`` measured a little faster than SDPA with the padding
+    mask (see kvtier/engine/llama.py); the softmax runs in float32, as SDPA's
+    kernel does internally.
+    """
+    s, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    q = q.reshape(s, kv_heads, heads // kv_heads, dim)  # heads i*group.. share KV i
+    scores = (q @ keys.transpose(-1, -2)).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores * dim**-0.5, dim=-1, dtype=torch.float32).to(values.dtype)
+    return (probs @ values).reshape(s, heads, dim)
+
+
+class DecodePlan(Protocol):
+    """A batch of decoding sequences, planned once per forward; ``attend`` runs one layer."""
+
+    @property
+    def native(self) -> bool:
+        """Whether the C kernel runs it."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor: ...
+
+
+class NativeDecode:
+    """The C kernel over a pool's layers for one batch, every argument but q worked out once per forward.
+
+    Per layer that leaves one C call and an output allocation (~3 us; building
+    the arguments each time cost 10). ``threads`` defaults to torch's intra-op
+    thread count: torch's own threads sit idle during the call, and the result
+    is the same bits whatever the count. ``impl`` picks one of :data:`IMPLS`
+    rather than the best (for tests).
+    """
+
+    native: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        blocks: PagedBlocks,
+        num_heads: int,
+        *,
+        threads: int | None = None,
+        impl: str | None = None,
+    ) -> None:
+        first = layers[0]  # all views of one pool tensor: the same shape, strides and dtype
+        if not native_fits(first, num_heads):
+            raise ValueError(f"the C kernel does not take a {first.dtype} pool {tuple(first.shape)} on {first.device}")
+        _, _, kv_heads, block, dim = first.shape
+        self.layers, self.blocks = layers, blocks  # kept alive while C reads them by address
+        self._q = (first.dtype, first.device, torch.Size((blocks.num_seqs, num_heads, dim)))
+        self._addrs = [t.data_ptr() for t in layers]
+        self._pool = (first.stride()[:4], first.shape[0], first.dtype == torch.bfloat16)
+        self._rest = (
+            *(t.data_ptr() for t in (blocks.ids, blocks.starts, blocks.lengths)),
+            blocks.num_seqs,
+            kv_heads,
+            num_heads // kv_heads,
+            dim,
+            block,
+            dim**-0.5,
+            threads or torch.get_num_threads(),
+        )
+        self._impl = impl
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if (q.dtype, q.device, q.shape) != self._q:
+            raise ValueError(f"q {q.dtype} {tuple(q.shape)} on {q.device} does not fit this plan's {self._q}")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        args = (self._addrs[layer], *self._pool, q.data_ptr(), out.data_ptr(), *self._rest)
+        if self._impl is None:
+            _native.paged_decode_attention(*args)
+        else:
+            _native._paged_decode_attention_using(self._impl, *args)
+        return out
+
+
+@dataclass(frozen=True)
+class TorchDecode:
+    """The torch path: each layer's K/V gathered into one padded buffer (:meth:`KVPool.plan_gather`), then
+    :func:`gathered_attention` with the padding masked."""
+
+    pool: KVPool
+    gather: Gather
+    mask: torch.Tensor  # bool [S, 1, 1, padded length], True where a cached position exists
+    native: ClassVar[bool] = False
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        keys, values = self.pool.gather(layer, self.gather)
+        return gathered_attention(keys, values, self.mask, q)
+
+
+def plan_decode(pool: KVPool, tables: Sequence[BlockTable], lengths: Sequence[int], num_heads: int) -> DecodePlan:
+    """The decode attention for these sequences (each attending to its first ``lengths[i]`` positions)."""
+    if native_fits(pool.layers[0], num_heads):
+        return NativeDecode(pool.layers, PagedBlocks.of(tables, lengths, pool.block_size), num_heads)
+    gather = pool.plan_gather(tables, lengths)
+    width = gather.num_blocks * pool.block_size
+    n = torch.tensor(list(lengths))
+    mask = (torch.arange(width)[None, :] < n[:, None]).view(len(lengths), 1, 1, width)
+    return TorchDecode(pool, gather, mask.to(pool.device))
