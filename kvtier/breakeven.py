@@ -40,6 +40,7 @@ _TIER_PRIOR: dict[TierKind, tuple[float, float]] = {  # (latency s, bandwidth by
 }
 _PREFILL_PRIOR = (0.03, 1.5e-3, 2.5e-7)  # overhead s, s per token, s per attended position
 _FORGET = 0.9  # each new sample weighs as much as the last ten together, roughly
+_FLOOR = 0.1  # no coefficient falls below a tenth of its prior, whatever the samples say
 _PRIOR_WEIGHT = 0.05  # the prior counts as a twentieth of a sample: data wins fast, the prior fills gaps
 BREAK_EVEN_CONTEXTS = (1024, 4096)  # where /stats quotes per-block costs
 
@@ -73,13 +74,18 @@ class _Fit:
 
     @property
     def theta(self) -> np.ndarray:
-        """Coefficients, each at least zero (a cost never pays you back)."""
+        """Coefficients, each at least ``_FLOOR`` of its prior.
+
+        Short prompts spend their time in the fixed per-forward cost, and a
+        free fit may then put the per-token cost at zero: a model that
+        believes recomputing is free would never fetch anything.
+        """
         if not self.samples:
             return self._prior.copy()
         n = len(self._prior)
         ridge = _PRIOR_WEIGHT * max(float(np.trace(self._vtv)) / (n * self._weight), 1e-300)
         delta = np.linalg.solve(self._vtv + ridge * np.eye(n), self._vtr)
-        return np.maximum(self._prior * (1.0 + delta), 0.0)
+        return self._prior * np.maximum(1.0 + delta, _FLOOR)
 
 
 @dataclass(frozen=True)

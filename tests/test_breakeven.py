@@ -98,3 +98,12 @@ def test_snapshot_is_plain_json() -> None:
     block = snap["per_block_at_context"]["4096"]
     assert block["recompute_ms"] > snap["per_block_at_context"]["1024"]["recompute_ms"] > 0
     assert block["host_wins_x"] > block["disk_wins_x"] > 0
+
+
+def test_a_fit_on_overhead_bound_forwards_still_fetches() -> None:
+    """Tiny prompts cost the same whatever their length; recomputing must still not look free."""
+    model = BreakEvenModel(BLOCK, BLOCK_BYTES)
+    for n in (20, 40, 60, 80, 100, 120):
+        model.observe_forward([(0, n)], 0.05)  # all fixed cost
+    assert model.snapshot()["prefill"]["ms_per_token"] > 0
+    assert model.plan([H] * 6, 0, 6 * BLOCK + 9).blocks == 6
