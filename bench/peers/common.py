@@ -65,6 +65,16 @@ def write_result(path: Path, **fields: Any) -> None:
     path.write_text(json.dumps({"schema": RESULT_SCHEMA, **fields}))
 
 
+def decode_result(spec: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``decode`` part of a result, from the workload's decode spec and each run's measurement."""
+    return {
+        "context": len(spec["prompt"]),
+        "max_tokens": spec["max_tokens"],
+        "runs": [{k: r[k] for k in ("ttft_s", "total_s", "tokens")} for r in runs],
+        "token_ids": runs[0]["token_ids"],
+    }
+
+
 def prompts(case: dict[str, Any]) -> list[list[int]]:
     """prefix + each tail; index 0 is the warm-up."""
     return [case["prefix"] + tail for tail in case["tails"]]

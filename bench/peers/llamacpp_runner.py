@@ -141,12 +141,7 @@ def main() -> int:
             "decode_api": "Llama.generate, greedy",
         },
         ttft=ttft,
-        decode={
-            "context": len(d["prompt"]),
-            "max_tokens": d["max_tokens"],
-            "runs": [{k: r[k] for k in ("ttft_s", "total_s", "tokens")} for r in runs],
-            "token_ids": runs[0]["token_ids"],
-        },
+        decode=common.decode_result(d, runs),
         traces=traces,
     )
     common.log(f"wrote {args.result}")

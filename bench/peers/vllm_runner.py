@@ -62,7 +62,7 @@ def run_request(llm: LLM, ids: list[int], params: SamplingParams) -> dict[str, A
         "ttft_s": first if first is not None else total,
         "total_s": total,
         "tokens": len(token_ids),
-        "ids": token_ids,
+        "token_ids": token_ids,
     }
 
 
@@ -147,12 +147,7 @@ def main() -> int:
         version=vllm.__version__,
         setup=facts,
         ttft=ttft,
-        decode={
-            "context": len(d["prompt"]),
-            "max_tokens": d["max_tokens"],
-            "runs": [{k: r[k] for k in ("ttft_s", "total_s", "tokens")} for r in runs],
-            "token_ids": runs[0]["ids"],
-        },
+        decode=common.decode_result(d, runs),
         traces=traces,
     )
     common.log(f"wrote {args.result}")
