@@ -64,6 +64,7 @@ class _Fit:
         self._vtr = np.zeros(n)
         self._weight = 0.0  # the samples' total weight, after forgetting
         self.samples = 0
+        self._theta: np.ndarray | None = None  # solved once per observation, not once per question
 
     def observe(self, x: Sequence[float], y: float) -> None:
         v = np.asarray(x, dtype=np.float64) * self._prior  # seconds each term predicts
@@ -71,6 +72,7 @@ class _Fit:
         self._vtr = _FORGET * self._vtr + v * (y - v.sum())
         self._weight = _FORGET * self._weight + 1.0
         self.samples += 1
+        self._theta = None
 
     @property
     def theta(self) -> np.ndarray:
@@ -80,6 +82,11 @@ class _Fit:
         free fit may then put the per-token cost at zero: a model that
         believes recomputing is free would never fetch anything.
         """
+        if self._theta is None:
+            self._theta = self._solve()
+        return self._theta.copy()
+
+    def _solve(self) -> np.ndarray:
         if not self.samples:
             return self._prior.copy()
         n = len(self._prior)
@@ -190,11 +197,13 @@ class BreakEvenModel:
         start = first_block * bs
         with self._lock:
             c, a, b = self._prefill.theta
+            # fetch[k]: every tier among the first k blocks pays its latency once, plus its bytes.
             fetch = np.zeros(len(tiers) + 1)
-            seen: dict[TierKind, int] = {}
-            for j, kind in enumerate(tiers):
-                seen[kind] = seen.get(kind, 0) + 1
-                fetch[j + 1] = sum(self._fetch_locked(t, n) for t, n in seen.items())
+            for kind in set(tiers):
+                held = np.concatenate(([0], np.cumsum([t is kind for t in tiers])))
+                per_block = self._fetch_locked(kind, 1, latency=False)
+                latency = self._fetch_locked(kind, 1) - per_block
+                fetch += np.where(held > 0, latency + per_block * held, 0.0)
         cut = start + bs * np.arange(len(tiers) + 1)  # the first recomputed position for each choice
         count = np.maximum(total_tokens - cut, 0)
         rest = np.where(count > 0, c + a * count + b * _attended_np(cut, count), 0.0)

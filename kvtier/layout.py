@@ -54,7 +54,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:

@@ -107,3 +107,16 @@ def test_a_fit_on_overhead_bound_forwards_still_fetches() -> None:
         model.observe_forward([(0, n)], 0.05)  # all fixed cost
     assert model.snapshot()["prefill"]["ms_per_token"] > 0
     assert model.plan([H] * 6, 0, 6 * BLOCK + 9).blocks == 6
+
+
+def test_plan_prices_a_mixed_prefix_as_the_sum_of_its_tiers() -> None:
+    """Each tier among the first k blocks pays its latency once and its bytes per block."""
+    model = trained()
+    for blocks in (8, 64):
+        model.observe_fetch(D, blocks * BLOCK_BYTES, 2e-3 + blocks * BLOCK_BYTES / 1.5e9)
+    tiers = [H] * 3 + [D] * 5 + [H] * 2
+    plan = model.plan(tiers, 0, 10 * BLOCK + 8)
+    assert plan.blocks == 10
+    assert plan.fetch_s == pytest.approx(model.fetch_s(H, 5) + model.fetch_s(D, 5))
+    model.observe_fetch(D, BLOCK_BYTES, 5.0)  # a fresh sample is seen by the next plan
+    assert model.plan(tiers, 0, 10 * BLOCK + 8).fetch_s > plan.fetch_s
