@@ -140,9 +140,25 @@ class ComputeDtype(enum.StrEnum):
     BFLOAT16 = "bfloat16"
 
 
+class DecodeWeights(enum.StrEnum):
+    """What a decode step multiplies by.
+
+    ``gguf``: the file's own quantized blocks (Q4_1, Q8_0), read by a C kernel
+    (kvtier/engine/quant.py): the same weights in a fifth of the bytes, and a
+    decode step is bound by the bytes it reads. Used for float32 on the CPU
+    when the native extension is built and every matrix is in a supported
+    format; otherwise, and always for prefills, ``dense``: float32 matmuls of
+    the dequantized weights.
+    """
+
+    GGUF = "gguf"
+    DENSE = "dense"
+
+
 class EngineConfig(_Section):
     model_path: Path | None = Field(None, description="A Llama GGUF file; null: the embedded SmolLM2-135M-Instruct.")
     dtype: ComputeDtype = ComputeDtype.FLOAT32
+    decode_weights: DecodeWeights = DecodeWeights.GGUF
     pool_bytes: ByteSize = Field(ByteSize(1024**3), description="The engine's paged KV pool (the device tier).")
     max_batch: int = Field(16, ge=1, description="Requests decoded together in one step.")
     keep_resident: bool = Field(True, description="Keep finished requests' blocks in the pool (device tier).")

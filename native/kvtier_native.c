@@ -24,6 +24,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "kvtier_native.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #define KVT_X86 1
 #include <nmmintrin.h>
@@ -1627,89 +1629,108 @@ static void attn_merge(const attn_job_t *j) {
 }
 
 /*
- * The attention team: workers that sleep on a condition variable between calls
- * (the engine's matmuls run in between, on the same cores: a spinning worker would
- * take a core from them). One job is on offer at a time; a caller that finds
- * another job in flight runs its own alone.
+ * The team: workers that sleep on a condition variable between calls (the engine's
+ * matmuls run in between, on the same cores: a spinning worker would take a core from
+ * them). One task is on offer at a time; a caller that finds another task in flight
+ * runs its own alone. A task's work function claims units from a counter of its own
+ * until none are left, so a worker that joins late only takes fewer. Decode attention
+ * and the quantized matrix-vector products (kvtier_quant.c) share it.
  */
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t wake, idle;
-    attn_job_t *job;
-    attn_unit_fn fn;
-    unsigned long gen; /* bumped per job, so a worker joins each one once */
-    int seats;         /* workers the job still takes */
-    int busy;          /* workers inside the job */
+    void (*work)(void *);
+    void *ctx;
+    unsigned long gen; /* bumped per task, so a worker joins each one once */
+    int seats;         /* workers the task still takes */
+    int busy;          /* workers inside the task */
     int workers;
-} attn_team = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0, 0};
+} team = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0, 0};
 
-static void *attn_worker(void *arg) {
+static void *team_worker(void *arg) {
     (void)arg;
     unsigned long seen = 0;
-    pthread_mutex_lock(&attn_team.mu);
+    pthread_mutex_lock(&team.mu);
     for (;;) {
-        while (attn_team.job == NULL || attn_team.gen == seen || attn_team.seats == 0)
-            pthread_cond_wait(&attn_team.wake, &attn_team.mu);
-        attn_job_t *j = attn_team.job;
-        attn_unit_fn fn = attn_team.fn;
-        seen = attn_team.gen;
-        attn_team.seats--;
-        attn_team.busy++;
-        pthread_mutex_unlock(&attn_team.mu);
-        attn_claim_all(j, fn);
-        pthread_mutex_lock(&attn_team.mu);
-        if (--attn_team.busy == 0) pthread_cond_broadcast(&attn_team.idle);
+        while (team.work == NULL || team.gen == seen || team.seats == 0) pthread_cond_wait(&team.wake, &team.mu);
+        void (*work)(void *) = team.work;
+        void *ctx = team.ctx;
+        seen = team.gen;
+        team.seats--;
+        team.busy++;
+        pthread_mutex_unlock(&team.mu);
+        work(ctx);
+        pthread_mutex_lock(&team.mu);
+        if (--team.busy == 0) pthread_cond_broadcast(&team.idle);
     }
     return NULL;
 }
 
-static void attn_atfork_prepare(void) { pthread_mutex_lock(&attn_team.mu); }
-static void attn_atfork_parent(void) { pthread_mutex_unlock(&attn_team.mu); }
-static void attn_atfork_child(void) { /* the child has no workers and no job */
-    attn_team.job = NULL;
-    attn_team.seats = attn_team.busy = attn_team.workers = 0;
-    pthread_cond_init(&attn_team.wake, NULL);
-    pthread_cond_init(&attn_team.idle, NULL);
-    pthread_mutex_unlock(&attn_team.mu);
+static void team_atfork_prepare(void) { pthread_mutex_lock(&team.mu); }
+static void team_atfork_parent(void) { pthread_mutex_unlock(&team.mu); }
+static void team_atfork_child(void) { /* the child has no workers and no task */
+    team.work = NULL;
+    team.seats = team.busy = team.workers = 0;
+    pthread_cond_init(&team.wake, NULL);
+    pthread_cond_init(&team.idle, NULL);
+    pthread_mutex_unlock(&team.mu);
 }
 
-static pthread_once_t attn_once = PTHREAD_ONCE_INIT;
-static void attn_init(void) {
+static pthread_once_t team_once = PTHREAD_ONCE_INIT;
+static void team_init(void) {
     attn_pick();
-    pthread_atfork(attn_atfork_prepare, attn_atfork_parent, attn_atfork_child);
+    pthread_atfork(team_atfork_prepare, team_atfork_parent, team_atfork_child);
+}
+
+/* Runs without the GIL: work(ctx) on the caller and on up to threads - 1 workers;
+ * returns once all of them have left it. */
+void kvt_team_run(void (*work)(void *), void *ctx, int threads) {
+    pthread_once(&team_once, team_init);
+    int shared = 0;
+    if (threads > 1) {
+        pthread_mutex_lock(&team.mu);
+        if (team.work == NULL) {
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            while (team.workers < threads - 1) {
+                pthread_t t;
+                if (pthread_create(&t, &attr, team_worker, NULL) != 0) break; /* the caller still does the work */
+                team.workers++;
+            }
+            pthread_attr_destroy(&attr);
+            team.work = work;
+            team.ctx = ctx;
+            team.gen++;
+            team.seats = threads - 1;
+            shared = 1;
+            pthread_cond_broadcast(&team.wake);
+        }
+        pthread_mutex_unlock(&team.mu);
+    }
+    work(ctx);
+    if (shared) {
+        pthread_mutex_lock(&team.mu);
+        team.work = NULL; /* a worker not yet in stays out: every unit is claimed */
+        while (team.busy > 0) pthread_cond_wait(&team.idle, &team.mu);
+        pthread_mutex_unlock(&team.mu);
+    }
+}
+
+typedef struct {
+    attn_job_t *job;
+    attn_unit_fn fn;
+} attn_call_t;
+
+static void attn_work(void *ctx) {
+    attn_call_t *c = ctx;
+    attn_claim_all(c->job, c->fn);
 }
 
 /* Runs without the GIL; returns once every unit is done and merged. */
 static void attn_run(attn_job_t *j, attn_unit_fn fn, int threads) {
-    int shared = 0;
-    if (threads > 1 && j->n_units > 1) {
-        pthread_mutex_lock(&attn_team.mu);
-        if (attn_team.job == NULL) {
-            pthread_attr_t attr;
-            pthread_attr_init(&attr);
-            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-            while (attn_team.workers < threads - 1) {
-                pthread_t t;
-                if (pthread_create(&t, &attr, attn_worker, NULL) != 0) break; /* the caller still does the work */
-                attn_team.workers++;
-            }
-            pthread_attr_destroy(&attr);
-            attn_team.job = j;
-            attn_team.fn = fn;
-            attn_team.gen++;
-            attn_team.seats = threads - 1;
-            shared = 1;
-            pthread_cond_broadcast(&attn_team.wake);
-        }
-        pthread_mutex_unlock(&attn_team.mu);
-    }
-    attn_claim_all(j, fn);
-    if (shared) {
-        pthread_mutex_lock(&attn_team.mu);
-        attn_team.job = NULL; /* a worker not yet in stays out: every unit is claimed */
-        while (attn_team.busy > 0) pthread_cond_wait(&attn_team.idle, &attn_team.mu);
-        pthread_mutex_unlock(&attn_team.mu);
-    }
+    attn_call_t call = {j, fn};
+    kvt_team_run(attn_work, &call, j->n_units > 1 ? threads : 1);
     attn_merge(j);
 }
 
@@ -1771,7 +1792,7 @@ static PyObject *attn_entry(PyObject *args, PyObject *kw, const char *impl) {
                                      &sh, &sp, &num_blocks, &bf16, &q, &out, &tables, &starts, &lengths, &j.num_seqs,
                                      &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads))
         return NULL;
-    pthread_once(&attn_once, attn_init);
+    pthread_once(&team_once, team_init);
     attn_unit_fn fn = attn_impls[0].fn;
     if (impl != NULL) {
         fn = NULL;
@@ -1831,7 +1852,7 @@ static PyObject *py_paged_decode_attention_using(PyObject *mod, PyObject *args, 
 static PyObject *py_paged_decode_attention_impls(PyObject *mod, PyObject *arg) {
     (void)mod;
     (void)arg;
-    pthread_once(&attn_once, attn_init);
+    pthread_once(&team_once, team_init);
     PyObject *names = PyTuple_New(attn_n_impls);
     for (int i = 0; names != NULL && i < attn_n_impls; i++) {
         PyObject *name = PyUnicode_FromString(attn_impls[i].name);
@@ -1842,6 +1863,12 @@ static PyObject *py_paged_decode_attention_impls(PyObject *mod, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
+    {"quant_matvec", (PyCFunction)(void (*)(void))kvt_py_quant_matvec, METH_VARARGS | METH_KEYWORDS,
+     "quant_matvec(kind, q, d, m, rows, cols, x, n, out, threads=1, impl=None) -> None\n\n"
+     "out[i, r] = sum_j w[r, j] x[i, j] (float32) for the n rows of x, with w read from repacked GGUF "
+     "blocks: kind 0 = Q4_1 (q: rows x cols/2 nibbles, d and m: rows x cols/32 float32), 1 = Q8_0 (q: rows x "
+     "cols int8, d: rows x cols/32, m: 0). Every argument but kind, rows, cols, n, threads and impl is an "
+     "address (trusted, like copy_regions'); impl picks a build by name ('base' always exists; see QUANT_IMPL)."},
     {"preadv_batch", (PyCFunction)(void (*)(void))py_preadv_batch, METH_VARARGS | METH_KEYWORDS,
      "preadv_batch(fd, buffers, offsets, bounce=None, align=4096) -> list[int]\n\n"
      "Fill each writable buffer from its file offset (fd: one int or one per buffer), in parallel, "
@@ -1917,7 +1944,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyModule_AddObject(m, "AlignedBuffer", (PyObject *)&AlignedBufferType) < 0 ||
         PyModule_AddIntConstant(m, "THREADS", KVT_THREADS) < 0 ||
         PyModule_AddIntConstant(m, "PIECE_BYTES", (long)KVT_PIECE) < 0 ||
-        PyModule_AddStringConstant(m, "CRC32C_IMPL", crc_impl_name) < 0) {
+        PyModule_AddStringConstant(m, "CRC32C_IMPL", crc_impl_name) < 0 ||
+        PyModule_AddStringConstant(m, "QUANT_IMPL", kvt_quant_impl()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

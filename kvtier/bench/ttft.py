@@ -21,7 +21,7 @@ this machine can do at all.
 
 Each repetition appends a different 64-token tail, and each cached case has
 tails of its own, so no measurement can hit the blocks of an earlier one's
-tail. Medians over ``reps``.
+tail. Repetitions interleave the cases (see :func:`run`); medians over ``reps``.
 """
 
 from __future__ import annotations
@@ -94,9 +94,16 @@ def case_prompts(loaded: LoadedModel, spec: TTFTSpec, case: int = 0) -> tuple[li
 
 
 def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
+    """Every case once per repetition, in turn: a neighbour's load that comes and goes hits all cases alike.
+
+    On a shared machine the speed drifts by tens of percent over minutes;
+    timing each case's repetitions back to back would put that drift into
+    the ratios. So every case is warmed up first, then each repetition
+    runs miss, bare matmuls, host hit, copy-first host hit, cold disk hit
+    and resident hit in that order.
+    """
     prefix, prompts = case_prompts(loaded, spec, 0)
     sync_prompts, disk_prompts = case_prompts(loaded, spec, 1)[1], case_prompts(loaded, spec, 2)[1]
-    times: dict[str, list[float]] = {}
     cold: list[bool] = []
     with tempfile.TemporaryDirectory(prefix="bench-ttft-", dir=_mkdir(config.data_dir)) as tmp:
         tree = config.model_dump()
@@ -104,31 +111,40 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
         tree["disk"] = {**tree["disk"], "path": None, "enabled": True, "capacity_bytes": 2 * 1024**3}
         tree["cache"] = {**tree["cache"], "write_mode": "write_through"}  # so the disk holds the prefix too
         cfg = Config.model_validate(tree)
-        with open_cache(loaded, cfg) as cache, tqdm(total=5, desc="bench ttft", unit="case", leave=False) as bar:
+        sync_cfg = Config.model_validate(tree | {"transfer": {**tree["transfer"], "layerwise": False}})
+        with open_cache(loaded, cfg) as cache:
             recompute = make_engine(loaded, cfg, cache=None, keep_resident=False)
-            times["miss_s"] = _measure(lambda p: _ttft(recompute, p), prompts)
-            times["raw_prefill_s"] = _measure(lambda p: raw_prefill_s(loaded, len(p)), prompts)
-            bar.update()
             tiered = make_engine(loaded, cfg, cache=cache, keep_resident=False)
-            _ttft(tiered, prefix)
-            times["host_hit_s"] = _measure(lambda p: _ttft(tiered, p), prompts)
-            bar.update()
-            sync_cfg = Config.model_validate(tree | {"transfer": {**tree["transfer"], "layerwise": False}})
             sync = make_engine(loaded, sync_cfg, cache=cache, keep_resident=False)
-            times["host_hit_sync_s"] = _measure(lambda p: _ttft(sync, p), sync_prompts)
-            bar.update()
+            resident = make_engine(loaded, cfg, cache=None, keep_resident=True, hasher=cache.hasher)
 
             def from_disk(p: list[int]) -> float:
                 cache.clear(TierKind.HOST)
                 cold.append(cache.disk is not None and cache.disk.drop_page_cache())
-                return _ttft(tiered, p)
+                seconds = _ttft(tiered, p)
+                _ttft(tiered, prefix)  # the whole prefix back in host for the next repetition's host hits
+                return seconds
 
-            times["disk_hit_s"] = _measure(from_disk, disk_prompts)
-            bar.update()
-            resident = make_engine(loaded, cfg, cache=None, keep_resident=True, hasher=cache.hasher)
+            cases: dict[str, tuple[Callable[[list[int]], float], list[list[int]]]] = {
+                "miss_s": (lambda p: _ttft(recompute, p), prompts),
+                "raw_prefill_s": (lambda p: raw_prefill_s(loaded, len(p)), prompts),
+                "host_hit_s": (lambda p: _ttft(tiered, p), prompts),
+                "host_hit_sync_s": (lambda p: _ttft(sync, p), sync_prompts),
+                "disk_hit_s": (from_disk, disk_prompts),
+                "resident_hit_s": (lambda p: _ttft(resident, p), prompts),
+            }
+            _ttft(tiered, prefix)  # stores the prefix, in host and (write-through) on disk
             _ttft(resident, prefix)
-            times["resident_hit_s"] = _measure(lambda p: _ttft(resident, p), prompts)
-            bar.update()
+            times: dict[str, list[float]] = {name: [] for name in cases}
+            total = len(cases) * (spec.reps + 1)
+            with tqdm(total=total, desc="bench ttft", unit="run", leave=False) as bar:
+                for rep in range(spec.reps + 1):  # repetition 0 warms every case up: allocator, page tables
+                    for name, (fn, case_prompts_) in cases.items():
+                        seconds = fn(case_prompts_[rep])
+                        if rep:
+                            times[name].append(seconds)
+                        bar.update()
+            cold = cold[1:]  # the warm-up's
     out: dict[str, Any] = {"tokens": spec.tokens, "new_tokens": NEW_TOKENS}
     out.update({k: round(statistics.median(v), 4) for k, v in times.items()})
     out["cold"] = all(cold)
@@ -137,6 +153,7 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
         "block_size": config.cache.block_size,
         "reps": spec.reps,
         "statistic": "median",
+        "order": "interleaved: each repetition runs every case once, in the order of all_s",
         "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -166,11 +183,6 @@ def raw_prefill_s(loaded: LoadedModel, tokens: int) -> float:
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _measure(fn: Callable[[list[int]], float], prompts: list[list[int]]) -> list[float]:
-    fn(prompts[0])  # warm-up: allocator, page tables, thread pools
-    return [fn(p) for p in prompts[1:]]
 
 
 def ratios(result: dict[str, Any]) -> dict[str, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config import Config
+from kvtier.config import Config, DecodeWeights
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
 from kvtier.keys import KeyHasher
@@ -17,6 +17,7 @@ from kvtier.model import (
     default_gguf_path,
     load_chat_template,
     load_gguf,
+    load_gguf_with_blocks,
     load_tokenizer,
     model_fingerprint,
 )
@@ -39,10 +40,14 @@ class LoadedModel:
 def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
     path = config.engine.model_path or default_gguf_path()
     dtype = dtype_from_name(config.engine.dtype.value)
-    cfg, weights, metadata = load_gguf(path, dtype, progress=progress)
+    blocks = None
+    if config.engine.decode_weights is DecodeWeights.GGUF:
+        (cfg, weights, metadata), blocks = load_gguf_with_blocks(path, dtype, progress=progress)
+    else:
+        cfg, weights, metadata = load_gguf(path, dtype, progress=progress)
     return LoadedModel(
         path=Path(path),
-        model=LlamaModel(cfg, weights, dtype),
+        model=LlamaModel(cfg, weights, dtype, blocks=blocks),
         tokenizer=load_tokenizer(metadata),
         chat=load_chat_template(metadata),
         fingerprint=model_fingerprint(path, dtype, config.data_dir),

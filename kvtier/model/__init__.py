@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from kvtier.model.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvtier.model.config import ModelConfig
-from kvtier.model.gguf import GGUFMetadata, GGUFModel, file_sha256, load_gguf, model_fingerprint, read_gguf_metadata
+from kvtier.model.gguf import (
+    GGUFMetadata,
+    GGUFModel,
+    QuantBlocks,
+    QuantKind,
+    file_sha256,
+    load_gguf,
+    load_gguf_blocks,
+    load_gguf_with_blocks,
+    model_fingerprint,
+    read_gguf_metadata,
+)
 from kvtier.model.locate import ModelNotFoundError, default_gguf_path
 from kvtier.model.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 
@@ -15,12 +26,16 @@ __all__ = [
     "GGUFModel",
     "ModelConfig",
     "ModelNotFoundError",
+    "QuantBlocks",
+    "QuantKind",
     "StreamDecoder",
     "Tokenizer",
     "default_gguf_path",
     "file_sha256",
     "load_chat_template",
     "load_gguf",
+    "load_gguf_blocks",
+    "load_gguf_with_blocks",
     "load_tokenizer",
     "model_fingerprint",
     "read_gguf_metadata",

@@ -78,10 +78,14 @@ def test_ttft_prompts_are_exactly_what_ttft_run_sends(
     spec = ttft.TTFTSpec(tokens=tokens, reps=reps)
     sync, disk = ttft.case_prompts(loaded, spec, 1)[1], ttft.case_prompts(loaded, spec, 2)[1]
     assert not {tuple(p) for p in mine.prompts} & ({tuple(p) for p in sync} | {tuple(p) for p in disk})
-    # ttft.run: miss (warm-up + reps), then host hit (prefix, warm-up + reps), host hit without the
-    # layer-wise overlap and disk hit on tails of their own (warm-up + reps each), resident (prefix, warm-up + reps)
-    expected = [*mine.prompts, mine.prefix, *mine.prompts, *sync, *disk, mine.prefix, *mine.prompts]
+    # ttft.run: the prefix into the cache and into the resident pool, then per repetition (the first a
+    # warm-up) miss, host hit, host hit without the layer-wise overlap and disk hit on tails of their own,
+    # the prefix back into host, resident hit
+    expected = [mine.prefix, mine.prefix]
+    for rep in range(reps + 1):
+        expected += [mine.prompts[rep], mine.prompts[rep], sync[rep], disk[rep], mine.prefix, mine.prompts[rep]]
     assert [ids for _, ids in sent] == expected
+    assert [engine for engine, _ in sent][:2] == ["x", "resident"]
 
 
 def test_trace_turns_grow_by_the_user_message_and_the_fixed_reply() -> None:

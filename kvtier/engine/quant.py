@@ -1,0 +1,105 @@
+"""Decode-step weight products read from the GGUF's own quantized blocks.
+
+A decode step multiplies a handful of activation rows (one per decoding
+sequence) by every weight matrix, so it is bound by the bytes of weights it
+streams, not by arithmetic. float32 copies of the embedded model's Q4_1 and
+Q8_0 matrices are 5-6x larger than the blocks they were dequantized from;
+:class:`QuantMatrix` keeps the blocks (repacked by
+:func:`~kvtier.model.load_gguf_blocks`) and multiplies with the native
+``quant_matvec`` (``native/kvtier_quant.c``).
+
+The weights are exactly the ones the float32 matmuls use (same values, only
+stored smaller), and the products accumulate in float32; what differs is
+the order of the sums, by a few ulps, as it already does between a 1-row
+and a 64-row float32 matmul. Prefills keep the dense float32 matmuls: they
+are compute-bound, and there the blocked GEMM is faster.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.model import QuantBlocks, QuantKind
+
+try:
+    _native = importlib.import_module("kvtier._native")
+except ImportError:  # not built: the engine keeps the dense matmuls
+    _native = None
+
+NATIVE: bool = hasattr(_native, "quant_matvec")
+IMPL: str | None = getattr(_native, "QUANT_IMPL", None)  # the build used on this CPU: "avx2" or "base"
+MAX_ROWS = 64  # activation rows per call (the C kernel's limit): a decode batch
+# Below this many weights a product runs on the calling thread alone: waking the native
+# team's second thread costs more than it saves on the layers' small matrices (measured
+# on the 2-core development VM: 24 ms per token with two threads vs 18 ms with one; the
+# 28M-weight embedding, 1.8 ms vs 2.7 ms).
+_THREADED_WEIGHTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A ``[rows, cols]`` weight matrix as quantized blocks; ``x @ W.T`` for up to :data:`MAX_ROWS` rows of ``x``."""
+
+    kind: QuantKind
+    q: torch.Tensor  # uint8 [rows, cols / 2] (Q4_1) or [rows, cols] (Q8_0)
+    d: torch.Tensor  # float32 [rows, cols / 32]
+    m: torch.Tensor | None  # float32 [rows, cols / 32], Q4_1 only
+    rows: int
+    cols: int
+
+    @classmethod
+    def of(cls, blocks: QuantBlocks) -> QuantMatrix:
+        return cls.cat([blocks])
+
+    @classmethod
+    def cat(cls, parts: Sequence[QuantBlocks]) -> QuantMatrix:
+        """Rows of ``parts`` stacked, like ``torch.cat`` of the dense matrices (fused Q/K/V, gate/up)."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1 or len({p.cols for p in parts}) != 1:
+            raise ValueError("only matrices of one format and width stack")
+        (kind,) = kinds
+
+        def stack(arrays: list[np.ndarray]) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(np.concatenate(arrays, axis=0)))
+
+        m = stack([p.m for p in parts if p.m is not None]) if kind is QuantKind.Q4_1 else None
+        return cls(
+            kind, stack([p.q for p in parts]), stack([p.d for p in parts]), m, sum(p.rows for p in parts), parts[0].cols
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+    def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
+        """``x [n, cols]`` (float32) times the matrix's transpose: ``[n, rows]`` float32."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols or x.device.type != "cpu":
+            raise ValueError(f"need float32 [n, {self.cols}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        n = x.shape[0]
+        if not 1 <= n <= MAX_ROWS:
+            raise ValueError(f"{n} rows; the kernel takes 1..{MAX_ROWS}")
+        x = x.contiguous()
+        out = torch.empty(n, self.rows, dtype=torch.float32)
+        assert _native is not None, "quant_matvec needs the native extension"
+        _native.quant_matvec(
+            int(self.kind),
+            self.q.data_ptr(),
+            self.d.data_ptr(),
+            0 if self.m is None else self.m.data_ptr(),
+            self.rows,
+            self.cols,
+            x.data_ptr(),
+            n,
+            out.data_ptr(),
+            threads or (torch.get_num_threads() if self.rows * self.cols >= _THREADED_WEIGHTS else 1),
+            impl,
+        )
+        return out
+
+
+__all__ = ["IMPL", "MAX_ROWS", "NATIVE", "QuantMatrix"]

@@ -1,0 +1,285 @@
+/*
+ * quant_matvec: the decode step's weight products read straight from the GGUF's own
+ * quantized blocks.
+ *
+ * A decode step multiplies one activation row per sequence by every weight matrix:
+ * it is bound by the bytes of weights it reads, not by arithmetic. The embedded model
+ * ships its projections as Q4_1 (32 weights in 20 bytes) and its embedding as Q8_0
+ * (32 in 34); dequantized to float32 they are 5-6x larger, and reading them is most of
+ * a float32 decode step. These kernels read the quantized form instead, repacked once
+ * at load (kvtier/engine/quant.py): per row, the blocks' quants back to back, and the
+ * blocks' scales (and Q4_1 minimums) as float32 arrays of their own.
+ *
+ *   Q4_1: w[j] = d * q[j] + m, q in 0..15; byte k of a block holds q[k] (low nibble)
+ *         and q[k + 16] (high nibble), as in GGML.
+ *   Q8_0: w[j] = d * q[j], q an int8.
+ *
+ * out[i, r] = sum_j w[r, j] * x[i, j], in float32, for i < n rows of x. Per block,
+ * sum_j (d q_j + m) x_j = d * (q . x) + m * sum(x): the sums of x per block are taken
+ * once per call and shared by all rows. Every output row is computed by one thread in a
+ * fixed order, so the result does not depend on the thread count. It differs from a
+ * float32 matmul of the dequantized weights only in summation order (a few ulps).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvtier_native.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define QV_X86 1
+#include <immintrin.h>
+#endif
+
+#define QV_BLOCK 32
+#define QV_ROWS_PER_UNIT 16
+#define QV_MAX_X 64   /* rows of x per call: a decode batch */
+#define QV_GROUP 4    /* rows of x sharing one unpacking of a weight block */
+
+typedef enum { QV_Q4_1 = 0, QV_Q8_0 = 1 } qv_kind_t;
+
+typedef struct {
+    qv_kind_t kind;
+    const uint8_t *q;  /* rows x row_bytes */
+    const float *d;    /* rows x blocks */
+    const float *m;    /* rows x blocks (Q4_1 only) */
+    const float *x;    /* n x cols */
+    const float *xsum; /* n x blocks (Q4_1 only) */
+    float *out;        /* n x rows */
+    int64_t rows, cols, blocks, row_bytes;
+    int n;
+    size_t next, n_units;
+    void (*rows_fn)(const void *job, int64_t r0, int64_t r1);
+} qv_job_t;
+
+/* -- portable ------------------------------------------------------------------- */
+static void qv_rows_base(const void *job, int64_t r0, int64_t r1) {
+    const qv_job_t *j = job;
+    float w[QV_BLOCK];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *q = j->q + r * j->row_bytes;
+        for (int i = 0; i < j->n; i++) {
+            const float *x = j->x + (int64_t)i * j->cols;
+            float total = 0.0f;
+            for (int64_t b = 0; b < j->blocks; b++) {
+                const float d = j->d[r * j->blocks + b];
+                float dot = 0.0f;
+                if (j->kind == QV_Q4_1) {
+                    const uint8_t *p = q + b * (QV_BLOCK / 2);
+                    for (int k = 0; k < QV_BLOCK / 2; k++) {
+                        w[k] = (float)(p[k] & 0x0F);
+                        w[k + QV_BLOCK / 2] = (float)(p[k] >> 4);
+                    }
+                } else {
+                    const int8_t *p = (const int8_t *)q + b * QV_BLOCK;
+                    for (int k = 0; k < QV_BLOCK; k++) w[k] = (float)p[k];
+                }
+                for (int k = 0; k < QV_BLOCK; k++) dot += w[k] * x[b * QV_BLOCK + k];
+                total += d * dot;
+                if (j->kind == QV_Q4_1) total += j->m[r * j->blocks + b] * j->xsum[(int64_t)i * j->blocks + b];
+            }
+            j->out[(int64_t)i * j->rows + r] = total;
+        }
+    }
+}
+
+/* -- AVX2 + FMA ------------------------------------------------------------------ */
+#ifdef QV_X86
+#define QV_AVX2 __attribute__((target("avx2,fma")))
+
+QV_AVX2 static inline float qv_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 weights of one block as four vectors of 8 floats, without scale or minimum. */
+QV_AVX2 static inline void qv_unpack(qv_kind_t kind, const uint8_t *p, __m256 f[4]) {
+    if (kind == QV_Q4_1) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(bytes, mask);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        for (int k = 0; k < 4; k++)
+            f[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * k))));
+    }
+}
+
+/* One row of x (a single decoding sequence, the common case): two blocks per step into
+ * two accumulators and each block's dot split in two chains, so the out-of-order core
+ * overlaps blocks instead of waiting on one long chain of dependent FMAs. */
+QV_AVX2 static inline __m256 qv_block_dot(const __m256 f[4], const float *x) {
+    const __m256 a = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(x)));
+    const __m256 b = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(x + 16)));
+    return _mm256_add_ps(a, b);
+}
+
+QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, int64_t qb) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *q = j->q + r * j->row_bytes;
+        const float *d = j->d + r * j->blocks;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 1 < j->blocks; b += 2) {
+            __m256 f[4], g[4];
+            qv_unpack(j->kind, q + b * qb, f);
+            qv_unpack(j->kind, q + (b + 1) * qb, g);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qv_block_dot(f, j->x + b * QV_BLOCK), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[b + 1]), qv_block_dot(g, j->x + (b + 1) * QV_BLOCK), acc1);
+        }
+        if (b < j->blocks) {
+            __m256 f[4];
+            qv_unpack(j->kind, q + b * qb, f);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qv_block_dot(f, j->x + b * QV_BLOCK), acc0);
+        }
+        float total = qv_hsum(_mm256_add_ps(acc0, acc1));
+        if (j->kind == QV_Q4_1) {
+            const float *m = j->m + r * j->blocks;
+            __m256 bias = _mm256_setzero_ps();
+            int64_t k = 0;
+            for (; k + 8 <= j->blocks; k += 8) bias = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(j->xsum + k), bias);
+            float rest = 0.0f;
+            for (; k < j->blocks; k++) rest += m[k] * j->xsum[k];
+            total += qv_hsum(bias) + rest;
+        }
+        j->out[r] = total;
+    }
+}
+
+QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
+    const qv_job_t *j = job;
+    const int64_t qb = j->kind == QV_Q4_1 ? QV_BLOCK / 2 : QV_BLOCK;
+    if (j->n == 1) {
+        qv_rows_avx2_one(j, r0, r1, qb);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *q = j->q + r * j->row_bytes;
+        const float *d = j->d + r * j->blocks;
+        for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
+            const int g = j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP;
+            __m256 acc[QV_GROUP];
+            for (int i = 0; i < QV_GROUP; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < j->blocks; b++) {
+                __m256 f[4];
+                qv_unpack(j->kind, q + b * qb, f);
+                const __m256 scale = _mm256_set1_ps(d[b]);
+                for (int i = 0; i < g; i++) {
+                    const float *x = j->x + (int64_t)(i0 + i) * j->cols + b * QV_BLOCK;
+                    __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+                    t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), t);
+                    t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), t);
+                    t = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), t);
+                    acc[i] = _mm256_fmadd_ps(scale, t, acc[i]);
+                }
+            }
+            for (int i = 0; i < g; i++) {
+                float total = qv_hsum(acc[i]);
+                if (j->kind == QV_Q4_1) {
+                    const float *m = j->m + r * j->blocks, *xs = j->xsum + (int64_t)(i0 + i) * j->blocks;
+                    float bias = 0.0f;
+                    for (int64_t b = 0; b < j->blocks; b++) bias += m[b] * xs[b];
+                    total += bias;
+                }
+                j->out[(int64_t)(i0 + i) * j->rows + r] = total;
+            }
+        }
+    }
+}
+#endif
+
+/* -- the team's work and the entry point -------------------------------------------- */
+static void qv_work(void *ctx) {
+    qv_job_t *j = ctx;
+    size_t u;
+    while ((u = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED)) < j->n_units) {
+        const int64_t r0 = (int64_t)u * QV_ROWS_PER_UNIT;
+        const int64_t r1 = r0 + QV_ROWS_PER_UNIT < j->rows ? r0 + QV_ROWS_PER_UNIT : j->rows;
+        j->rows_fn(j, r0, r1);
+    }
+}
+
+static const char *qv_impl_name = NULL;
+static void (*qv_rows_best)(const void *, int64_t, int64_t) = NULL;
+
+static void qv_pick(void) {
+    qv_rows_best = qv_rows_base;
+    qv_impl_name = "base";
+#ifdef QV_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        qv_rows_best = qv_rows_avx2;
+        qv_impl_name = "avx2";
+    }
+#endif
+}
+
+const char *kvt_quant_impl(void) {
+    if (qv_impl_name == NULL) qv_pick();
+    return qv_impl_name;
+}
+
+PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", NULL};
+    int kind, n, threads = 1;
+    unsigned long long q, d, m, x, out;
+    long long rows, cols;
+    const char *impl = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|iz:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols, &x,
+                                     &n, &out, &threads, &impl))
+        return NULL;
+    if (kind != QV_Q4_1 && kind != QV_Q8_0) return PyErr_Format(PyExc_ValueError, "kind must be 0 (Q4_1) or 1 (Q8_0)");
+    if (rows <= 0 || cols <= 0 || cols % QV_BLOCK) return PyErr_Format(PyExc_ValueError, "cols must be a positive multiple of 32");
+    if (n <= 0 || n > QV_MAX_X) return PyErr_Format(PyExc_ValueError, "n (rows of x) must be 1..%d", QV_MAX_X);
+    if (threads < 1 || threads > 16) return PyErr_Format(PyExc_ValueError, "threads must be 1..16");
+    if (!q || !d || !x || !out || (kind == QV_Q4_1 && !m)) return PyErr_Format(PyExc_ValueError, "null address");
+    kvt_quant_impl();
+    void (*rows_fn)(const void *, int64_t, int64_t) = qv_rows_best;
+    if (impl != NULL) {
+        if (strcmp(impl, "base") == 0) rows_fn = qv_rows_base;
+        else if (strcmp(impl, qv_impl_name) != 0) return PyErr_Format(PyExc_ValueError, "no %s build on this CPU", impl);
+    }
+    const int64_t blocks = cols / QV_BLOCK;
+    float *xsum = NULL;
+    if (kind == QV_Q4_1 && (xsum = malloc(sizeof(float) * (size_t)(n * blocks))) == NULL) return PyErr_NoMemory();
+    qv_job_t job = {
+        .kind = (qv_kind_t)kind,
+        .q = (const uint8_t *)(uintptr_t)q,
+        .d = (const float *)(uintptr_t)d,
+        .m = (const float *)(uintptr_t)m,
+        .x = (const float *)(uintptr_t)x,
+        .xsum = xsum,
+        .out = (float *)(uintptr_t)out,
+        .rows = rows,
+        .cols = cols,
+        .blocks = blocks,
+        .row_bytes = kind == QV_Q4_1 ? cols / 2 : cols,
+        .n = n,
+        .next = 0,
+        .n_units = (size_t)((rows + QV_ROWS_PER_UNIT - 1) / QV_ROWS_PER_UNIT),
+        .rows_fn = rows_fn,
+    };
+    Py_BEGIN_ALLOW_THREADS
+    if (xsum != NULL)
+        for (int i = 0; i < n; i++)
+            for (int64_t b = 0; b < blocks; b++) {
+                const float *p = job.x + (int64_t)i * cols + b * QV_BLOCK;
+                float s = 0.0f;
+                for (int k = 0; k < QV_BLOCK; k++) s += p[k];
+                xsum[i * blocks + b] = s;
+            }
+    kvt_team_run(qv_work, &job, job.n_units > 1 ? threads : 1);
+    Py_END_ALLOW_THREADS
+    free(xsum);
+    Py_RETURN_NONE;
+}

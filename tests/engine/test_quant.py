@@ -1,0 +1,94 @@
+"""Decode steps on the GGUF's own blocks: the same weights, the same products to a few ulps, prefills untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.engine import BlockTable, SeqInput, quant
+from kvtier.engine.quant import QuantMatrix
+from kvtier.engine.runtime import LoadedModel
+from kvtier.model import QuantKind
+
+pytestmark = pytest.mark.skipif(not quant.NATIVE, reason="the native extension is not built")
+
+
+def dequantized(m: QuantMatrix) -> torch.Tensor:
+    """The float32 matrix a :class:`QuantMatrix` stands for, computed the plain way."""
+    d = m.d.numpy()[..., None]
+    if m.kind is QuantKind.Q4_1:
+        q = m.q.numpy().reshape(m.rows, -1, 16)
+        values = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32)
+        return torch.from_numpy((values * d + m.m.numpy()[..., None]).reshape(m.rows, m.cols))
+    return torch.from_numpy((m.q.numpy().view(np.int8).reshape(m.rows, -1, 32) * d).reshape(m.rows, m.cols))
+
+
+def test_the_native_decode_path_is_the_one_in_use(loaded_model: LoadedModel) -> None:
+    model = loaded_model.model
+    assert quant.IMPL in {"avx2", "base"}
+    assert model.decode_layers is not None and len(model.decode_layers) == model.config.num_layers
+    assert model.decode_lm_head is not None and model.decode_lm_head.kind is QuantKind.Q8_0
+    assert model.decode_layers[0].wqkv.kind is QuantKind.Q4_1
+
+
+def test_blocks_are_exactly_the_dequantized_weights(loaded_model: LoadedModel) -> None:
+    """Q and K rows un-permuted like the float32 ones, fused in the same order: the same values, bit for bit."""
+    model = loaded_model.model
+    for i in (0, 17, model.config.num_layers - 1):
+        dense, blocks = model.layers[i], model.decode_layers[i]
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert torch.equal(dequantized(getattr(blocks, name)), getattr(dense, name)), (i, name)
+    assert torch.equal(dequantized(model.decode_lm_head), model.lm_head)
+    assert model.decode_layers[0].wqkv.nbytes * 5 < model.layers[0].wqkv.numel() * 4  # the point of it
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("which", ["w_down", "wqkv", "lm_head"])
+def test_products_match_float64_as_closely_as_float32_matmul(loaded_model: LoadedModel, rows: int, which: str) -> None:
+    model = loaded_model.model
+    m = model.decode_lm_head if which == "lm_head" else getattr(model.decode_layers[5], which)
+    dense = model.lm_head if which == "lm_head" else getattr(model.layers[5], which)
+    x = torch.randn(rows, m.cols, generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ dense.double().T
+    got = m(x)
+    assert got.shape == (rows, m.rows) and got.dtype == torch.float32
+    scale = exact.abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 1e-6 * scale + 4 * (x @ dense.T - exact).abs().max().item()
+    assert torch.equal(m(x, threads=1), m(x, threads=2))  # each output row is one thread's, in one order
+    base = m(x, impl="base")
+    assert (base.double() - exact).abs().max().item() <= 1e-6 * scale + 4 * (x @ dense.T - exact).abs().max().item()
+
+
+def test_the_kernel_refuses_what_it_cannot_do(loaded_model: LoadedModel) -> None:
+    m = loaded_model.model.decode_layers[0].wo
+    with pytest.raises(ValueError, match="float32"):
+        m(torch.zeros(1, m.cols, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rows"):
+        m(torch.zeros(quant.MAX_ROWS + 1, m.cols))
+    with pytest.raises(ValueError, match="no nosuch build"):
+        m(torch.zeros(1, m.cols), impl="nosuch")
+
+
+def test_decode_steps_use_the_blocks_and_prefills_do_not(loaded_model: LoadedModel) -> None:
+    """A decode step's logits equal the dense path's to a few ulps (same argmax); a prefill's are bit-identical."""
+    model = loaded_model.model
+    ids = [int(t) for t in torch.randint(0, 49000, (70,), generator=torch.Generator().manual_seed(3))]
+
+    def run(with_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        saved = model.decode_layers, model.decode_lm_head
+        if not with_blocks:
+            model.decode_layers, model.decode_lm_head = None, None
+        try:
+            pool, table = model.make_pool(16, 8), BlockTable()
+            pool.grow(table, 71)
+            prefill = model.forward([SeqInput(ids[:69], 0, table)], pool)
+            decode = model.forward([SeqInput(ids[69:70], 69, table)], pool)
+            return prefill, decode
+        finally:
+            model.decode_layers, model.decode_lm_head = saved
+
+    (p_blocks, d_blocks), (p_dense, d_dense) = run(True), run(False)
+    assert torch.equal(p_blocks, p_dense)
+    assert (d_blocks - d_dense).abs().max().item() < 1e-3
+    assert int(d_blocks.argmax()) == int(d_dense.argmax())
