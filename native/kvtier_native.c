@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvtier_native.h"
@@ -1837,8 +1838,8 @@ static void attn_merge(const attn_job_t *j) {
 
 /*
  * The team: workers that sleep on a condition variable between calls (the engine's
- * matmuls run in between, on the same cores: a spinning worker would take a core from
- * them). One task is on offer at a time; a caller that finds another task in flight
+ * matmuls run in between, on the same cores: a worker spinning through them would take
+ * a core from them), after watching for the next call for TEAM_WATCH_NS. One task is on offer at a time; a caller that finds another task in flight
  * runs its own alone. A task's work function claims units from a counter of its own
  * until none are left, so a worker that joins late only takes fewer. Decode attention
  * and the quantized matrix-vector products (kvtier_quant.c) share it.
@@ -1854,11 +1855,51 @@ static struct {
     int workers;
 } team = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0, 0};
 
+/*
+ * How long a worker that just finished a task watches for the next before it sleeps.
+ * A decode step calls the team ~150 times (four matrices and one attention per layer)
+ * with a few tens of microseconds of torch work between calls; a sleeping worker takes
+ * about as long to wake, so without the watch the second thread joined too late to pay
+ * for itself. The watch ends long before a prefill's matmuls could miss the core.
+ */
+#define TEAM_WATCH_NS 200000
+
+static inline void team_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static uint64_t team_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Spins, without the lock, until a task newer than `seen` is posted or the watch ends. */
+static void team_watch(unsigned long seen) {
+    const uint64_t end = team_now_ns() + TEAM_WATCH_NS;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (__atomic_load_n(&team.gen, __ATOMIC_ACQUIRE) != seen) return;
+            team_pause();
+        }
+        if (team_now_ns() >= end) return;
+    }
+}
+
 static void *team_worker(void *arg) {
     (void)arg;
     unsigned long seen = 0;
     pthread_mutex_lock(&team.mu);
     for (;;) {
+        if (team.gen == seen) { /* just finished one: watch for the next before sleeping */
+            pthread_mutex_unlock(&team.mu);
+            team_watch(seen);
+            pthread_mutex_lock(&team.mu);
+        }
         while (team.work == NULL || team.gen == seen || team.seats == 0) pthread_cond_wait(&team.wake, &team.mu);
         void (*work)(void *) = team.work;
         void *ctx = team.ctx;
@@ -1908,8 +1949,8 @@ void kvt_team_run(void (*work)(void *), void *ctx, int threads) {
             pthread_attr_destroy(&attr);
             team.work = work;
             team.ctx = ctx;
-            team.gen++;
             team.seats = threads - 1;
+            __atomic_add_fetch(&team.gen, 1, __ATOMIC_RELEASE); /* after the task: a watching worker then finds it whole */
             shared = 1;
             pthread_cond_broadcast(&team.wake);
         }

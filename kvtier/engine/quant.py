@@ -34,11 +34,6 @@ except ImportError:  # not built: the engine keeps the dense matmuls
 NATIVE: bool = hasattr(_native, "quant_matvec")
 IMPL: str | None = getattr(_native, "QUANT_IMPL", None)  # the build used on this CPU: "avx2" or "base"
 MAX_ROWS = 64  # activation rows per call (the C kernel's limit): a decode batch
-# Below this many weights a product runs on the calling thread alone: waking the native
-# team's second thread costs more than it saves on the layers' small matrices (measured
-# on the 2-core development VM: 24 ms per token with two threads vs 18 ms with one; the
-# 28M-weight embedding, 1.8 ms vs 2.7 ms).
-_THREADED_WEIGHTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -96,7 +91,7 @@ class QuantMatrix:
             x.data_ptr(),
             n,
             out.data_ptr(),
-            threads or (torch.get_num_threads() if self.rows * self.cols >= _THREADED_WEIGHTS else 1),
+            threads or torch.get_num_threads(),  # the team's workers watch between calls: even a small matrix gains
             impl,
         )
         return out
