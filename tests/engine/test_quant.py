@@ -1,4 +1,4 @@
-"""Decode steps on the GGUF's own blocks: the same weights, the same products to a few ulps, prefills untouched."""
+"""Decode steps and last-row logits on the GGUF's own blocks: the same weights, the same products to a few ulps."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_the_native_decode_path_is_the_one_in_use(loaded_model: LoadedModel) -> 
     model = loaded_model.model
     assert quant.IMPL in {"avx2", "base"}
     assert model.decode_layers is not None and len(model.decode_layers) == model.config.num_layers
-    assert model.decode_lm_head is not None and model.decode_lm_head.kind is QuantKind.Q8_0
+    assert model.lm_head_blocks is not None and model.lm_head_blocks.kind is QuantKind.Q8_0
     assert model.decode_layers[0].wqkv.kind is QuantKind.Q4_1
 
 
@@ -39,7 +39,7 @@ def test_blocks_are_exactly_the_dequantized_weights(loaded_model: LoadedModel) -
         dense, blocks = model.layers[i], model.decode_layers[i]
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             assert torch.equal(dequantized(getattr(blocks, name)), getattr(dense, name)), (i, name)
-    assert torch.equal(dequantized(model.decode_lm_head), model.lm_head)
+    assert torch.equal(dequantized(model.lm_head_blocks), model.lm_head)
     assert model.decode_layers[0].wqkv.nbytes * 5 < model.layers[0].wqkv.numel() * 4  # the point of it
 
 
@@ -47,7 +47,7 @@ def test_blocks_are_exactly_the_dequantized_weights(loaded_model: LoadedModel) -
 @pytest.mark.parametrize("which", ["w_down", "wqkv", "lm_head"])
 def test_products_match_float64_as_closely_as_float32_matmul(loaded_model: LoadedModel, rows: int, which: str) -> None:
     model = loaded_model.model
-    m = model.decode_lm_head if which == "lm_head" else getattr(model.decode_layers[5], which)
+    m = model.lm_head_blocks if which == "lm_head" else getattr(model.decode_layers[5], which)
     dense = model.lm_head if which == "lm_head" else getattr(model.layers[5], which)
     x = torch.randn(rows, m.cols, generator=torch.Generator().manual_seed(rows))
     exact = x.double() @ dense.double().T
@@ -70,15 +70,20 @@ def test_the_kernel_refuses_what_it_cannot_do(loaded_model: LoadedModel) -> None
         m(torch.zeros(1, m.cols), impl="nosuch")
 
 
-def test_decode_steps_use_the_blocks_and_prefills_do_not(loaded_model: LoadedModel) -> None:
-    """A decode step's logits equal the dense path's to a few ulps (same argmax); a prefill's are bit-identical."""
+def test_decode_steps_use_the_blocks_and_prefills_only_for_the_head(loaded_model: LoadedModel) -> None:
+    """Decode logits equal the dense path's to a few ulps (same argmax); a prefill's layers stay dense.
+
+    A prefill reads the blocks only for its last row's lm_head, so taking
+    the layers' blocks away leaves its logits bit-identical, and taking the
+    head's away too moves them by ulps only.
+    """
     model = loaded_model.model
     ids = [int(t) for t in torch.randint(0, 49000, (70,), generator=torch.Generator().manual_seed(3))]
 
-    def run(with_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        saved = model.decode_layers, model.decode_lm_head
-        if not with_blocks:
-            model.decode_layers, model.decode_lm_head = None, None
+    def run(layers: bool, head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        saved = model.decode_layers, model.lm_head_blocks
+        model.decode_layers = saved[0] if layers else None
+        model.lm_head_blocks = saved[1] if head else None
         try:
             pool, table = model.make_pool(16, 8), BlockTable()
             pool.grow(table, 71)
@@ -86,9 +91,11 @@ def test_decode_steps_use_the_blocks_and_prefills_do_not(loaded_model: LoadedMod
             decode = model.forward([SeqInput(ids[69:70], 69, table)], pool)
             return prefill, decode
         finally:
-            model.decode_layers, model.decode_lm_head = saved
+            model.decode_layers, model.lm_head_blocks = saved
 
-    (p_blocks, d_blocks), (p_dense, d_dense) = run(True), run(False)
-    assert torch.equal(p_blocks, p_dense)
+    (p_blocks, d_blocks), (p_head, _), (p_dense, d_dense) = run(True, True), run(False, True), run(False, False)
+    assert torch.equal(p_blocks, p_head)
+    assert 0 < (p_blocks - p_dense).abs().max().item() < 1e-3
+    assert int(p_blocks.argmax()) == int(p_dense.argmax())
     assert (d_blocks - d_dense).abs().max().item() < 1e-3
     assert int(d_blocks.argmax()) == int(d_dense.argmax())
