@@ -13,8 +13,8 @@ setup(
     ext_modules=[
         Extension(
             "kvtier._native",
-            ["native/kvtier_native.c", "native/kvtier_quant.c"],
-            depends=["native/kvtier_native.h"],
+            ["native/kvtier_native.c", "native/kvtier_quant.c", "native/kvtier_prefill.c"],
+            depends=["native/kvtier_native.h", "native/kvtier_exp.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
             libraries=["dl"],

@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvtier_exp.h"
 #include "kvtier_native.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -1177,28 +1178,6 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* exp(x) for x <= 0 (Cephes expf): x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
- * polynomial in r, 2^n put straight into the exponent bits. Relative error ~2e-7.
- * Inputs below -87 give exp(-87) ~ 1.6e-38 rather than 0, harmless next to the
- * running maximum's exp(0) = 1. Branch-free, so loops of it vectorise. */
-static inline __attribute__((always_inline)) float attn_exp(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float p;
-    memcpy(&p, &e, 4);
-    return y * p;
-}
-
 /* Row p of a K or V tile as float32: the pool itself for float32, else converted into buf. */
 static inline __attribute__((always_inline)) const float *attn_row(const char *base, ptrdiff_t off, int bf16, int dim,
                                                                    float *buf) {
@@ -1268,11 +1247,11 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
             float mx = m[g];
             for (int i = 0; i < ATTN_LANES; i++) mx = lane[i] > mx ? lane[i] : mx;
             float sum = 0.0f;
-            for (int p = 0; p < BP; p++) sg[p] = attn_exp(sg[p] - mx);
+            for (int p = 0; p < BP; p++) sg[p] = kvt_exp(sg[p] - mx);
             for (int p = n; p < BP; p++) sg[p] = 0.0f;
             for (int p = 0; p < n; p++) sum += sg[p];
             if (mx > m[g]) {
-                const float c = attn_exp(m[g] - mx);
+                const float c = kvt_exp(m[g] - mx);
                 float *a = acc + g * D;
                 for (int d = 0; d < D; d++) a[d] *= c;
                 l[g] *= c;
@@ -1457,7 +1436,7 @@ ATTN512_INLINE __m512 attn512_scores(const char *kv, ptrdiff_t k_off, ptrdiff_t 
     return attn512_fold(attn512_fold(quad[0], quad[1]), attn512_fold(quad[2], quad[3]));
 }
 
-/* attn_exp, 16 at a time (the same polynomial; scalef puts in 2^n). */
+/* kvt_exp, 16 at a time (the same polynomial; scalef puts in 2^n). */
 ATTN512_INLINE __m512 attn512_exp(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -1525,7 +1504,7 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
                 const float mx = _mm512_reduce_max_ps(s);
                 float c = 1.0f;
                 if (mx > m[g]) {
-                    c = attn_exp(m[g] - mx);
+                    c = kvt_exp(m[g] - mx);
                     m[g] = mx;
                 }
                 const __m512 e = _mm512_maskz_mov_ps(live, attn512_exp(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
@@ -1624,24 +1603,6 @@ ATTN256_INLINE __m256 attn256_scores(const char *kv, ptrdiff_t off, int dim, int
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-/* attn_exp, 8 at a time (the same polynomial; 2^n built in the exponent bits). */
-ATTN256_INLINE __m256 attn256_exp(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n =
-        _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 ATTN256_INLINE float attn256_hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -1735,12 +1696,12 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
                 const float mx = attn256_hmax(_mm256_max_ps(sc[g][0], sc[g][1]));
                 float c = 1.0f;
                 if (mx > m[g]) {
-                    c = attn_exp(m[g] - mx);
+                    c = kvt_exp(m[g] - mx);
                     m[g] = mx;
                 }
                 const __m256 mg = _mm256_set1_ps(m[g]);
-                const __m256 e0 = _mm256_and_ps(live0, attn256_exp(_mm256_sub_ps(sc[g][0], mg)));
-                const __m256 e1 = _mm256_and_ps(live1, attn256_exp(_mm256_sub_ps(sc[g][1], mg)));
+                const __m256 e0 = _mm256_and_ps(live0, kvt_exp256(_mm256_sub_ps(sc[g][0], mg)));
+                const __m256 e1 = _mm256_and_ps(live1, kvt_exp256(_mm256_sub_ps(sc[g][1], mg)));
                 l[g] = l[g] * c + attn256_hsum(_mm256_add_ps(e0, e1));
                 _mm256_store_ps(w + 16 * g, e0);
                 _mm256_store_ps(w + 16 * g + 8, e1);
@@ -1820,7 +1781,7 @@ static void attn_merge(const attn_job_t *j) {
             memset(o, 0, sizeof(float) * (size_t)D);
             for (size_t k = i; k < e; k++) {
                 const float *part = j->parts + k * j->part_floats;
-                const float c = part[G + g] > 0.0f ? attn_exp(part[g] - mx) : 0.0f; /* 0: a unit with no positions */
+                const float c = part[G + g] > 0.0f ? kvt_exp(part[g] - mx) : 0.0f; /* 0: a unit with no positions */
                 total += c * part[G + g];
                 const float *a = part + 2 * G + g * D;
                 for (int d = 0; d < D; d++) o[d] += c * a[d];
@@ -2167,6 +2128,17 @@ static PyMethodDef methods[] = {
     {"_paged_decode_attention_using", (PyCFunction)(void (*)(void))py_paged_decode_attention_using,
      METH_VARARGS | METH_KEYWORDS, "_paged_decode_attention_using(impl, *args): paged_decode_attention on one named "
      "build (one of paged_decode_attention_impls()), for tests."},
+    {"paged_prefill_attention", (PyCFunction)(void (*)(void))kvt_py_paged_prefill_attention,
+     METH_VARARGS | METH_KEYWORDS,
+     "paged_prefill_attention(kv, strides, num_blocks, bf16, q, out, ids, n_ids, start, tokens, kv_heads, group, "
+     "head_dim, block_size, scale, threads, impl=None) -> None\n\n"
+     "One sequence's new tokens q [tokens, kv_heads * group, head_dim] against its positions in a paged KV pool "
+     "layer, causally: token t sees positions <= start + t, whose K/V are in blocks ids[0:n_ids] (the new tokens' "
+     "own already written). Addresses and strides as for paged_decode_attention; ids are int32, checked against "
+     "num_blocks; impl picks a build by name (see paged_prefill_attention_impls); the GIL is released."},
+    {"paged_prefill_attention_impls", (PyCFunction)kvt_py_paged_prefill_attention_impls, METH_NOARGS,
+     "paged_prefill_attention_impls() -> tuple[str, ...]\n\nThe builds of paged_prefill_attention this CPU runs "
+     "(avx2, base), best first: the first is the one it uses."},
     {"paged_decode_attention_impls", (PyCFunction)py_paged_decode_attention_impls, METH_NOARGS,
      "paged_decode_attention_impls() -> tuple[str, ...]\n\nThe builds of paged_decode_attention this CPU runs "
      "(avx512, avx2, base), best first: the first is the one it uses."},

@@ -1,4 +1,4 @@
-/* What kvtier_native.c and kvtier_quant.c share: one extension module, two sources. */
+/* What kvtier_native.c, kvtier_quant.c and kvtier_prefill.c share: one extension module. */
 #ifndef KVTIER_NATIVE_H
 #define KVTIER_NATIVE_H
 
@@ -11,5 +11,9 @@ void kvt_team_run(void (*work)(void *), void *ctx, int threads);
 /* Quantized matrix-vector products (kvtier_quant.c). */
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw);
 const char *kvt_quant_impl(void);
+
+/* Prefill attention over cached positions (kvtier_prefill.c). */
+PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *kvt_py_paged_prefill_attention_impls(PyObject *mod, PyObject *arg);
 
 #endif

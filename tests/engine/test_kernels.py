@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against a float64 reference and against the torch path, on toy pools.
+"""The C attention kernels (decode; prefill over cached positions) against float64 references and the torch path.
 
 Pools are random, block ids are shuffled (a sequence's blocks are anywhere in
 the pool), lengths end inside blocks, one sequence is shorter than a block,
@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from kvtier.engine import BlockTable, KVPool, LlamaModel, SeqInput, kernels
-from kvtier.engine.kernels import NativeDecode, PagedBlocks, TorchDecode, paged_attention, plan_decode
+from kvtier.engine.kernels import (
+    NativeDecode,
+    NativePrefill,
+    PagedBlocks,
+    TorchDecode,
+    paged_attention,
+    plan_decode,
+    plan_prefill,
+)
 from kvtier.layout import KVLayout
 from kvtier.model.config import ModelConfig
 
@@ -181,6 +189,109 @@ def test_pools_the_kernel_does_not_take_get_the_torch_path() -> None:
     assert isinstance(plan_decode(odd_dim, shuffled_tables(odd_dim, [20]), [20], num_heads=9), TorchDecode)
 
 
+# -- the prefill kernel --------------------------------------------------------------
+needs_prefill = pytest.mark.skipif(not kernels.NATIVE_PREFILL, reason="kvtier._native has no paged_prefill_attention")
+
+
+def prefill_reference(pool: KVPool, layer: int, table: BlockTable, start: int, q: torch.Tensor) -> torch.Tensor:
+    """Dense float64 causal attention: new token i (of q [T, heads, D]) sees positions <= start + i."""
+    total = start + len(q)
+    kv = pool.layers[layer][torch.tensor(table.block_ids)].double()
+    k, v = (kv[:, i].transpose(0, 1).flatten(1, 2)[:, :total] for i in (0, 1))  # [kv_heads, total, D]
+    tokens, heads, dim = q.shape
+    qq = q.double().transpose(0, 1).reshape(k.shape[0], heads // k.shape[0], tokens, dim)
+    scores = qq @ k[:, None].transpose(-1, -2) * dim**-0.5  # [kv_heads, group, T, total]
+    allowed = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return (probs @ v[:, None]).reshape(heads, tokens, dim).transpose(0, 1)
+
+
+def prefill(
+    pool: KVPool,
+    start: int,
+    tokens: int,
+    heads: int,
+    dtype: torch.dtype,
+    *,
+    threads: int | None = None,
+    impl: str | None = None,
+) -> tuple[NativePrefill, BlockTable, torch.Tensor]:
+    """A plan for ``tokens`` new positions after ``start`` cached ones (shuffled blocks), and their queries."""
+    (table,) = shuffled_tables(pool, [start + tokens])
+    q = queries(tokens, heads, pool.layout.head_dim, dtype)
+    return NativePrefill(pool.layers, table, start, tokens, heads, threads=threads, impl=impl), table, q
+
+
+@needs_prefill
+def test_the_prefill_kernel_is_the_one_in_use_on_cpu() -> None:
+    assert kernels.PREFILL_IMPLS and kernels.PREFILL_IMPLS[-1] == "base"
+    pool = random_pool(torch.float32)
+    (table,) = shuffled_tables(pool, [100])
+    assert isinstance(plan_prefill(pool, table, 36, 64, num_heads=9), NativePrefill)
+    assert plan_prefill(pool, table, 0, 100, num_heads=9) is None  # from nothing: SDPA's causal kernel
+    assert plan_prefill(random_pool(torch.float16), table, 36, 64, num_heads=9) is None
+
+
+@needs_prefill
+@pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("start", "tokens"),
+    [(0, 40), (5, 1), (16, 17), (130, 64), (300, 150)],
+    ids=["from-nothing", "one-token", "tile-edges", "agent-turn", "several-units"],
+)
+def test_prefill_matches_the_float64_reference(impl: str, dtype: torch.dtype, start: int, tokens: int) -> None:
+    """150 new tokens of 3 heads per KV head are 450 query rows: five units of at most 96 per KV head."""
+    pool = random_pool(dtype)
+    plan, table, q = prefill(pool, start, tokens, 9, dtype, impl=impl)
+    for layer in range(2):
+        got = plan.attend(layer, q)
+        assert got.dtype == dtype and got.shape == q.shape
+        assert (got.double() - prefill_reference(pool, layer, table, start, q)).abs().max().item() < TOL[dtype]
+
+
+@needs_prefill
+@pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "head_dim", "block"),
+    [(3, 9, 64, 5), (3, 9, 64, 24), (2, 2, 128, 16), (2, 10, 64, 16), (1, 3, 48, 16), (4, 64, 16, 32)],
+    ids=["block5", "block24", "mha-dim128", "group5", "dim48", "group16"],
+)
+def test_prefill_handles_other_shapes(impl: str, kv_heads: int, heads: int, head_dim: int, block: int) -> None:
+    """Blocks that are not one 16-position tile (partial tiles are copied and masked), panels of 24 rows
+    that cut through a token's heads, and the largest group."""
+    pool = random_pool(torch.float32, kv_heads=kv_heads, head_dim=head_dim, block=block)
+    plan, table, q = prefill(pool, 23, 41, heads, torch.float32, impl=impl)
+    got = plan.attend(0, q)
+    assert (got.double() - prefill_reference(pool, 0, table, 23, q)).abs().max().item() < TOL[torch.float32]
+
+
+@needs_prefill
+def test_prefill_results_do_not_depend_on_the_thread_count() -> None:
+    """Each query row is computed alone, in one order of tiles, whichever thread takes its unit."""
+    pool = random_pool(torch.float32)
+    one, _, q = prefill(pool, 200, 100, 9, torch.float32, threads=1)
+    want = one.attend(1, q)
+    for threads in (2, 3, 8):
+        plan, _, _ = prefill(pool, 200, 100, 9, torch.float32, threads=threads)
+        assert torch.equal(plan.attend(1, q), want)
+
+
+@needs_prefill
+def test_prefill_refuses_bad_tables_and_queries() -> None:
+    pool = random_pool(torch.float32)
+    q = queries(10, 9, 64, torch.float32)
+    with pytest.raises(ValueError, match="outside the pool"):
+        NativePrefill(pool.layers, BlockTable([3, pool.num_blocks], 20), 10, 10, 9).attend(0, q)
+    with pytest.raises(ValueError, match="fewer blocks"):
+        NativePrefill(pool.layers, BlockTable([3], 16), 10, 10, 9).attend(0, q)
+    plan, _, _ = prefill(pool, 10, 10, 9, torch.float32)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan.attend(0, q[:5])
+    with pytest.raises(ValueError, match="does not take"):
+        NativePrefill(random_pool(torch.float16).layers, BlockTable([1, 2], 20), 10, 10, 9)
+
+
 # -- in the engine -------------------------------------------------------------------
 def toy_model() -> LlamaModel:
     cfg = ModelConfig(
@@ -244,4 +355,31 @@ def test_the_engine_decodes_through_the_native_kernel(monkeypatch: pytest.Monkey
     monkeypatch.setattr(kernels, "native_fits", lambda *a, **kw: False)
     via_torch = decode_logits(model, prompts)
     assert len(calls) == model.config.num_layers  # the torch path ran this time
+    assert (native - via_torch).abs().max().item() < 1e-4
+
+
+@needs_prefill
+def test_the_engine_prefills_on_cached_positions_through_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's tail on top of its cached head: one kernel call per layer, logits as the torch path's."""
+    model = toy_model()
+    ids = [int(t) for t in torch.randint(1, 50, (90,), generator=torch.Generator().manual_seed(5))]
+    calls = []
+    real = NativePrefill.attend
+
+    def spy(self: NativePrefill, layer: int, q: torch.Tensor) -> torch.Tensor:
+        calls.append(layer)
+        return real(self, layer, q)
+
+    def tail_logits() -> torch.Tensor:
+        pool, table = model.make_pool(16, 8), BlockTable()
+        pool.grow(table, len(ids))
+        model.forward([SeqInput(ids[:50], 0, table)], pool)
+        return model.forward([SeqInput(ids[50:], 50, table)], pool)
+
+    monkeypatch.setattr(NativePrefill, "attend", spy)
+    native = tail_logits()
+    assert calls == list(range(model.config.num_layers))  # the head's prefill (from nothing) took SDPA
+    monkeypatch.setattr(kernels, "native_fits", lambda *a, **kw: False)
+    via_torch = tail_logits()
+    assert len(calls) == model.config.num_layers
     assert (native - via_torch).abs().max().item() < 1e-4

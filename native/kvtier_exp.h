@@ -1,0 +1,54 @@
+/* exp(x) for x <= 0, the softmax's, shared by the decode (kvtier_native.c) and prefill
+ * (kvtier_prefill.c) attention kernels so that both round the same way. */
+#ifndef KVTIER_EXP_H
+#define KVTIER_EXP_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (Cephes expf): x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
+ * polynomial in r, 2^n put straight into the exponent bits. Relative error ~2e-7.
+ * Inputs below -87 give exp(-87) ~ 1.6e-38 rather than 0, harmless next to the
+ * running maximum's exp(0) = 1. Branch-free, so loops of it vectorise. */
+static inline __attribute__((always_inline)) float kvt_exp(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float p;
+    memcpy(&p, &e, 4);
+    return y * p;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* kvt_exp, 8 at a time (the same polynomial; 2^n built in the exponent bits). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256 kvt_exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n =
+        _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+#endif
+
+#endif
