@@ -145,6 +145,12 @@ def gathered_attention(keys: torch.Tensor, values: torch.Tensor, mask: torch.Ten
     return (probs @ values).reshape(s, heads, dim)
 
 
+def _pool_args(layers: Sequence[torch.Tensor]) -> tuple[list[int], tuple[tuple[int, ...], int, bool]]:
+    """What both C kernels take of a pool: each layer's address, then (strides, block count, bfloat16?)."""
+    first = layers[0]  # all views of one pool tensor: the same shape, strides and dtype
+    return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0], first.dtype == torch.bfloat16)
+
+
 class DecodePlan(Protocol):
     """A batch of decoding sequences, planned once per forward; ``attend`` runs one layer."""
 
@@ -183,8 +189,7 @@ class NativeDecode:
         _, _, kv_heads, block, dim = first.shape
         self.layers, self.blocks = layers, blocks  # kept alive while C reads them by address
         self._q = (first.dtype, first.device, torch.Size((blocks.num_seqs, num_heads, dim)))
-        self._addrs = [t.data_ptr() for t in layers]
-        self._pool = (first.stride()[:4], first.shape[0], first.dtype == torch.bfloat16)
+        self._addrs, self._pool = _pool_args(layers)
         self._rest = (
             *(t.data_ptr() for t in (blocks.ids, blocks.starts, blocks.lengths)),
             blocks.num_seqs,
@@ -254,8 +259,7 @@ class NativePrefill:
         self.layers = layers  # kept alive while C reads them by address
         self.ids = torch.tensor(table.block_ids[: blocks_for(start + tokens, block)], dtype=torch.int32)
         self._q = (first.dtype, first.device, torch.Size((tokens, num_heads, dim)))
-        self._addrs = [t.data_ptr() for t in layers]
-        self._pool = (first.stride()[:4], first.shape[0], first.dtype == torch.bfloat16)
+        self._addrs, self._pool = _pool_args(layers)
         self._rest = (
             self.ids.data_ptr(),
             len(self.ids),
