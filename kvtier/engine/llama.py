@@ -387,11 +387,16 @@ class LlamaModel:
         if layer_ready is not None:
             layer_ready(index)  # cached K/V of this layer are in the pool from here on
         pool.write(index, plan.slots, k, v)
-        out = torch.empty_like(q)
-        for p in plan.prefills:
-            out[p.rows] = self._prefill_attention(index, p, q[p.rows], k[p.rows], v[p.rows], pool)
-        if plan.decode is not None:
-            out[plan.decode.rows] = self._decode_attention(index, plan.decode, q[plan.decode.rows], pool)
+        if plan.decode is not None and not plan.prefills:  # a decode step: its rows are the whole batch, in order
+            out = self._decode_attention(index, plan.decode, q, pool)
+        elif plan.decode is None and len(plan.prefills) == 1:  # one prompt: likewise
+            out = self._prefill_attention(index, plan.prefills[0], q, k, v, pool)
+        else:  # a mix: each part into its rows
+            out = torch.empty_like(q)
+            for p in plan.prefills:
+                out[p.rows] = self._prefill_attention(index, p, q[p.rows], k[p.rows], v[p.rows], pool)
+            if plan.decode is not None:
+                out[plan.decode.rows] = self._decode_attention(index, plan.decode, q[plan.decode.rows], pool)
         out = out.reshape(-1, q_dim)
         return out @ layer.wo.T if quantized is None else quantized.wo(out)
 
