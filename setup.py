@@ -14,7 +14,7 @@ setup(
         Extension(
             "kvtier._native",
             ["native/kvtier_native.c", "native/kvtier_quant.c", "native/kvtier_prefill.c"],
-            depends=["native/kvtier_native.h", "native/kvtier_exp.h"],
+            depends=["native/kvtier_native.h", "native/kvtier_float.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
             libraries=["dl"],

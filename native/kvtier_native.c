@@ -25,7 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvtier_exp.h"
+#include "kvtier_float.h"
 #include "kvtier_native.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -1163,27 +1163,12 @@ typedef struct {
     size_t next; /* the next unclaimed unit (atomic) */
 } attn_job_t;
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 does; NaN stays a (quiet) NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Row p of a K or V tile as float32: the pool itself for float32, else converted into buf. */
 static inline __attribute__((always_inline)) const float *attn_row(const char *base, ptrdiff_t off, int bf16, int dim,
                                                                    float *buf) {
     if (!bf16) return (const float *)base + off;
     const uint16_t *h = (const uint16_t *)base + off;
-    for (int d = 0; d < dim; d++) buf[d] = bf16_to_f32(h[d]);
+    for (int d = 0; d < dim; d++) buf[d] = kvt_bf16_to_f32(h[d]);
     return buf;
 }
 
@@ -1217,7 +1202,7 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
 
     const size_t q_row = (size_t)(u->seq * j->kv_heads + u->head) * G * D; /* query heads head*G .. head*G+G-1 */
     for (int i = 0; i < G * D; i++)
-        q[i] = (bf16 ? bf16_to_f32(((const uint16_t *)j->q)[q_row + i]) : ((const float *)j->q)[q_row + i]) * j->scale;
+        q[i] = (bf16 ? kvt_bf16_to_f32(((const uint16_t *)j->q)[q_row + i]) : ((const float *)j->q)[q_row + i]) * j->scale;
     for (int g = 0; g < G; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -1789,7 +1774,7 @@ static void attn_merge(const attn_job_t *j) {
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             const size_t row = ((size_t)(j->units[i].seq * j->kv_heads + j->units[i].head) * G + g) * D;
             for (int d = 0; d < D; d++) {
-                if (j->bf16) ((uint16_t *)j->out)[row + d] = f32_to_bf16(o[d] * inv);
+                if (j->bf16) ((uint16_t *)j->out)[row + d] = kvt_f32_to_bf16(o[d] * inv);
                 else ((float *)j->out)[row + d] = o[d] * inv;
             }
         }

@@ -32,12 +32,13 @@
 #include <Python.h>
 
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvtier_exp.h"
+#include "kvtier_float.h"
 #include "kvtier_native.h"
 
 #define PF_TILE 16      /* key positions per tile */
@@ -67,22 +68,8 @@ typedef struct pf_job {
     size_t scratch_floats;
 } pf_job_t;
 
-static inline float pf_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t pf_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline float pf_load(const char *base, ptrdiff_t i, int bf16) {
-    return bf16 ? pf_bf16(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+    return bf16 ? kvt_bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
 /* The unit's scratch, in floats from the start of a 64-byte aligned buffer. */
@@ -135,7 +122,7 @@ static void pf_end(const pf_job_t *j, const pf_unit_t *u, const pf_scratch_t *w)
         const float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
         for (int d = 0; d < D; d++) {
             const float x = w->ot[(size_t)d * RP + r] * inv;
-            if (j->bf16) ((uint16_t *)j->out)[at + d] = pf_to_bf16(x);
+            if (j->bf16) ((uint16_t *)j->out)[at + d] = kvt_f32_to_bf16(x);
             else ((float *)j->out)[at + d] = x;
         }
     }
@@ -351,14 +338,18 @@ typedef struct {
     void (*fn)(const pf_job_t *, const pf_unit_t *, float *);
 } pf_impl_t;
 
-static int pf_impls(pf_impl_t out[2]) {
-    int n = 0;
+/* The builds this CPU runs, best first; probed once (the engine calls once per layer). */
+static pf_impl_t pf_impls[2];
+static int pf_n_impls = 0;
+static pthread_once_t pf_once = PTHREAD_ONCE_INIT;
+
+static void pf_pick(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out[n++] = (pf_impl_t){"avx2", pf_unit_avx2};
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        pf_impls[pf_n_impls++] = (pf_impl_t){"avx2", pf_unit_avx2};
 #endif
-    out[n++] = (pf_impl_t){"base", pf_unit_base};
-    return n;
+    pf_impls[pf_n_impls++] = (pf_impl_t){"base", pf_unit_base};
 }
 
 static void pf_work(void *ctx) {
@@ -402,13 +393,12 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
                                      &skv, &sh, &sp, &num_blocks, &bf16, &q, &out, &ids, &n_ids, &j.start, &j.tokens,
                                      &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &impl))
         return NULL;
-    pf_impl_t impls[2];
-    const int n_impls = pf_impls(impls);
-    j.unit_fn = impls[0].fn;
+    pthread_once(&pf_once, pf_pick);
+    j.unit_fn = pf_impls[0].fn;
     if (impl != NULL) {
         j.unit_fn = NULL;
-        for (int i = 0; i < n_impls; i++)
-            if (strcmp(impls[i].name, impl) == 0) j.unit_fn = impls[i].fn;
+        for (int i = 0; i < pf_n_impls; i++)
+            if (strcmp(pf_impls[i].name, impl) == 0) j.unit_fn = pf_impls[i].fn;
         if (j.unit_fn == NULL) return PyErr_Format(PyExc_ValueError, "paged_prefill_attention: no %s build on this CPU", impl);
     }
     const char *bad = NULL;
@@ -446,11 +436,10 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
 PyObject *kvt_py_paged_prefill_attention_impls(PyObject *mod, PyObject *arg) {
     (void)mod;
     (void)arg;
-    pf_impl_t impls[2];
-    const int n = pf_impls(impls);
-    PyObject *names = PyTuple_New(n);
-    for (int i = 0; names != NULL && i < n; i++) {
-        PyObject *name = PyUnicode_FromString(impls[i].name);
+    pthread_once(&pf_once, pf_pick);
+    PyObject *names = PyTuple_New(pf_n_impls);
+    for (int i = 0; names != NULL && i < pf_n_impls; i++) {
+        PyObject *name = PyUnicode_FromString(pf_impls[i].name);
         if (name == NULL) Py_CLEAR(names);
         else PyTuple_SET_ITEM(names, i, name);
     }

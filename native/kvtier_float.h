@@ -1,10 +1,27 @@
-/* exp(x) for x <= 0, the softmax's, shared by the decode (kvtier_native.c) and prefill
- * (kvtier_prefill.c) attention kernels so that both round the same way. */
-#ifndef KVTIER_EXP_H
-#define KVTIER_EXP_H
+/* Float helpers the decode (kvtier_native.c) and prefill (kvtier_prefill.c) attention
+ * kernels share, so that both convert and round the same way: bfloat16 <-> float32, and
+ * the softmax's exp(x) for x <= 0. */
+#ifndef KVTIER_FLOAT_H
+#define KVTIER_FLOAT_H
 
 #include <stdint.h>
 #include <string.h>
+
+/* bfloat16 is a float32's top half. */
+static inline float kvt_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 does; NaN stays a (quiet) NaN. */
+static inline uint16_t kvt_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* exp(x) for x <= 0 (Cephes expf): x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
  * polynomial in r, 2^n put straight into the exponent bits. Relative error ~2e-7.
