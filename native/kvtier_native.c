@@ -1727,7 +1727,7 @@ typedef void (*attn_unit_fn)(const attn_job_t *, const attn_unit_t *, float *);
 
 /* The builds this CPU can run, best first; the first is the one paged_decode_attention uses. */
 typedef struct {
-    const char *name;
+    const char *name; /* first: kvt_impl_names reads it */
     attn_unit_fn fn;
 } attn_impl_t;
 static attn_impl_t attn_impls[3];
@@ -2043,17 +2043,22 @@ static PyObject *py_paged_decode_attention_using(PyObject *mod, PyObject *args, 
     return out;
 }
 
-static PyObject *py_paged_decode_attention_impls(PyObject *mod, PyObject *arg) {
-    (void)mod;
-    (void)arg;
-    pthread_once(&team_once, team_init);
-    PyObject *names = PyTuple_New(attn_n_impls);
-    for (int i = 0; names != NULL && i < attn_n_impls; i++) {
-        PyObject *name = PyUnicode_FromString(attn_impls[i].name);
+PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n) {
+    PyObject *names = PyTuple_New(n);
+    for (int i = 0; names != NULL && i < n; i++) {
+        const char *const *entry = (const char *const *)((const char *)table + (size_t)i * entry_bytes);
+        PyObject *name = PyUnicode_FromString(*entry);
         if (name == NULL) Py_CLEAR(names);
         else PyTuple_SET_ITEM(names, i, name);
     }
     return names;
+}
+
+static PyObject *py_paged_decode_attention_impls(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    (void)arg;
+    pthread_once(&team_once, team_init);
+    return kvt_impl_names(attn_impls, sizeof attn_impls[0], attn_n_impls);
 }
 
 static PyMethodDef methods[] = {

@@ -334,7 +334,7 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
 /* -- the call ---------------------------------------------------------------------- */
 
 typedef struct {
-    const char *name;
+    const char *name; /* first: kvt_impl_names reads it */
     void (*fn)(const pf_job_t *, const pf_unit_t *, float *);
 } pf_impl_t;
 
@@ -437,11 +437,5 @@ PyObject *kvt_py_paged_prefill_attention_impls(PyObject *mod, PyObject *arg) {
     (void)mod;
     (void)arg;
     pthread_once(&pf_once, pf_pick);
-    PyObject *names = PyTuple_New(pf_n_impls);
-    for (int i = 0; names != NULL && i < pf_n_impls; i++) {
-        PyObject *name = PyUnicode_FromString(pf_impls[i].name);
-        if (name == NULL) Py_CLEAR(names);
-        else PyTuple_SET_ITEM(names, i, name);
-    }
-    return names;
+    return kvt_impl_names(pf_impls, sizeof pf_impls[0], pf_n_impls);
 }
