@@ -161,6 +161,11 @@ class EngineConfig(_Section):
     decode_weights: DecodeWeights = DecodeWeights.GGUF
     pool_bytes: ByteSize = Field(ByteSize(1024**3), description="The engine's paged KV pool (the device tier).")
     max_batch: int = Field(16, ge=1, description="Requests decoded together in one step.")
+    max_step_tokens: int = Field(
+        512,
+        ge=16,
+        description="Tokens one step computes: a token per decoding request, then prompt chunks (chunked prefill).",
+    )
     keep_resident: bool = Field(True, description="Keep finished requests' blocks in the pool (device tier).")
 
     @field_validator("model_path")

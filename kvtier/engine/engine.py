@@ -2,18 +2,21 @@
 
 One :meth:`Engine.step` admits waiting requests (each: block keys → the
 resident pool blocks → kvtier lookup and load of the rest → allocate the
-remainder), then runs ONE forward over every admitted request's uncached
-tail and every running request's next token, samples, and retires finished
-requests. A request's new full blocks are offered to kvtier right after its
-prefill (prompt blocks) and when it ends (blocks made of generated tokens),
-because an agent's next turn resends prompt + reply. Keys depend on token ids
-only, so a block gets the same key whether its tokens came from a prompt or
-from generation.
+remainder), then runs ONE forward over a token budget: every decoding
+request's next token, and chunks of the prompts still being prefilled
+(chunked prefill), so one long prompt can never hold every other request's
+first token hostage. A request's new full blocks are offered to kvtier and
+published in the pool as soon as a chunk computes them (a request sharing
+that prefix attaches them instead of computing them again) and when it ends
+(blocks made of generated tokens), because an agent's next turn resends
+prompt + reply. Keys depend on token ids only, so a block gets the same key
+whether its tokens came from a prompt or from generation.
 
 Admission reserves pool blocks for the prompt plus ``max_tokens`` up front,
 so a running request never runs out of pages mid-decode (no preemption);
 resident blocks of finished requests are released, least recent first, to
-make that room.
+make that room. :meth:`Engine.abort` ends a request between two steps (its
+client went away) and gives its pages back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.breakeven import FetchPlan
@@ -35,6 +39,7 @@ from kvtier.engine.onboard import LayerwiseLoad
 from kvtier.engine.pool import BlockTable, KVPool, blocks_for
 from kvtier.engine.resident import ResidentBlocks
 from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.schedule import prefill_budget, prefill_chunks
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
@@ -49,6 +54,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ERROR = "error"
+    ABORT = "abort"  # the caller gave up on it (a client that disconnected); nobody reads its output
 
 
 @dataclass(eq=False)  # identity: two requests are never "equal"
@@ -60,6 +66,8 @@ class Request:
     sampler: Sampler
     decoder: StreamDecoder
     arrival: float
+    keys: list[BlockKey] = field(default_factory=list)  # the prompt's full blocks, hashed once on arrival
+    blocks: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # their tokens
     table: BlockTable = field(default_factory=BlockTable)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -70,12 +78,18 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     stored_blocks: int = 0  # leading blocks known to be in kvtier already
+    shared_blocks: int = 0  # leading prompt blocks published in the pool for other requests to attach
     fetch: Fetch | None = None  # started on arrival, taken on admission
     fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, with prompt tokens still to compute (its first token is not sampled yet)."""
+        return self.first_token_at is None
 
     @property
     def ttft_s(self) -> float | None:
@@ -131,6 +145,7 @@ class Engine:
         namespace: str = "default",
         prefetch: bool = True,
         layerwise: bool = True,
+        max_step_tokens: int = 512,
     ) -> None:
         want = model.kv_layout(block_size)
         if cache is not None and cache.layout != want:
@@ -146,6 +161,7 @@ class Engine:
         self.hasher = hasher
         self.resident = ResidentBlocks(self.pool) if keep_resident else None
         self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
         self.namespace = namespace
         self.block_size = block_size
         self._waiting: deque[Request] = deque()
@@ -160,6 +176,8 @@ class Engine:
         self._onboard = ThreadPoolExecutor(1, thread_name_prefix="kvtier-onboard") if layerwise else None
         self._loads: list[tuple[LoadHandle, list[int]]] = []  # fetched this step, copied during its forward
         self._storing: list[tuple[JobId, list[int]]] = []  # stores reading pool blocks, which they hold a ref on
+        # Prompt blocks a running request is about to compute: a request sharing that prefix waits for them.
+        self._producing: dict[BlockKey, Request] = {}
 
     # -- requests --------------------------------------------------------------
     def add_request(
@@ -176,14 +194,17 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {limit}")
         rid = request_id or f"req-{next(self._ids)}"
+        ns = namespace or self.namespace
         req = Request(
             rid,
             list(prompt_ids),
             params,
-            namespace or self.namespace,
+            ns,
             Sampler(params),
             self.tokenizer.decode_stream(),
             time.perf_counter(),
+            keys=self.hasher.keys(prompt_ids, ns) if self.hasher is not None else [],
+            blocks=block_tokens(prompt_ids, self.block_size),
         )
         self._start_fetch(req)
         self._waiting.append(req)
@@ -203,8 +224,7 @@ class Engine:
             return
         first = 0
         if self.resident is not None:
-            keys = self.hasher.keys(req.prompt_ids, req.namespace)[:usable]
-            first = self.resident.peek(keys, block_tokens(req.prompt_ids, self.block_size))
+            first = self.resident.peek(req.keys[:usable], req.blocks)
         if first >= usable:
             return
         result = self.cache.lookup(req.prompt_ids, req.namespace, first_block=first)
@@ -227,11 +247,11 @@ class Engine:
     # -- one scheduler step ------------------------------------------------------
     def step(self) -> list[StepOutput]:
         self._reap_stores()
-        admitted = self._admit()
-        batch = admitted + self._running
+        batch = self._running + self._admit()  # admission order: the oldest first
         if not batch:
             return []
-        seqs = [self._seq_input(r) for r in batch]
+        work = self._plan(batch)
+        seqs = [SeqInput(req.all_ids[req.table.num_tokens :][:n], req.table.num_tokens, req.table) for req, n in work]
         loads, self._loads = self._loads, []
         onboarding = LayerwiseLoad(self.pool, loads, self._onboard) if loads else None
         started = time.perf_counter()
@@ -246,11 +266,13 @@ class Engine:
             if onboarding is not None:
                 self.cache.costs.observe_fetch(TierKind.HOST, onboarding.nbytes, onboarding.seconds)
         outputs = []
-        fresh = {id(r) for r in admitted}
-        for req, row in zip(batch, logits, strict=True):
-            if id(req) in fresh:
+        for (req, n), row in zip(work, logits, strict=True):
+            if req.prefilling:
+                self.prefill_tokens_computed += n
+                self._publish_blocks(req)
+                if req.table.num_tokens < len(req.prompt_ids):
+                    continue  # more chunks to come: this row's logits are not a next token
                 req.first_token_at = now
-                self._store_new_blocks(req)
             outputs.append(self._advance(req, req.sampler(row)))
         self._running = [r for r in batch if r.finish_reason is None]
         for req in batch:
@@ -258,29 +280,40 @@ class Engine:
                 self._retire(req)
         return outputs
 
-    def _seq_input(self, req: Request) -> SeqInput:
-        start = req.table.num_tokens
-        return SeqInput(req.all_ids[start:], start, req.table)
+    def _plan(self, batch: list[Request]) -> list[tuple[Request, int]]:
+        """This step's work: one token per decoding request, then prompt chunks within the token budget."""
+        decodes = [r for r in batch if not r.prefilling]
+        prefills = [r for r in batch if r.prefilling]
+        budget = prefill_budget(self.max_step_tokens, len(decodes), self.block_size)
+        grants = prefill_chunks(
+            [len(r.prompt_ids) - r.table.num_tokens for r in prefills],
+            [r.table.num_tokens for r in prefills],
+            budget,
+            self.block_size,
+        )
+        return [(r, 1) for r in decodes] + [(r, n) for r, n in zip(prefills, grants, strict=True) if n > 0]
 
     # -- admission: resident pool blocks, then kvtier, then fresh blocks ----------
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
-        while self._waiting and len(self._running) + len(admitted) < self.max_batch:
-            req = self._waiting[0]
+        for req in list(self._waiting):
+            if len(self._running) + len(admitted) >= self.max_batch:
+                break
             total = min(len(req.prompt_ids) + req.params.max_tokens, self.model.config.context_length)
             need = blocks_for(total, self.block_size)
             if need > self.pool.num_blocks:
-                self._waiting.popleft()
+                self._waiting.remove(req)
                 self._fail(req, f"request needs {need} KV blocks; the pool has {self.pool.num_blocks}")
                 continue
             usable = (len(req.prompt_ids) - 1) // self.block_size  # at least one prompt token is computed
-            keys = self.hasher.keys(req.prompt_ids, req.namespace)[:usable] if self.hasher is not None else []
-            self._attach_resident(req, keys)  # first, so making room cannot release this request's own prefix
+            self._attach_resident(req, req.keys[:usable])  # first, so making room cannot release its own prefix
+            if self._waits_for_producer(req, usable):
+                self._detach(req)
+                continue  # another request is computing its next blocks: attach them once they exist
             if not self._make_room(need - len(req.table.block_ids)):
-                self.pool.release(req.table)
-                req.served_from.clear()
+                self._detach(req)
                 break  # wait for running requests (or stores still reading the pool) to finish
-            self._waiting.popleft()
+            self._waiting.remove(req)
             if self.cache is not None and len(req.table.block_ids) < usable:
                 self._load_from_cache(req, usable, len(req.table.block_ids))
             elif req.fetch is not None:
@@ -288,12 +321,35 @@ class Engine:
                 self.prefetch_counters.cancelled += 1
             req.fetch = None
             req.table.num_tokens = req.cached_tokens = len(req.table.block_ids) * self.block_size
-            req.stored_blocks = len(req.table.block_ids)
+            req.stored_blocks = req.shared_blocks = len(req.table.block_ids)
             self.pool.grow(req.table, total)
             self.prefill_tokens_skipped += req.cached_tokens
-            self.prefill_tokens_computed += len(req.prompt_ids) - req.cached_tokens
+            for key in req.keys[req.shared_blocks :]:
+                self._producing.setdefault(key, req)
             admitted.append(req)
         return admitted
+
+    def _waits_for_producer(self, req: Request, usable: int) -> bool:
+        """True when the next block ``req`` needs is being computed by a running request right now.
+
+        Waiting is cheaper than computing: the producer computes the block
+        anyway, within the same per-step budget, and once it has, attaching
+        it costs no compute and no copy. A block the request's own fetch is
+        bringing up from kvtier is not waited for, and the tokens must agree
+        (a key is only a hint).
+        """
+        first = len(req.table.block_ids)
+        if first >= min(usable, len(req.keys)):
+            return False
+        producer = self._producing.get(req.keys[first])
+        if producer is None or producer is req or not np.array_equal(producer.blocks[first], req.blocks[first]):
+            return False
+        return req.fetch is None or req.fetch.first_block != first
+
+    def _detach(self, req: Request) -> None:
+        """Undo :meth:`_attach_resident` for a request that stays waiting."""
+        self.pool.release(req.table)
+        req.served_from.clear()
 
     def _make_room(self, need: int) -> bool:
         short = need - self.pool.num_free
@@ -308,7 +364,7 @@ class Engine:
         """Share the pool blocks of the longest confirmed prefix still resident (no copy at all)."""
         if self.resident is None or not keys:
             return
-        ids = self.resident.match(keys, block_tokens(req.prompt_ids, self.block_size))
+        ids = self.resident.match(keys, req.blocks)
         self.pool.share(ids)
         req.table.block_ids = list(ids)
         if ids:
@@ -439,7 +495,53 @@ class Engine:
             self.pool.free(ids)
         self._storing = pending
 
+    def _publish_blocks(self, req: Request) -> None:
+        """After a chunk: offer the new full blocks to kvtier and keep the prompt's ones in the pool for others.
+
+        Requests that share the prefix (parallel sub-agents with one system
+        prompt) attach these pool blocks at admission instead of computing them.
+        """
+        self._store_new_blocks(req)
+        full = min(req.table.num_tokens // self.block_size, len(req.keys))
+        first = req.shared_blocks
+        if full <= first:
+            return
+        if self.resident is not None:
+            self.resident.keep(req.keys[first:full], req.table.block_ids[first:full], req.blocks[first:full])
+        for key in req.keys[first:full]:
+            if self._producing.get(key) is req:
+                del self._producing[key]
+        req.shared_blocks = full
+
+    def abort(self, request_id: str) -> bool:
+        """End a request between steps (its client went away): pages, pins and fetches are given back.
+
+        What it computed so far is stored and kept resident like any finished
+        request's blocks, which is what the client's retry wants. False when
+        no such request is waiting or running (it finished meanwhile).
+        """
+        req = next((r for r in self._waiting if r.id == request_id), None)
+        if req is not None:
+            self._waiting.remove(req)
+            if req.fetch is not None:
+                req.fetch.cancel()
+                req.fetch = None
+            req.finish_reason = FinishReason.ABORT
+            req.finished_at = time.perf_counter()
+            self._finished.append(req)
+            return True
+        req = next((r for r in self._running if r.id == request_id), None)
+        if req is None:
+            return False
+        self._running.remove(req)
+        req.finish_reason = FinishReason.ABORT
+        self._retire(req)
+        return True
+
     def _retire(self, req: Request) -> None:
+        for key in req.keys[req.shared_blocks :]:
+            if self._producing.get(key) is req:
+                del self._producing[key]
         self._store_new_blocks(req)
         if self.resident is not None and self.hasher is not None:
             full = req.table.num_tokens // self.block_size

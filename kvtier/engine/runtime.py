@@ -85,6 +85,7 @@ def make_engine(
         hasher=hasher,
         keep_resident=resident and hasher is not None,
         max_batch=e.max_batch,
+        max_step_tokens=e.max_step_tokens,
         namespace=config.cache.namespace,
         prefetch=config.transfer.prefetch,
         layerwise=config.transfer.layerwise,
