@@ -93,26 +93,43 @@ async def list_models(state: State, _: Caller) -> ModelList:
     return ModelList(data=[card])
 
 
+CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client that left
+
+
+async def _answer(
+    request: Request, state: ServerState, job: inference.Job, *, stream: bool, chat: bool
+) -> Response | CompletionResponse | ChatCompletionResponse:
+    """Run ``job``; if its client disconnects first, the request is aborted in the engine within a step."""
+    gone = asyncio.ensure_future(inference.disconnected(request.receive))
+    events = inference.submit(state, job)
+    if stream:
+        body = inference.sse(state, job, events, gone, chat=chat)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        outcome = await inference.run_to_end(state, job, events, gone)
+    finally:
+        gone.cancel()
+    if outcome is None:
+        return Response(status_code=CLIENT_GONE)
+    if chat:
+        return inference.chat_response(state, job, outcome)
+    return inference.completion_response(state, job, outcome)
+
+
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
-async def completions(body: CompletionRequest, state: State, tenant: Caller) -> Response | CompletionResponse:
+async def completions(
+    body: CompletionRequest, state: State, tenant: Caller, request: Request
+) -> Response | CompletionResponse:
     job = await inference.completion_job(state, body, tenant)
-    stream = inference.submit(state, job)
-    if body.stream:
-        events = inference.sse(state, job, stream, chat=False)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    return inference.completion_response(state, job, await inference.run_to_end(stream))
+    return await _answer(request, state, job, stream=body.stream, chat=False)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
 async def chat_completions(
-    body: ChatCompletionRequest, state: State, tenant: Caller
+    body: ChatCompletionRequest, state: State, tenant: Caller, request: Request
 ) -> Response | ChatCompletionResponse:
     job = await inference.chat_job(state, body, tenant)
-    stream = inference.submit(state, job)
-    if body.stream:
-        events = inference.sse(state, job, stream, chat=True)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    return inference.chat_response(state, job, await inference.run_to_end(stream))
+    return await _answer(request, state, job, stream=body.stream, chat=True)
 
 
 # -- observability -------------------------------------------------------------------------------
@@ -236,7 +253,9 @@ def create_app(state: ServerState) -> FastAPI:
         if not state.loop.alive:
             state.loop.start()
         yield
+        # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal once this shutdown ends.
         await asyncio.to_thread(state.loop.stop)
+        await asyncio.to_thread(state.cache.close, state.config.cache.flush_on_exit_s)
 
     app = FastAPI(title="kvtier", version="0.1.0", lifespan=lifespan, description=__doc__)
     app.state.kvtier = state

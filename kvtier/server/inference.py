@@ -18,15 +18,16 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import jinja2
+from starlette.types import Message
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorCode, ErrorType
-from kvtier.server.loop import EngineUnavailable, Failure, Outcome, Stream, Submission
+from kvtier.server.loop import ClientGone, EngineUnavailable, Failure, Outcome, Stream, Submission
 from kvtier.server.schemas import (
     GREEDY_BELOW,
     MIN_TOP_P,
@@ -193,12 +194,28 @@ def failure_error(outcome: Outcome) -> APIError:
     return APIError(500, outcome.message, type=ErrorType.SERVER, code=ErrorCode.INTERNAL)
 
 
-async def run_to_end(stream: Stream) -> Outcome:
-    async for event in stream.events():
-        if isinstance(event, Outcome):
-            if event.failure is not None:
-                raise failure_error(event)
-            return event
+async def disconnected(receive: Callable[[], Awaitable[Message]]) -> None:
+    """Returns when the client closes the connection.
+
+    Call it once the request body has been read: the server's next message
+    is then ``http.disconnect``, sent the moment the connection drops (or
+    when the response is complete, by which time nobody awaits this).
+    """
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_to_end(state: ServerState, job: Job, stream: Stream, gone: asyncio.Future[None]) -> Outcome | None:
+    """The request's outcome; None when the client left first (the request is then aborted in the engine)."""
+    try:
+        async for event in stream.events(gone):
+            if isinstance(event, Outcome):
+                if event.failure is not None:
+                    raise failure_error(event)
+                return event
+    except ClientGone:
+        state.loop.abort(job.request_id)
+        return None
     raise AssertionError("a stream always ends with an Outcome")
 
 
@@ -264,20 +281,35 @@ class _Chunks:
         return _event(chunk.model_dump_json())
 
 
-async def sse(state: ServerState, job: Job, stream: Stream, *, chat: bool) -> AsyncIterator[str]:
-    """The response body of a streamed request; a failure after the 200 is sent is an ``error`` event."""
+async def sse(
+    state: ServerState, job: Job, stream: Stream, gone: asyncio.Future[None], *, chat: bool
+) -> AsyncIterator[str]:
+    """The response body of a streamed request; a failure after the 200 is sent is an ``error`` event.
+
+    A client that leaves mid-stream (noticed by ``gone``, or by a write to
+    its closed connection ending this generator) aborts the request.
+    """
     chunks = _Chunks(state, job, chat)
-    opening = chunks.opening()
-    if opening is not None:
-        yield opening
-    async for event in stream.events():
-        if not isinstance(event, Outcome):
-            yield chunks.text(event.text)
-            continue
-        if event.failure is not None:
-            yield _event(json.dumps(failure_error(event).body()))
-        else:
-            yield chunks.finish(Finish.of(event.finish_reason))
-            if job.include_usage:
-                yield chunks.usage(usage(event))
-    yield DONE
+    ended = False
+    try:
+        opening = chunks.opening()
+        if opening is not None:
+            yield opening
+        async for event in stream.events(gone):
+            if not isinstance(event, Outcome):
+                yield chunks.text(event.text)
+                continue
+            ended = True
+            if event.failure is not None:
+                yield _event(json.dumps(failure_error(event).body()))
+            else:
+                yield chunks.finish(Finish.of(event.finish_reason))
+                if job.include_usage:
+                    yield chunks.usage(usage(event))
+        yield DONE
+    except ClientGone:
+        pass
+    finally:
+        gone.cancel()
+        if not ended:
+            state.loop.abort(job.request_id)

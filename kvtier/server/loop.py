@@ -8,11 +8,12 @@ request's new text to its HTTP handler. Handlers wait on the asyncio event
 loop, each on its own :class:`Stream`; the engine thread reaches them only
 through ``loop.call_soon_threadsafe``, so neither side ever blocks the other.
 
-Client disconnects: a request whose client went away runs to its end
-(bounded by its max_tokens, itself capped by ``server.max_tokens_limit``)
-and its text is dropped. Its blocks are stored like any other, which is
-what the client's retry wants, and there is no abort path through the
-engine's batch to get wrong.
+Client disconnects: the HTTP side notices the connection close (an
+``http.disconnect`` from the server, also while the request is still
+prefilling) and sends :meth:`EngineLoop.abort`; the engine thread runs it
+between two steps, so the request leaves the batch within one step and its
+pages, pins and fetch are given back. What it computed so far is stored and
+kept, which is what the client's retry wants.
 
 Failures: what belongs to one request (a prompt that does not fit) is
 refused before or at admission and ends only that request. A step that
@@ -90,6 +91,10 @@ class Outcome:
 Event = Delta | Outcome
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the request's end: nobody reads the rest."""
+
+
 class Stream:
     """One request's events: written by the engine thread, read on the event loop that created it."""
 
@@ -102,13 +107,28 @@ class Stream:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
-    async def events(self) -> AsyncIterator[Event]:
-        """Deltas in order, then the one :class:`Outcome`, which ends the iteration."""
+    async def events(self, gone: asyncio.Future[None] | None = None) -> AsyncIterator[Event]:
+        """Deltas in order, then the one :class:`Outcome`, which ends the iteration.
+
+        ``gone`` resolves when the client disconnects: waiting then raises
+        :class:`ClientGone` at once, instead of at the next event (a long
+        prefill sends none for a while).
+        """
         while True:
-            event = await self._queue.get()
+            event = await self._next(gone)
             yield event
             if isinstance(event, Outcome):
                 return
+
+    async def _next(self, gone: asyncio.Future[None] | None) -> Event:
+        if not self._queue.empty() or gone is None:
+            return await self._queue.get()
+        get = asyncio.ensure_future(self._queue.get())
+        await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+        if get.done():
+            return get.result()
+        get.cancel()
+        raise ClientGone
 
 
 @dataclass(eq=False)
@@ -118,6 +138,11 @@ class Submission:
     params: SamplingParams
     namespace: str
     stream: Stream
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
 
 
 @dataclass(eq=False)
@@ -193,6 +218,11 @@ class EngineLoop:
             raise EngineUnavailable("the engine is not running")
         self._inbox.put(sub)
 
+    def abort(self, request_id: str) -> None:
+        """Take a request out of the engine between two steps (its client went away); a no-op once it ended."""
+        if self.alive:
+            self._inbox.put(_Abort(request_id))
+
     def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
         """Run ``fn(engine)`` on the engine thread between two steps (admin actions on the device tier)."""
         if not self.alive:
@@ -221,6 +251,8 @@ class EngineLoop:
                 return False
             if isinstance(command, _Call):
                 self._call(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
             else:
                 assert isinstance(command, Submission)
                 self._admit(command)
@@ -232,6 +264,13 @@ class EngineLoop:
             sub.stream.put(Outcome.failed(len(sub.prompt_ids), Failure.REJECTED, str(err)))
             return
         self._subs[sub.request_id] = sub
+        self.metrics.set_in_flight(len(self._subs))
+
+    def _abort(self, request_id: str) -> None:
+        self._subs.pop(request_id, None)
+        if self._engine.abort(request_id):
+            self._collect()
+            self._publish()
         self.metrics.set_in_flight(len(self._subs))
 
     def _call(self, command: _Call) -> None:
@@ -268,13 +307,18 @@ class EngineLoop:
             sub = self._subs.get(out.request_id)
             if sub is not None and out.text:
                 sub.stream.put(Delta(out.text, len(out.token_ids)))
+        self._collect()
+        self.metrics.set_in_flight(len(self._subs))
+        self._publish()
+
+    def _collect(self) -> None:
+        """Hand every request that ended (aborted ones too: they are counted) its outcome."""
+        engine = self._engine
         for req in engine.collect_finished():
             self.metrics.observe_finished(req, engine.block_size)
             sub = self._subs.pop(req.id, None)
             if sub is not None:
                 sub.stream.put(Outcome.of(req))
-        self.metrics.set_in_flight(len(self._subs))
-        self._publish()
 
     def _fail_all(self, failure: Failure, message: str) -> None:
         for sub in self._subs.values():

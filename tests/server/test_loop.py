@@ -114,3 +114,36 @@ def test_call_hands_back_the_exception(loaded_model: LoadedModel, tmp_path: Path
         assert loop.alive
     finally:
         loop.stop()
+
+
+def test_abort_takes_a_request_out_between_steps(
+    loaded_model: LoadedModel, tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    """A client gone after its third token: the request leaves at the next step, and the pool gets its pages back."""
+    loop = EngineLoop(lambda: make_engine(loaded_model, small_pool(tmp_path, 64), cache=None), EngineMetrics())
+    loop.start()
+
+    async def three_then_leave() -> int:
+        stream = Stream()
+        loop.submit(Submission("leaver", prompts[0], SamplingParams(max_tokens=900, ignore_eos=True), "ns", stream))
+        seen = 0
+        async for event in stream.events():
+            assert isinstance(event, Delta)
+            seen += event.num_tokens
+            if seen >= 3:
+                loop.abort("leaver")
+                return seen
+        raise AssertionError("no tokens")
+
+    try:
+        asyncio.run(asyncio.wait_for(three_then_leave(), timeout=120))
+        # The inbox is FIFO: this runs on the engine thread after the abort did.
+        made, free, busy = loop.call(lambda e: (len(e.collect_finished()), e.pool.num_free, e.has_unfinished())).result(
+            timeout=60
+        )
+    finally:
+        loop.stop()
+    report = loop.metrics.engine_report()
+    assert report.requests[FinishReason.ABORT] == 1 and report.in_flight == 0
+    assert not busy and made == 0  # handed to the metrics when it was aborted
+    assert free == 64  # every page back (this engine keeps nothing resident)

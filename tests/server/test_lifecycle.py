@@ -1,0 +1,83 @@
+"""A real ``kvtier serve`` across its life: clients that leave, then SIGTERM and a restart that keeps the cache."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from tests.server.live import LiveServer, running
+
+
+def until(server: LiveServer, check: Callable[[dict[str, Any]], bool], timeout_s: float = 60) -> dict[str, Any]:
+    """Poll /stats until ``check`` holds (each poll is one request: the server is the clock here)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.stats()
+        if check(stats) or time.monotonic() > deadline:
+            return stats
+
+
+def chat_body(text: str, **extra: Any) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": text}], **extra}).encode()
+
+
+def stream_three_chunks_then_leave(server: LiveServer) -> int:
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = chat_body("Tell me a very long story about a lighthouse.", stream=True, max_tokens=900, temperature=0)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    chunks = 0
+    while chunks < 3:
+        line = response.fp.readline()
+        chunks += line.startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    return chunks
+
+
+def send_then_leave(server: LiveServer) -> None:
+    """A non-streaming request whose client closes the connection once the engine has it."""
+    url = urlparse(server.url)
+    body = chat_body("Write a long poem about the sea.", max_tokens=900, temperature=0)
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((url.hostname, url.port), timeout=120) as sock:
+        sock.sendall(head.encode() + body)
+        stats = until(server, lambda s: s["engine"]["in_flight"] == 1)
+        assert stats["engine"]["in_flight"] == 1
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_clients_that_leave_abort_and_sigterm_keeps_the_host_tier(tmp_path: Path) -> None:
+    question = "Explain, in two sentences, why caches make agents faster. " * 8
+    with running(tmp_path) as server:
+        assert stream_three_chunks_then_leave(server) == 3
+        stats = until(server, lambda s: s["engine"]["requests"]["abort"] == 1 and s["engine"]["in_flight"] == 0)
+        assert (stats["engine"]["requests"]["abort"], stats["engine"]["in_flight"]) == (1, 0)
+        send_then_leave(server)
+        stats = until(server, lambda s: s["engine"]["requests"]["abort"] == 2 and s["engine"]["in_flight"] == 0)
+        assert (stats["engine"]["requests"]["abort"], stats["engine"]["in_flight"]) == (2, 0)
+        assert stats["engine"]["requests"]["length"] == 0  # neither ran on to its max_tokens
+        device = stats["tiers"]["device"]
+        assert device["used_bytes"] == device["blocks"] * device["capacity_bytes"] // device["capacity_blocks"]
+
+        first = server.post("/v1/chat/completions", json=json.loads(chat_body(question, max_tokens=8, temperature=0)))
+        assert first.status_code == 200, first.text
+        assert server.stats()["tiers"]["disk"]["blocks"] == 0  # write_back: host only, until the exit
+    assert server.process.returncode is not None
+    assert "Traceback" not in server.log.read_text()
+
+    with running(tmp_path) as again:
+        second = again.post("/v1/chat/completions", json=json.loads(chat_body(question, max_tokens=8, temperature=0)))
+        assert second.status_code == 200, second.text
+        usage = second.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 16 * 16
+        assert second.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
