@@ -123,6 +123,9 @@ class CacheConfig(_Section):
     block_size: int = Field(16, gt=0, description="Tokens per block.")
     namespace: str = Field("default", min_length=1, description="Namespace used when a caller gives none.")
     write_mode: WriteMode = WriteMode.WRITE_BACK
+    flush_on_exit_s: float = Field(
+        30.0, ge=0, description="On a clean exit (SIGTERM), write-back host blocks go to disk for at most this long."
+    )
 
 
 class ComputeDtype(enum.StrEnum):

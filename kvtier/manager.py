@@ -110,6 +110,7 @@ class CacheManager:
         self.costs = BreakEvenModel(
             layout.block_size, layout.block_bytes, deadline_slack=config.transfer.deadline_slack
         )
+        self._closed = False
 
     # -- ② lookup ------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> list[BlockKey]:
@@ -601,22 +602,28 @@ class CacheManager:
         out["break_even"] = self.costs.snapshot()
         return out
 
-    def flush(self) -> int:
+    def flush(self, deadline_s: float | None = None) -> int:
         """Write-back: copy every host block that disk lacks down to disk; returns how many were written.
 
         Host memory dies with the process; this is what makes a write-back
         cache survive a clean shutdown (a crash loses only the unflushed
-        blocks, which are then misses, never wrong KV).
+        blocks, which are then misses, never wrong KV). The most recently
+        stored blocks go first, and no new batch starts after ``deadline_s``
+        seconds (None: no limit): a supervisor's stop timeout must not turn a
+        planned restart into a SIGKILL halfway through the index.
         """
         disk = self.disk
         if disk is None or self.write_mode is not WriteMode.WRITE_BACK:
             return 0
+        until = None if deadline_s is None else time.monotonic() + deadline_s
         with self._lock:
-            dirty = [(k, r) for k, r in self.host.entries() if not disk.contains(k)]
+            dirty = [(k, r) for k, r in self.host.entries() if not disk.contains(k)][::-1]
             self._pins.update(k for k, _ in dirty)
         try:
             written = 0
             for start in range(0, len(dirty), 64):
+                if until is not None and time.monotonic() >= until:
+                    break
                 batch = dirty[start : start + 64]
                 with self._lock:
                     self._make_room(disk, min(len(batch), disk.capacity_blocks))
@@ -630,10 +637,16 @@ class CacheManager:
                 self._pins += Counter()
         return written
 
-    def close(self) -> None:
-        """Finish pending transfers, flush write-back blocks to disk, close the tiers."""
+    def close(self, flush_s: float | None = None) -> None:
+        """Finish pending transfers, flush write-back blocks to disk (for at most ``flush_s``), close the tiers.
+
+        Idempotent: a server closes its cache on shutdown and again on its way out.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self.worker.shutdown()
-        self.flush()
+        self.flush(flush_s)
         for tier in self.tiers:
             tier.close()
 
@@ -641,7 +654,7 @@ class CacheManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(self.config.cache.flush_on_exit_s)
 
 
 __all__ = ["CacheManager", "LoadHandle", "LookupResult", "MissReason", "StorePlan"]

@@ -82,5 +82,5 @@ def serve(config: Config) -> int:
         server.run()
     finally:
         state.loop.stop()
-        state.cache.close()
+        state.cache.close(config.cache.flush_on_exit_s)
     return 0 if server.started else 1
