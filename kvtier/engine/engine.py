@@ -39,7 +39,7 @@ from kvtier.engine.onboard import LayerwiseLoad
 from kvtier.engine.pool import BlockTable, KVPool, blocks_for
 from kvtier.engine.resident import ResidentBlocks
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.engine.schedule import prefill_budget, prefill_chunks
+from kvtier.engine.schedule import oldest_share, prefill_budget, prefill_chunks
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
@@ -79,6 +79,7 @@ class Request:
     error: str | None = None
     stored_blocks: int = 0  # leading blocks known to be in kvtier already
     shared_blocks: int = 0  # leading prompt blocks published in the pool for other requests to attach
+    last_chunk: int | None = None  # prompt tokens the previous step gave it (None: not planned yet)
     fetch: Fetch | None = None  # started on arrival, taken on admission
     fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival
 
@@ -285,12 +286,16 @@ class Engine:
         decodes = [r for r in batch if not r.prefilling]
         prefills = [r for r in batch if r.prefilling]
         budget = prefill_budget(self.max_step_tokens, len(decodes), self.block_size)
+        last = prefills[0].last_chunk if prefills else None
         grants = prefill_chunks(
             [len(r.prompt_ids) - r.table.num_tokens for r in prefills],
             [r.table.num_tokens for r in prefills],
             budget,
             self.block_size,
+            oldest_starved=last is not None and last < oldest_share(budget),
         )
+        for req, n in zip(prefills, grants, strict=True):
+            req.last_chunk = n
         return [(r, 1) for r in decodes] + [(r, n) for r, n in zip(prefills, grants, strict=True) if n > 0]
 
     # -- admission: resident pool blocks, then kvtier, then fresh blocks ----------

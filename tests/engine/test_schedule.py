@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.engine.schedule import prefill_budget, prefill_chunks
+from kvtier.engine.schedule import oldest_share, prefill_budget, prefill_chunks
 
 B = 16
 
@@ -13,21 +13,26 @@ def test_a_lone_prompt_takes_the_whole_budget_in_whole_blocks() -> None:
     assert prefill_chunks([100], [0], 512, B) == [100]  # the last chunk of a prompt ends where the prompt does
 
 
-def test_a_short_prompt_goes_before_a_long_one_already_running() -> None:
-    # The long one (admitted first) keeps its guaranteed quarter; the 2-token one is served at once.
-    assert prefill_chunks([7000, 2], [1024, 0], 512, B) == [496, 2]
+def test_a_short_prompt_goes_first_and_its_step_stays_short() -> None:
+    # The 2-token request finishes now; the long one (admitted first) gets no more than those 2 tokens.
+    assert prefill_chunks([7000, 2], [1024, 0], 512, B) == [2, 2]
+    # A starved oldest prompt gets its quarter first.
+    assert prefill_chunks([7000, 2], [1026, 0], 512, B, oldest_starved=True) == [126, 2]
 
 
 def test_equal_prompts_are_served_in_admission_order() -> None:
     assert prefill_chunks([600, 600, 600], [0, 0, 0], 512, B) == [512, 0, 0]
-    assert prefill_chunks([88, 600, 600], [512, 0, 0], 512, B) == [88, 416, 0]
+    # The first finishes (88 tokens), so the second gets 88 too, cut back to a block boundary.
+    assert prefill_chunks([88, 600, 600], [512, 0, 0], 512, B) == [88, 80, 0]
+    assert prefill_chunks([300, 600], [0, 0], 512, B) == [300, 208]  # 300 finishing: the rest, up to 300
 
 
 def test_the_oldest_prompt_always_progresses() -> None:
     many_short = [5000] + [30] * 20
-    grants = prefill_chunks(many_short, [0] * 21, 512, B)
-    # A quarter of the budget to the oldest, before any short one; then shortest first, in whole blocks.
-    assert grants == [128] + [30] * 12 + [16] + [0] * 7
+    assert prefill_chunks(many_short, [0] * 21, 512, B) == [0] + [30] * 17 + [2, 0, 0]  # first tokens owed: 510
+    # Starved in that step, it gets a quarter of the budget in the next, before the short ones.
+    assert prefill_chunks(many_short, [0] * 21, 512, B, oldest_starved=True) == [128] + [30] * 12 + [16] + [0] * 7
+    assert oldest_share(512) == 128
 
 
 def test_decodes_come_first_but_never_leave_prefills_nothing() -> None:
