@@ -198,7 +198,7 @@ class CacheManager:
         elif inline:
             self._promote_into(fetch, rest)
         else:
-            self.worker.submit(lambda: self._promote_into(fetch, rest))
+            self.worker.spawn(lambda: self._promote_into(fetch, rest), "promoting disk blocks to host")
         return fetch
 
     def _pin_host_run(self, keys: list[BlockKey], fetch: Fetch) -> int:

@@ -5,6 +5,12 @@ which finished. The engine submits a job and keeps stepping; it polls by id
 (or collects every finished id at once, the shape vLLM's connector
 ``get_finished`` wants) instead of blocking.
 
+Every job has an owner who collects it: a caller that submits keeps its id
+and ends with :meth:`TransferWorker.wait` or :meth:`TransferWorker.finished`;
+work nobody polls (a fetch reports through its own :class:`~kvtier.fetch.Fetch`)
+goes through :meth:`TransferWorker.spawn`, which the worker reaps itself,
+logging and counting a failure instead of keeping it in a table forever.
+
 When CUDA exists, each worker thread owns a dedicated CUDA stream and a job
 runs under it; the job counts as done only once an event recorded after it on
 that stream has completed, so a poll never reports a copy the GPU has not
@@ -15,12 +21,15 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NewType
 
 import torch
+
+log = logging.getLogger(__name__)
 
 JobId = NewType("JobId", int)
 
@@ -37,8 +46,10 @@ class TransferWorker:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-transfer")
         self._jobs: dict[JobId, Future[Any]] = {}
+        self._spawned: dict[Future[Any], str] = {}  # -> what it does, for the log
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self.spawn_failures = 0
 
     def _stream(self) -> torch.cuda.Stream:
         stream = getattr(self._local, "stream", None)
@@ -63,6 +74,26 @@ class TransferWorker:
         with self._lock:
             self._jobs[job] = future
         return job
+
+    def spawn(self, fn: Callable[[], Any], what: str) -> None:
+        """Run ``fn`` with no id to poll: it is forgotten once it ends, and a failure is logged and counted."""
+        future = self._pool.submit(self._run, fn)
+        with self._lock:
+            self._spawned[future] = what
+        future.add_done_callback(self._reap)
+
+    def _reap(self, future: Future[Any]) -> None:
+        """Forget an ended spawned job, counting and logging its failure; only the first call for a job acts."""
+        with self._lock:  # logged under the lock too: once drain() returns, the failure is counted and said
+            what = self._spawned.pop(future, None)
+            if what is not None and future.exception() is not None:
+                self.spawn_failures += 1
+                log.error("transfer job failed: %s", what, exc_info=future.exception())
+
+    def held(self) -> int:
+        """Jobs the worker still tracks: running, or ended but not collected by their owner."""
+        with self._lock:
+            return len(self._jobs) + len(self._spawned)
 
     def poll(self, job: JobId) -> JobStatus:
         future = self._future(job)
@@ -92,11 +123,13 @@ class TransferWorker:
             return sum(not f.done() for f in self._jobs.values())
 
     def drain(self) -> None:
-        """Wait for every submitted job (their errors stay readable through poll)."""
+        """Wait for every submitted and spawned job (submitted ones' errors stay readable through poll)."""
         with self._lock:
-            futures = list(self._jobs.values())
-        for f in futures:
+            futures, spawned = list(self._jobs.values()), list(self._spawned)
+        for f in futures + spawned:
             f.exception()
+        for f in spawned:
+            self._reap(f)  # a done callback may not have run yet when the future wakes its waiters
 
     def _future(self, job: JobId) -> Future[Any]:
         with self._lock:

@@ -136,3 +136,28 @@ def test_a_batch_that_lands_after_the_take_is_unpinned_by_its_producer(
         handle.release()
         assert m.stats()["pinned_blocks"] == 0
         assert m.lookup(tokens).tiers == (H,) * 6
+
+
+def test_a_thousand_fetches_leave_no_job_behind_and_a_failed_promotion_is_counted(tmp_path: Path, caplog) -> None:
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        tokens, _ = half_on_disk(m)
+        for _ in range(1000):
+            result = m.lookup(tokens)
+            with m.fetch(result).take():
+                pass
+            m.host.remove_many(list(result.keys[3:]))  # back on disk only: the next fetch promotes again
+            for key in result.keys[3:]:
+                m._policies[H].on_remove(key)
+        m.worker.drain()
+        assert m.worker.held() == 0 and m.worker.spawn_failures == 0
+        assert m.stats()["pinned_blocks"] == 0
+
+        def broken(keys):
+            raise RuntimeError("injected promotion failure")
+
+        m._promote_many = broken  # type: ignore[method-assign]
+        with m.fetch(m.lookup(tokens)).take() as handle:
+            assert handle.served_from == [H, H, H]  # the disk half became a miss
+        m.worker.drain()
+        assert m.worker.held() == 0 and m.worker.spawn_failures == 1
+        assert any("promoting disk blocks to host" in r.getMessage() for r in caplog.records)
