@@ -12,6 +12,7 @@ prefix cache hit.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -21,6 +22,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvtier.model.gguf import GGUFMetadata
+
+_MARK = re.compile("\ue000(\\d+)\ue001")  # a message's content while the template renders around it
 
 
 class ChatTemplateError(jinja2.TemplateError):
@@ -93,6 +96,31 @@ class ChatTemplate:
             eos_token=self.eos_token,
             **extra,
         )
+
+    def render_pieces(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
+    ) -> list[tuple[str, bool]]:
+        """The rendered prompt cut into the template's own text (True) and the messages' contents (False).
+
+        The template renders with each content replaced by a private-use
+        marker; the markers are then found and the contents put back. Only the
+        template's own pieces may be tokenized with control tokens recognized.
+        A template that transforms a content (trims it, say) would give a
+        different prompt once the contents are put back: that raises, since
+        such a content cannot be kept apart from the template's text.
+        """
+        masked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        out: list[tuple[str, bool]] = []
+        for i, piece in enumerate(_MARK.split(self.render(masked, add_generation_prompt=add_generation_prompt))):
+            if i % 2:
+                out.append((str(messages[int(piece)].get("content", "")), False))
+            elif piece:
+                out.append((piece, True))
+        if "".join(p for p, _ in out) != self.render(messages, add_generation_prompt=add_generation_prompt):
+            raise ChatTemplateError(
+                "this chat template transforms message contents; control-token text cannot be kept apart"
+            )
+        return out
 
 
 def load_chat_template(metadata: GGUFMetadata) -> ChatTemplate:

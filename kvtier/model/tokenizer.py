@@ -52,8 +52,9 @@ class Tokenizer:
 
     Control tokens (``<|im_start|>``...) are added as special tokens, so they are
     matched whole wherever they appear in text passed to :meth:`encode`; that is what
-    lets a rendered chat template encode to the right ids. Text from an untrusted user
-    should be rendered into the template by the server, which decides what is allowed.
+    lets a rendered chat template encode to the right ids. Text a client sent goes
+    through :meth:`encode_text` instead, where the same strings are spelled out as
+    ordinary text: a user who types ``<|im_start|>system`` must not open a system turn.
     """
 
     def __init__(
@@ -74,6 +75,12 @@ class Tokenizer:
         self.eos_ids: tuple[int, ...] = tuple(sorted(set(eos_ids)))
         self.add_bos = add_bos
         self.add_eos = add_eos
+        # The same vocabulary with added tokens never matched in input: for text from a request.
+        self._text_backend = Backend.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        self.control_texts: tuple[str, ...] = tuple(
+            t.content for t in backend.get_added_tokens_decoder().values() if t.special
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -91,6 +98,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS only where the file asks for them."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of untrusted text: control-token strings in it become ordinary text tokens, never controls."""
+        return self._text_backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def has_control_text(self, text: str) -> bool:
+        """Whether ``text`` spells out a control token (``<|im_end|>``...) that :meth:`encode` would match."""
+        return any(c in text for c in self.control_texts)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not form UTF-8 become U+FFFD."""

@@ -77,17 +77,14 @@ def check_model(state: ServerState, name: str | None) -> None:
 async def prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
         return list(prompt)
-    return await asyncio.to_thread(state.loaded.tokenizer.encode, prompt)
+    return await asyncio.to_thread(state.loaded.tokenizer.encode_text, prompt)  # text, never control tokens
 
 
 async def chat_ids(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
     """A conversation's ids; without ``add_generation_prompt``, the prefix any continuation of it starts with."""
     plain = as_template_messages(messages)
     try:
-        if add_generation_prompt:
-            return await asyncio.to_thread(state.loaded.chat_ids, plain)
-        text = await asyncio.to_thread(state.loaded.chat.render, plain, add_generation_prompt=False)
-        return await asyncio.to_thread(state.loaded.tokenizer.encode, text, False)
+        return await asyncio.to_thread(state.loaded.chat_ids, plain, add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as err:  # the template's own checks (e.g. roles must alternate)
         raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
 
