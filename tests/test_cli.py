@@ -49,3 +49,28 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
         text=True,
     )
     assert out.returncode == 2 and "hots: unknown key" in out.stderr
+
+
+def test_config_is_taken_before_or_after_the_command(tmp_path: Path) -> None:
+    from kvtier.cli import build_parser
+
+    parser = build_parser()
+    config = tmp_path / "c.yaml"
+    assert parser.parse_args(["--config", str(config), "serve"]).config == config
+    assert parser.parse_args(["serve", "--config", str(config)]).config == config
+    assert parser.parse_args(["bench", "soak", "--config", str(config)]).config == config
+    assert parser.parse_args(["serve"]).config is None
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hots: {}\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(bad)], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "hots: unknown key" in out.stderr
+
+
+def test_a_bracketed_ipv6_host_is_the_address() -> None:
+    from kvtier.config import load_config
+    from kvtier.server.main import is_loopback
+
+    config = load_config(environ={"KVTIER_SERVER__HOST": "[::1]"})
+    assert config.server.host == "::1" and is_loopback(config.server.host)

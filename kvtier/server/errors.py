@@ -80,18 +80,34 @@ def unauthorized(message: str) -> APIError:
     )
 
 
+def _where(loc: tuple[int | str, ...]) -> str:
+    """A field's path as a client wrote it: names and indices, without pydantic's union-branch tags."""
+    return ".".join(str(p) for p in loc if p != "body" and (isinstance(p, int) or str(p).isidentifier()))
+
+
+def _relevant(errors: list[dict]) -> list[dict]:
+    """For a field given as one branch of a union (``stop``: a string or a list), the branch it was written as.
+
+    Pydantic reports every branch; "Input should be a valid string" beside
+    "List should have at most 4 items" would only hide the real limit.
+    """
+    wrong_type = {_where(e.get("loc", ())) for e in errors if not str(e.get("type", "")).endswith("_type")}
+    return [
+        e for e in errors if not (str(e.get("type", "")).endswith("_type") and _where(e.get("loc", ())) in wrong_type)
+    ]
+
+
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     """One line per problem, naming the field; input values are never echoed back."""
     parts, first = [], None
-    for e in err.errors()[:8]:
+    for e in _relevant(list(err.errors()))[:8]:
         if e.get("type") == "json_invalid":
             reason = (e.get("ctx") or {}).get("error", "invalid JSON")
             return f"the request body is not valid JSON ({reason} at character {e['loc'][-1]})", None
-        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
+        where = _where(e.get("loc", ()))
         first = first or where or None
         parts.append(f"{where}: {e.get('msg', 'invalid')}" if where else str(e.get("msg", "invalid")))
-    return "; ".join(parts) or "invalid request", first
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", first
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:

@@ -118,6 +118,15 @@ def check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> None:
             code=ErrorCode.MAX_TOKENS_TOO_LARGE,
             param="max_tokens",
         )
+    if len(ids) + max_tokens > limits.context_length:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.context_length} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the completion). "
+            "Shorten the prompt or lower max_tokens.",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            param="max_tokens",
+        )
     need = limits.blocks_needed(len(ids), max_tokens)
     if need > limits.pool_blocks:
         raise APIError(
@@ -152,8 +161,9 @@ def _job(
 async def completion_job(state: ServerState, body: CompletionRequest, tenant: Tenant) -> Job:
     check_model(state, body.model)
     ids = await prompt_ids(state, body.prompt)
-    # A default is the server's to keep within its own limit: a client that sent none is never refused for it.
-    default = min(COMPLETION_DEFAULT_MAX_TOKENS, state.config.server.max_tokens_limit)
+    # A default is the server's to keep within its own limits: a client that sent none is never refused for it.
+    room = state.loop.limits.context_length - len(ids)
+    default = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, state.config.server.max_tokens_limit, room))
     max_tokens = body.max_tokens if body.max_tokens is not None else default
     return _job(state, "cmpl", ids, body, max_tokens, tenant)
 

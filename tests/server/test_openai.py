@@ -341,6 +341,12 @@ def test_bad_requests_get_clear_4xx_and_the_server_stays_up(
     with pytest.raises(openai.BadRequestError) as above_limit:
         chat(client, model, [{"role": "user", "content": "hi"}], max_tokens=65)
     assert above_limit.value.code == "max_tokens_too_large"
+    with pytest.raises(openai.BadRequestError) as past_context:
+        client.completions.create(model=model, prompt=[100] * 8150, max_tokens=64)
+    assert "you requested 8214 tokens (8150 in the prompt, 64 in the completion)" in past_context.value.message
+    with pytest.raises(openai.UnprocessableEntityError) as stops:
+        client.completions.create(model=model, prompt="hi", max_tokens=1, stop=["a", "b", "c", "d", "e"])
+    assert stops.value.body["message"] == "stop: List should have at most 4 items after validation, not 5"
 
     url = "/v1/chat/completions"
     bad_json = server.post(url, data=b'{"messages": [', headers={"Content-Type": "application/json"})
