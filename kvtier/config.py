@@ -197,6 +197,12 @@ class ServerConfig(_Section):
     max_tokens_limit: int = Field(1024, ge=1, description="The largest max_tokens a request may ask for.")
     max_pin_ttl_s: float = Field(86400.0, gt=0, description="The longest TTL /admin/pin accepts.")
 
+    @field_validator("host")
+    @classmethod
+    def _unbracket(cls, v: str) -> str:
+        """``[::1]`` (URL form) is the address ``::1``: the form sockets and uvicorn take."""
+        return v[1:-1] if v.startswith("[") and v.endswith("]") else v
+
     @field_validator("admin_token")
     @classmethod
     def _check_token(cls, v: SecretStr | None) -> SecretStr | None:
