@@ -10,38 +10,46 @@ thread update the same counters.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
+from collections import deque
 from dataclasses import dataclass, field, fields
 
 # Upper bounds in seconds, log-spaced from 10 µs to 10 s; the last bucket is open.
 LATENCY_BUCKETS_S: tuple[float, ...] = (*(m * 10.0**e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)), 10.0)
 
 
+RECENT_SAMPLES = 1024  # the window the reported percentiles are exact over
+
+
 class Histogram:
-    """Fixed-bucket histogram: O(log buckets) to record, mergeable, Prometheus-shaped."""
+    """Fixed buckets over every sample (Prometheus-shaped, for /metrics) and the most recent samples themselves.
+
+    A bucket bound is no percentile: one 1.0 s sample would read "p50 2.5 s".
+    The percentiles are exact (nearest rank) over the last
+    :data:`RECENT_SAMPLES` samples, which is also what an operator asking
+    "how slow is it now" wants.
+    """
 
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
         self.n = 0
+        self.recent: deque[float] = deque(maxlen=RECENT_SAMPLES)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
         self.n += 1
+        self.recent.append(value)
 
     def quantile(self, q: float) -> float | None:
-        """Upper bound of the bucket holding the q-quantile (None when empty)."""
-        if self.n == 0:
+        """The q-quantile of the recent samples, nearest rank (None when empty)."""
+        if not self.recent:
             return None
-        rank = q * self.n
-        seen = 0
-        for i, c in enumerate(self.counts):
-            seen += c
-            if seen >= rank and c:
-                return self.bounds[i] if i < len(self.bounds) else float("inf")
-        return float("inf")
+        ordered = sorted(self.recent)
+        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
     def snapshot(self) -> dict[str, object]:
         return {

@@ -273,7 +273,7 @@ class ClearResponse(BaseModel):
 
 # -- stats -------------------------------------------------------------------------------
 class LatencyReport(BaseModel):
-    """Percentiles are bucket upper bounds; null when there is no sample, or past the largest bucket."""
+    """Percentiles are exact over the most recent 1,024 samples (null: none yet); count and sum cover all."""
 
     count: int
     sum_s: float
