@@ -85,6 +85,22 @@ class OnMismatch(enum.StrEnum):
     WIPE = "wipe"
 
 
+class OnCorrupt(enum.StrEnum):
+    """What the disk tier does when its index is damaged (torn pages, garbage, an unreadable header).
+
+    ``quarantine`` (the default): move the index and its slab files aside,
+    into ``<disk.path>/quarantine/<UTC time>/``, log it once, count it
+    (``quarantined`` in the disk tier's stats) and start empty. Everything in
+    the cache can be recomputed, so a damaged cache must cost a cold start,
+    never an outage; the files are kept for a post-mortem rather than wiped.
+    ``error``: refuse to start, with one line naming the file, for an
+    operator who wants to look before anything is moved.
+    """
+
+    QUARANTINE = "quarantine"
+    ERROR = "error"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
@@ -103,6 +119,7 @@ class DiskConfig(_Section):
     fsync: FsyncMode = FsyncMode.BATCH
     io: DiskIO = DiskIO.BUFFERED
     on_mismatch: OnMismatch = OnMismatch.ERROR
+    on_corrupt: OnCorrupt = OnCorrupt.QUARANTINE
 
     @field_validator("path")
     @classmethod
@@ -196,6 +213,12 @@ class ServerConfig(_Section):
     max_body_bytes: ByteSize = Field(ByteSize(1024**2), description="Larger request bodies get 413.")
     max_tokens_limit: int = Field(1024, ge=1, description="The largest max_tokens a request may ask for.")
     max_pin_ttl_s: float = Field(86400.0, gt=0, description="The longest TTL /admin/pin accepts.")
+    read_timeout_s: float = Field(
+        30.0, gt=0, description="A request's headers and body must arrive within this; else the connection closes."
+    )
+    max_connections: int = Field(
+        2048, ge=1, description="Open connections served; requests on connections past it get 503."
+    )
 
     @field_validator("host")
     @classmethod

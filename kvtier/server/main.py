@@ -20,6 +20,7 @@ from kvtier.config import Config, ConfigError
 from kvtier.engine.runtime import load_model, make_engine, open_cache
 from kvtier.server.app import create_app
 from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.limits import read_timeout_protocol
 from kvtier.server.loop import EngineLoop
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.state import ServerState
@@ -76,6 +77,8 @@ def serve(config: Config) -> int:
             log_level="info",
             server_header=False,
             timeout_graceful_shutdown=10,
+            http=read_timeout_protocol(config.server.read_timeout_s),
+            limit_concurrency=config.server.max_connections,
         )
     )
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import selectors
 import socket
 import time
 from collections.abc import Callable
@@ -81,3 +82,34 @@ def test_clients_that_leave_abort_and_sigterm_keeps_the_host_tier(tmp_path: Path
         usage = second.json()["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 16 * 16
         assert second.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+
+
+def test_half_sent_requests_are_cut_off_and_others_are_served(tmp_path: Path) -> None:
+    """200 clients send part of a request and stop; each is closed by the server, a whole request meanwhile works."""
+    with running(tmp_path, read_timeout_s=2, max_connections=512) as server:
+        url = urlparse(server.url)
+        partial = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        halves = [partial, partial + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "he']
+        socks = []
+        try:
+            for i in range(200):
+                sock = socket.create_connection((url.hostname, url.port), timeout=120)
+                sock.sendall(halves[i % 2])
+                socks.append(sock)
+            whole = server.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+            assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 2
+            closed = 0
+            with selectors.DefaultSelector() as sel:
+                for sock in socks:
+                    sel.register(sock, selectors.EVENT_READ)
+                while closed < len(socks):
+                    ready = sel.select(timeout=120)
+                    assert ready, f"{len(socks) - closed} half-sent connections still open"
+                    for key, _ in ready:
+                        assert key.fileobj.recv(1024) == b""  # EOF: closed by the server, nothing answered
+                        sel.unregister(key.fileobj)
+                        closed += 1
+        finally:
+            for sock in socks:
+                sock.close()
+        assert server.get("/health").status_code == 200
