@@ -36,6 +36,7 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from kvtier.model.config import ModelConfig
+from kvtier.private import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -400,7 +401,7 @@ def _write_fingerprint_cache(cache_file: Path, entries: dict[str, Any]) -> None:
     """Replace the cache atomically, so a crash or a concurrent reader never sees half a file."""
     tmp_name: str | None = None
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(cache_file.parent)  # the data directory: 0700, like everything kvtier keeps there
         with tempfile.NamedTemporaryFile(
             "w", encoding="utf-8", dir=cache_file.parent, prefix=cache_file.name, suffix=".tmp", delete=False
         ) as tmp:

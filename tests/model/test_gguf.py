@@ -218,3 +218,19 @@ def test_corrupt_cache_only_costs_a_rehash(weights_file: Path, tmp_path: Path) -
     digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()
     assert file_sha256(weights_file, tmp_path) == digest
     assert json.loads((tmp_path / FINGERPRINT_CACHE_FILE).read_text())[str(weights_file.resolve())]["sha256"] == digest
+
+
+def test_fingerprint_cache_is_private_and_a_read_only_data_dir_only_costs_a_rehash(
+    weights_file: Path, tmp_path: Path
+) -> None:
+    from tests.helpers import read_only
+
+    old = os.umask(0o000)
+    try:
+        digest = file_sha256(weights_file, tmp_path / "data")
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "data").stat().st_mode & 0o777) == oct(0o700)  # the data directory, made here first
+    assert oct((tmp_path / "data" / FINGERPRINT_CACHE_FILE).stat().st_mode & 0o777) == oct(0o600)
+    with read_only(tmp_path):
+        assert file_sha256(weights_file, tmp_path / "empty") == digest  # cannot be cached: hashed, no error

@@ -1,0 +1,55 @@
+"""Files only this user may read: directories 0700, files 0600, whatever the umask.
+
+The data directory holds the key secret, and the disk tier holds every
+tenant's KV and (keyed digests of) their prompts' blocks: another local user
+must not read any of it. ``mkdir``/``open`` modes are masked by the umask,
+which can only remove bits, so a mode of 0700/0600 is never looser than asked;
+it is the files made before this rule (or by a library that ignores it) that
+need the ``chmod``, hence :func:`make_private` on what already exists.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from kvtier.errors import warn_once
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` and its missing parents at mode 0700, and tighten ``path`` itself if it exists.
+
+    Parents made here are kvtier's own (a data directory's parents did not
+    exist before it), so they are private too; parents that exist are left as
+    they are. Raises ``OSError`` when a directory cannot be created.
+    """
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, DIR_MODE)
+        except FileExistsError:
+            continue  # made meanwhile by another process
+        os.chmod(p, DIR_MODE)  # exactly 0700, even under a umask that also masks owner bits
+    make_private(path)
+    return path
+
+
+def make_private(path: Path) -> None:
+    """Drop group and other permissions from ``path`` (a file or directory) if it exists and has them.
+
+    A file kvtier cannot chmod (another owner, a read-only filesystem) is
+    logged once and left: the caller finds out soon enough whether it can
+    use it.
+    """
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_IMODE(mode) & 0o077:
+            os.chmod(path, DIR_MODE if stat.S_ISDIR(mode) else FILE_MODE)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        warn_once("private-chmod", "cannot make %s private (%s); other local users may read it", path, err)
