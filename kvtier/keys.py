@@ -4,10 +4,12 @@ A block key is the only identity a block of KV has anywhere in kvtier (every
 tier, every process, every restart), so this module is the one place that
 hashes. The exact bytes are spelled out in :meth:`KeyHasher.root` and
 :meth:`KeyHasher.keys`; change them only together with ``KEY_SPEC_VERSION``.
+The digest that confirms a hit (:meth:`KeyHasher.digest`) is defined here too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import struct
@@ -19,13 +21,21 @@ from typing import NewType
 import numpy as np
 import xxhash
 
+from kvtier.errors import KVTierError, warn_once
+from kvtier.private import private_dir
+
 BlockKey = NewType("BlockKey", bytes)
 """16 bytes: the xxh3-128 digest (big-endian, as ``xxhash`` returns it)."""
 
+BlockDigest = NewType("BlockDigest", bytes)
+"""32 bytes: the keyed BLAKE2b of a block's key and token ids (:meth:`KeyHasher.digest`)."""
+
 KEY_BYTES = 16
+DIGEST_BYTES = 32
 KEY_SPEC_VERSION = 1
 SECRET_BYTES = 32
 SECRET_FILE = "secret"
+_DIGEST_KEY_LABEL = b"kvtier-token-digest-key"
 
 Hash128 = Callable[[bytes, int], bytes]
 """``(data, seed) -> 16-byte digest``. Only tests replace the default (to force collisions)."""
@@ -65,21 +75,31 @@ class Secret:
     """
 
     raw: bytes
+    persistent: bool = True  # False: process-local (see load_or_ephemeral); keys change at the next start
 
     @property
     def seed(self) -> int:
         """The 64-bit xxh3 seed: the first 8 secret bytes, little-endian."""
         return int.from_bytes(self.raw[:8], "little")
 
+    @property
+    def digest_key(self) -> bytes:
+        """The 32-byte key of token digests: BLAKE2b-256, keyed with the secret, of ``b"kvtier-token-digest-key"``.
+
+        A subkey, not the secret itself: the secret already seeds xxh3, and
+        one key serves one purpose.
+        """
+        return hashlib.blake2b(_DIGEST_KEY_LABEL, key=self.raw, digest_size=DIGEST_BYTES).digest()
+
     @classmethod
     def load_or_create(cls, data_dir: Path) -> Secret:
-        """Read ``data_dir/secret``, creating it (mode 0600) on first use.
+        """Read ``data_dir/secret``, creating it (mode 0600, its directory 0700) on first use.
 
         Creation uses ``O_EXCL`` on a temporary name and a hard link, so two
         processes starting at once agree on one secret and nobody ever reads a
         half-written file.
         """
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(data_dir)
         path = data_dir / SECRET_FILE
         if not path.exists():
             tmp = data_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -99,6 +119,32 @@ class Secret:
         if len(raw) != SECRET_BYTES:
             raise ValueError(f"{path}: expected {SECRET_BYTES} bytes, found {len(raw)}")
         return cls(raw)
+
+    @classmethod
+    def load_or_ephemeral(cls, data_dir: Path) -> Secret:
+        """:meth:`load_or_create`, or a process-local secret where ``data_dir`` has none and can hold none.
+
+        A read-only or unwritable data directory must not stop the service:
+        keys made with a process-local secret do not survive a restart, but
+        neither does anything else then (the disk tier cannot open there
+        either), so the cost is one warning. A secret file that exists but
+        cannot be read is another matter (blocks on disk are keyed by it): a
+        one-line error.
+        """
+        path = data_dir / SECRET_FILE
+        try:
+            return cls.load_or_create(data_dir)
+        except OSError as err:
+            if path.exists():
+                raise KVTierError(f"cannot read the key secret {path}: {err.strerror or err}") from err
+            warn_once(
+                "secret-ephemeral",
+                "cannot create the key secret in %s (%s); using a process-local one: block keys will not "
+                "survive a restart",
+                data_dir,
+                err.strerror or err,
+            )
+            return cls(secrets.token_bytes(SECRET_BYTES), persistent=False)
 
 
 def _field(value: bytes) -> bytes:
@@ -131,6 +177,7 @@ class KeyHasher:
         self._seed = secret.seed
         self._hash = hash128
         self._roots: dict[str, bytes] = {}
+        self._digest = hashlib.blake2b(key=secret.digest_key, digest_size=DIGEST_BYTES)  # copied per block
 
     def root(self, namespace: str) -> BlockKey:
         """The chain's origin for ``namespace``.
@@ -199,6 +246,54 @@ class KeyHasher:
             prev = hash128(buf, seed)
             out.append(BlockKey(prev))
         return out
+
+    def digest(self, key: BlockKey, tokens: np.ndarray) -> BlockDigest:
+        """What a tier keeps beside block ``key`` to confirm a hit: a digest of the block's ``tokens``.
+
+        BLAKE2b-256, keyed with :attr:`Secret.digest_key`, over::
+
+            key (16 bytes) || tokens as little-endian int32 (4*B bytes)
+
+        It replaces the token ids themselves, so an index on disk or a dump
+        of host memory shows no prompt. Keyed, so that whoever reads the
+        index but not the secret cannot test a guessed prompt against it;
+        the key in the data makes two records of equal tokens (another
+        namespace, another position) differ, so not even equality shows.
+        Confirmation stays exact: equal digests for unequal tokens would be
+        a 256-bit hash collision.
+        """
+        h = self._digest.copy()
+        h.update(key)
+        h.update(np.ascontiguousarray(tokens, dtype="<i4"))
+        return BlockDigest(h.digest())
+
+    def digests(self, keys: Sequence[BlockKey], tokens: Sequence[int] | np.ndarray) -> BlockDigests:
+        """The digests of ``tokens``' full blocks under ``keys``, computed as they are first asked for."""
+        return BlockDigests(self, keys, block_tokens(tokens, self.block_size))
+
+
+class BlockDigests:
+    """One request's block digests, each computed the first time it is asked for, then kept.
+
+    Made once per request beside its keys and passed on, so no block is
+    digested twice; lazy, because confirmation needs a digest only where a
+    tier holds the block's key: a prompt seen for the first time costs none.
+    """
+
+    def __init__(self, hasher: KeyHasher, keys: Sequence[BlockKey], blocks: np.ndarray) -> None:
+        self._hasher = hasher
+        self._keys = keys
+        self._blocks = blocks
+        self._done: list[BlockDigest | None] = [None] * len(keys)
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def __getitem__(self, i: int) -> BlockDigest:
+        digest = self._done[i]
+        if digest is None:
+            digest = self._done[i] = self._hasher.digest(self._keys[i], self._blocks[i])
+        return digest
 
 
 def block_tokens(tokens: Sequence[int] | np.ndarray, block_size: int) -> np.ndarray:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import stat
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from kvtier.config import Config, load_config
-from kvtier.keys import KeyHasher, Secret
+from kvtier.keys import DIGEST_BYTES, BlockDigest, BlockKey, KeyHasher, Secret
 from kvtier.layout import KVLayout
+from kvtier.tiers.base import BlockRecord
 
 BLOCK = 4
 
@@ -23,6 +31,11 @@ def payload(layout: KVLayout, seed: int) -> torch.Tensor:
     """A typed block payload whose values identify ``seed`` (so crossed wires show)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(layout.block_shape, generator=g).to(layout.dtype)
+
+
+def record(i: int, parent: BlockKey | None = None) -> BlockRecord:
+    """A record whose digest names ``i``: tiers compare digests as bytes, so tier tests need no hasher."""
+    return BlockRecord(BlockDigest(i.to_bytes(DIGEST_BYTES, "little")), parent)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -64,3 +77,33 @@ def shared_full_blocks(prompt: list[int], seen: list[list[int]], block_size: int
             n += 1
         best = max(best, n)
     return min(best // block_size, (len(prompt) - 1) // block_size) * block_size
+
+
+@contextlib.contextmanager
+def read_only(root: Path) -> Iterator[None]:
+    """Make ``root`` and everything under it really unwritable for this process, then restore it.
+
+    Permission bits do not stop root, so root gets the immutable attribute
+    (``chattr +i``: no file may be created, removed, or opened for writing);
+    anyone else gets the write bits removed. Skips where neither is possible.
+    """
+    paths = [root, *sorted(root.rglob("*"))]
+    if os.geteuid() != 0:
+        modes = {p: stat.S_IMODE(p.stat().st_mode) for p in paths}
+        for p in reversed(paths):
+            p.chmod(modes[p] & ~0o222)
+        try:
+            yield
+        finally:
+            for p in paths:
+                p.chmod(modes[p])
+        return
+    if shutil.which("chattr") is None:
+        pytest.skip("root needs chattr +i to make a directory read-only")
+    done = subprocess.run(["chattr", "-R", "+i", str(root)], capture_output=True, text=True)
+    try:
+        if done.returncode != 0:
+            pytest.skip(f"chattr +i refused here: {done.stderr.strip()}")
+        yield
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(root)], capture_output=True, check=False)

@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.keys import KEY_BYTES, KeyHasher, Secret
+from kvtier.keys import DIGEST_BYTES, KEY_BYTES, KeyHasher, Secret
 
 TOKENS = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=96)
 
@@ -142,3 +142,62 @@ def test_native_chain_equals_the_python_chain(secret: Secret, tokens: list[int],
         hash128=lambda data, seed: xxh3_128(data, seed),  # not the default function: forces the Python loop
     )
     assert native.keys(tokens, "ns") == python.keys(tokens, "ns")
+
+
+def test_digest_bytes_follow_the_written_spec(secret: Secret) -> None:
+    import hashlib
+
+    h = hasher(secret)
+    tokens = np.array([7, 70000, 2**31 - 1, 0], dtype=np.int32)
+    (key,) = h.keys(tokens, "tenant")
+    subkey = hashlib.blake2b(b"kvtier-token-digest-key", key=secret.raw, digest_size=32).digest()
+    want = hashlib.blake2b(key + tokens.astype("<i4").tobytes(), key=subkey, digest_size=32).digest()
+    assert secret.digest_key == subkey and h.digest(key, tokens) == want and len(want) == DIGEST_BYTES
+
+
+def test_digests_differ_by_secret_key_and_tokens(tmp_path: Path, secret: Secret) -> None:
+    tokens = np.arange(8, dtype=np.int32)
+    h = hasher(secret)
+    keys = h.keys(tokens, "tenant")
+    base = h.digest(keys[0], tokens[:4])
+    assert h.digest(keys[0], tokens[:4].copy()) == base  # a function of the bytes, not the object
+    assert h.digest(keys[1], tokens[:4]) != base  # equal tokens under another key: unlinkable
+    assert h.digest(keys[0], tokens[4:]) != base
+    assert hasher(Secret.load_or_create(tmp_path)).digest(keys[0], tokens[:4]) != base
+
+
+def test_request_digests_are_computed_once_and_only_when_asked(secret: Secret) -> None:
+    h = hasher(secret)
+    tokens = np.arange(12, dtype=np.int32)
+    keys = h.keys(tokens, "tenant")
+    digests = h.digests(keys, tokens)
+    assert len(digests) == 3 and digests._done == [None] * 3  # nothing computed before it is needed
+    assert digests[1] == h.digest(keys[1], tokens[4:8]) and digests[1] is digests[1]
+    assert digests._done[0] is None and digests._done[2] is None
+
+
+def test_a_secret_that_cannot_be_created_is_process_local_and_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from kvtier import errors
+    from tests.helpers import read_only
+
+    monkeypatch.setattr(errors, "_seen", set())
+    with read_only(tmp_path), caplog.at_level(logging.WARNING, logger="kvtier"):
+        first = Secret.load_or_ephemeral(tmp_path / "data")  # cannot even be made
+        second = Secret.load_or_ephemeral(tmp_path)  # exists, holds no secret, cannot take one
+    assert not first.persistent and not second.persistent and first.raw != second.raw
+    assert sum("process-local" in r.getMessage() for r in caplog.records) == 1
+    made = Secret.load_or_ephemeral(tmp_path)
+    assert made.persistent and Secret.load_or_create(tmp_path) == made
+
+
+def test_a_secret_that_exists_but_cannot_be_read_is_a_one_line_error(tmp_path: Path) -> None:
+    from kvtier.errors import KVTierError
+
+    (tmp_path / "secret").mkdir()  # unreadable as a file, whoever runs the test
+    with pytest.raises(KVTierError, match="cannot read the key secret") as refused:
+        Secret.load_or_ephemeral(tmp_path)
+    assert "\n" not in str(refused.value)
