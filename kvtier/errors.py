@@ -24,6 +24,23 @@ class TierMismatchError(KVTierError):
     """A persistent tier was written for another model, layout, block size or format."""
 
 
+class DiskUnavailableError(KVTierError):
+    """The disk tier's directory cannot be created, written or locked (read-only, permissions, missing).
+
+    The cache manager catches it and runs with host memory only: a cache that
+    cannot persist is still a cache, and refusing to serve would turn a lost
+    optimisation into an outage.
+    """
+
+
+class DiskLockedError(KVTierError):
+    """Another disk tier (this process or another) holds the directory: two owners would overwrite each other."""
+
+
+class DiskCorruptError(KVTierError):
+    """The disk tier's index is damaged and ``disk.on_corrupt`` is ``error``."""
+
+
 def warn_once(kind: str, message: str, *args: object) -> None:
     with _seen_lock:
         if kind in _seen:

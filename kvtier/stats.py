@@ -64,6 +64,17 @@ class Histogram:
 
 @dataclass
 class TierStats:
+    """One tier's counters.
+
+    ``hit_tokens`` are tokens the tier served: for host memory, blocks found
+    and confirmed there at lookup (a host read cannot fail); for the disk
+    tier, blocks read back and verified (checksums) when fetched, since an
+    index hit may still fail its read or never be fetched. ``miss_tokens``
+    are tokens that reached the tier at lookup (no faster tier served them)
+    and were not in its index, plus, for the disk tier, blocks whose read
+    failed.
+    """
+
     lookups: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
@@ -94,3 +105,11 @@ class TierStats:
             }
             out["load_latency"] = self.load_latency.snapshot()
         return out
+
+
+@dataclass
+class DiskStats(TierStats):
+    """The disk tier's counters, plus what only a persistent tier can lose."""
+
+    quarantined: int = 0  # damaged indexes moved aside at open (with their slabs); the tier started empty
+    lost_blocks: int = 0  # records dropped because their bytes are gone (slab file missing, short or truncated)
