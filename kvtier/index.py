@@ -1,8 +1,9 @@
 """Step ② of the data path: the longest confirmed run of cached blocks.
 
-A key is only a hint. A block counts as a hit only when the tokens the tier
-stored beside it equal the request's tokens for that block, so no hash
-collision (accidental or forced) can ever serve one prompt's KV to another.
+A key is only a hint. A block counts as a hit only when the digest the tier
+stored beside it (a keyed 256-bit hash of the block's key and token ids,
+:meth:`kvtier.keys.KeyHasher.digest`) equals the request's for that block, so
+no key collision (accidental or forced) can ever serve one prompt's KV to another.
 Only consecutive blocks from the start count: block *i*'s KV is a function of
 every token before it, so a hit after a miss is useless.
 """
@@ -13,9 +14,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvtier.keys import BlockKey
+from kvtier.keys import BlockDigests, BlockKey
 from kvtier.tiers.base import Tier, TierKind
 
 
@@ -66,20 +65,22 @@ class Probe:
     mismatched: TierKind | None  # the tier whose stored tokens disagreed
 
 
-def longest_prefix(keys: Sequence[BlockKey], blocks: np.ndarray, tiers: Sequence[Tier]) -> Probe:
-    """Walk ``keys`` in order; each block is served by the first (fastest) tier holding it, confirmed.
+def longest_prefix(keys: Sequence[BlockKey], digests: BlockDigests, tiers: Sequence[Tier], *, start: int = 0) -> Probe:
+    """Walk ``keys`` from ``start`` in order; each block is served by the first (fastest) tier holding it, confirmed.
 
-    ``blocks`` is the request's tokens as ``[len(keys), block_size]`` int32.
-    A tier whose record disagrees ends the run (the lower tiers were written
-    from the same colliding key and cannot be trusted to differ).
+    ``digests`` are the request's, beside ``keys`` (digested only where a
+    tier holds the key). A tier whose record disagrees ends the run (the
+    lower tiers were written from the same colliding key and cannot be
+    trusted to differ).
     """
     found: list[TierKind] = []
-    for i, key in enumerate(keys):
+    for i in range(start, len(keys)):
+        key = keys[i]
         for tier in tiers:
             record = tier.record(key)
             if record is None:
                 continue
-            if not record.matches(blocks[i]):
+            if not record.matches(digests[i]):
                 return Probe(found, MissReason.CONFIRM_MISMATCH, tier.kind)
             found.append(tier.kind)
             break

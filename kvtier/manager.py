@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -34,9 +35,10 @@ import torch
 
 from kvtier.breakeven import BreakEvenModel
 from kvtier.config import Config, WriteMode
+from kvtier.errors import DiskUnavailableError
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.index import LookupResult, MissReason, longest_prefix
-from kvtier.keys import BlockKey, KeyHasher, Secret, block_tokens
+from kvtier.keys import BlockDigests, BlockKey, KeyHasher, Secret
 from kvtier.layout import KVLayout
 from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.stats import TierStats
@@ -60,6 +62,15 @@ class StorePlan:
 
 
 PROMOTE_BATCH = 32  # disk blocks per batched read: large enough to stream, small enough to stop on time
+HITS_AT_READ = frozenset({TierKind.DISK})
+"""Tiers whose ``hit_tokens`` count blocks read back and verified, not index hits at lookup.
+
+A disk index hit can still fail its checksum, end short, or never be
+fetched (deadline, host full); host memory cannot fail a read, so its
+lookup-time hits are what it serves.
+"""
+
+log = logging.getLogger("kvtier")
 
 
 class CacheManager:
@@ -76,24 +87,13 @@ class CacheManager:
         self.config = config
         self.layout = layout
         self.hasher = hasher or KeyHasher(
-            Secret.load_or_create(config.data_dir),
+            Secret.load_or_ephemeral(config.data_dir),
             model_fingerprint=model_fingerprint,
             layout_descriptor=layout.descriptor,
             block_size=layout.block_size,
         )
         self.host = HostTier(layout, int(config.host.capacity_bytes))
-        self.disk: DiskTier | None = None
-        if config.disk.enabled:
-            self.disk = DiskTier(
-                config.disk_path,
-                layout,
-                int(config.disk.capacity_bytes),
-                model_fingerprint=model_fingerprint,
-                file_bytes=int(config.disk.file_bytes),
-                fsync=config.disk.fsync,
-                on_mismatch=config.disk.on_mismatch,
-                io_mode=io_mode_for(config.disk.io),
-            )
+        self.disk = self._open_disk(model_fingerprint) if config.disk.enabled else None
         self.tiers: list[Tier] = [t for t in (self.host, self.disk) if t is not None]
         self._policies: dict[TierKind, EvictionPolicy] = {
             TierKind.HOST: make_policy(config.host.policy),
@@ -112,6 +112,30 @@ class CacheManager:
         )
         self._closed = False
 
+    def _open_disk(self, model_fingerprint: str) -> DiskTier | None:
+        """The disk tier, or None (said once in the log) where its directory cannot be created or written.
+
+        A read-only or unwritable disk path costs persistence, not service:
+        host memory still caches. A disk tier held by another process, or
+        damaged under ``disk.on_corrupt: error``, still stops the start.
+        """
+        cfg = self.config.disk
+        try:
+            return DiskTier(
+                self.config.disk_path,
+                self.layout,
+                int(cfg.capacity_bytes),
+                model_fingerprint=model_fingerprint,
+                file_bytes=int(cfg.file_bytes),
+                fsync=cfg.fsync,
+                on_mismatch=cfg.on_mismatch,
+                on_corrupt=cfg.on_corrupt,
+                io_mode=io_mode_for(cfg.io),
+            )
+        except DiskUnavailableError as err:
+            log.warning("%s; running without the disk tier (host memory only)", err)
+            return None
+
     # -- ② lookup ------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> list[BlockKey]:
         return self.hasher.keys(tokens, namespace or self.config.cache.namespace)
@@ -126,17 +150,18 @@ class CacheManager:
         """
         ns = namespace or self.config.cache.namespace
         keys = self.hasher.keys(tokens, ns)
-        blocks = block_tokens(tokens, self.layout.block_size)
+        digests = self.hasher.digests(keys, tokens)
         bs = self.layout.block_size
         with self._lock:
-            probe = longest_prefix(keys[first_block:], blocks[first_block:], self.tiers)
+            probe = longest_prefix(keys, digests, self.tiers, start=first_block)
             served = Counter(probe.tiers)
             for key, kind in zip(keys[first_block:], probe.tiers, strict=False):
                 self._policies[kind].on_access(key)
         remaining = len(keys) - first_block  # blocks that reached this tier: not served by a faster one
         for tier in self.tiers:
             hit = served[tier.kind]
-            tier.stats.add(lookups=1, hit_tokens=hit * bs, miss_tokens=max(0, remaining - hit) * bs)
+            counted = 0 if tier.kind in HITS_AT_READ else hit
+            tier.stats.add(lookups=1, hit_tokens=counted * bs, miss_tokens=max(0, remaining - hit) * bs)
             remaining -= hit
         if probe.mismatched is not None:
             self._stats(probe.mismatched).add(confirm_mismatch=1)
@@ -151,9 +176,8 @@ class CacheManager:
         """
         ns = namespace or self.config.cache.namespace
         keys = self.hasher.keys(tokens, ns)
-        blocks = block_tokens(tokens, self.layout.block_size)
         with self._lock:
-            found = longest_prefix(keys, blocks, self.tiers)
+            found = longest_prefix(keys, self.hasher.digests(keys, tokens), self.tiers)
         return LookupResult(ns, self.layout.block_size, len(tokens), tuple(keys), tuple(found.tiers), found.reason)
 
     # -- ③ fetch and load ----------------------------------------------------------
@@ -269,6 +293,9 @@ class CacheManager:
         disk.stats.observe_load(seconds)
         self.costs.observe_fetch(TierKind.DISK, sum(ok) * self.layout.block_bytes, seconds)
         bad = next((i for (i, _, _), good in zip(reads, ok, strict=True) if not good), len(views))
+        served = sum(i < bad for i, _, _ in reads)  # read, verified, and before any gap: what the engine gets
+        bs = self.layout.block_size
+        disk.stats.add(hit_tokens=served * bs, miss_tokens=(len(ok) - sum(ok)) * bs)
         with self._lock:
             for (i, key, record), good in zip(reads, ok, strict=True):
                 if i >= bad or not good:
@@ -366,9 +393,9 @@ class CacheManager:
         """
         keys = self.hasher.keys(tokens, namespace or self.config.cache.namespace)
         last = len(keys) if num_blocks is None else min(len(keys), first_block + num_blocks)
-        return self._prepare(keys, block_tokens(tokens, self.layout.block_size), first_block, last)
+        return self._prepare(keys, self.hasher.digests(keys, tokens), first_block, last)
 
-    def _prepare(self, keys: list[BlockKey], blocks: np.ndarray, start: int, stop: int) -> StorePlan:
+    def _prepare(self, keys: list[BlockKey], digests: BlockDigests, start: int, stop: int) -> StorePlan:
         plan = StorePlan([], [], [], [], next_block=start)
         with self._lock:
             new = sum(not self.host.contains(keys[i]) for i in range(start, stop))
@@ -376,13 +403,13 @@ class CacheManager:
             for i in range(start, stop):
                 existing = self.host.record(keys[i])
                 if existing is not None:
-                    if not existing.matches(blocks[i]):
+                    if not existing.matches(digests[i]):
                         self.host.stats.add(confirm_mismatch=1)
                         break
                     plan.already_cached += 1
                     plan.next_block = i + 1
                     continue
-                record = BlockRecord.of(blocks[i], keys[i - 1] if i else None)
+                record = BlockRecord(digests[i], keys[i - 1] if i else None)
                 buf = self.host.reserve(keys[i], record)
                 if buf is None:
                     break
@@ -470,12 +497,12 @@ class CacheManager:
     ) -> int:
         """Store blocks ``first_block ..`` as plans of at most half the host tier; ``fill(i, out)`` writes block i."""
         keys = self.hasher.keys(tokens, namespace or self.config.cache.namespace)
-        table = block_tokens(tokens, self.layout.block_size)
+        digests = self.hasher.digests(keys, tokens)
         last = min(len(keys), first_block + num_blocks)
         chunk = max(1, self.host.capacity_blocks // 2)
         stored, i = 0, first_block
         while i < last:
-            plan = self._prepare(keys, table, i, min(last, i + chunk))
+            plan = self._prepare(keys, digests, i, min(last, i + chunk))
             try:
                 for buf, b in zip(plan.buffers, plan.block_indices, strict=True):
                     fill(b, buf)

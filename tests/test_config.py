@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier.config import Config, ConfigError, FsyncMode, WriteMode, default_data_dir, load_config
+from kvtier.config import Config, ConfigError, FsyncMode, OnCorrupt, WriteMode, default_data_dir, load_config
 from kvtier.policy import PolicyName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +48,13 @@ def test_bad_values_are_errors(tmp_path: Path) -> None:
         load_config(environ={"KVTIER_CACHE__WRITE_MODE": "sometimes"})
     with pytest.raises(ConfigError, match=r"cache\.block_size"):
         load_config(environ={"KVTIER_CACHE__BLOCK_SIZE": "0"})
+
+
+def test_a_damaged_disk_index_is_quarantined_unless_told_to_refuse() -> None:
+    assert load_config(environ={}).disk.on_corrupt is OnCorrupt.QUARANTINE
+    assert load_config(environ={"KVTIER_DISK__ON_CORRUPT": "error"}).disk.on_corrupt is OnCorrupt.ERROR
+    with pytest.raises(ConfigError, match=r"disk\.on_corrupt"):
+        load_config(environ={"KVTIER_DISK__ON_CORRUPT": "wipe"})
 
 
 def test_example_config_documents_every_key_with_its_default() -> None:

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.host import HostTier
 from kvtier.transfer import JobStatus, TransferWorker
-from tests.helpers import as_bytes, payload, toy_layout
+from tests.helpers import as_bytes, payload, record, toy_layout
 
 pytestmark = pytest.mark.cuda
 
@@ -24,7 +23,7 @@ def test_transfer_runs_on_its_own_stream_and_reports_done_after_the_copy() -> No
     tier = HostTier(layout, 4 * 4096)
     block = payload(layout, 1)
     key = BlockKey(bytes(16))
-    tier.put(key, block, BlockRecord.of(range(layout.block_size), None))
+    tier.put(key, block, record(0))
     device = torch.empty(layout.block_bytes, dtype=torch.uint8, device="cuda")
     worker = TransferWorker(1)
     seen: list[torch.cuda.Stream] = []
@@ -62,7 +61,7 @@ def test_layerwise_load_to_a_gpu_pool_is_ordered_by_events() -> None:
     keys = [BlockKey(bytes([i]) * 16) for i in range(3)]
     blocks = [payload(layout, 10 + i) for i in range(3)]
     for key, block in zip(keys, blocks, strict=True):
-        tier.put(key, block, BlockRecord.of(range(layout.block_size), None))
+        tier.put(key, block, record(0))
     pool = KVPool(layout, 4, device="cuda")
     released: list[bool] = []
     handle = LoadHandle(

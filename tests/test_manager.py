@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import logging
+import os
+import stat
 import threading
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from kvtier.manager import CacheManager
 from kvtier.policy import PolicyName, make_policy, registered
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobStatus
-from tests.helpers import BLOCK, as_bytes, make_config, make_hasher, payload, prompt, toy_layout
+from tests.helpers import BLOCK, as_bytes, make_config, make_hasher, payload, prompt, read_only, toy_layout
 
 H, D = TierKind.HOST, TierKind.DISK
 
@@ -254,3 +257,107 @@ def test_disk_io_mode_comes_from_the_config(tmp_path: Path) -> None:
         assert m.disk.io_mode is IOMode.BUFFERED  # the measured default
     with manager(tmp_path / "b", disk={"io": "auto"}) as m:
         assert m.disk.io_mode in (IOMode.DIRECT, IOMode.BUFFERED)  # whatever the filesystem allows
+
+
+def test_no_token_ids_reach_the_data_directory(tmp_path: Path) -> None:
+    """The disk index keeps a keyed digest of each block's tokens; hits are still confirmed after a restart."""
+    tokens = prompt(6 * BLOCK, seed=31)
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        assert m.store_now(tokens, kv(6, seed=31)) == 6
+    files = [p for p in (tmp_path / "data").rglob("*") if p.is_file()]
+    assert {"data.mdb", "slab-0000.bin"} <= {p.name for p in files}
+    runs = [block.astype("<i4").tobytes() for block in tokens.reshape(6, BLOCK)]
+    runs.append(tokens[BLOCK // 2 : BLOCK // 2 + BLOCK].astype("<i4").tobytes())  # across a block boundary too
+    for path in files:
+        data = path.read_bytes()
+        assert not [run for run in runs if run in data], f"token ids in {path}"
+    with manager(tmp_path) as m:
+        assert m.lookup(tokens).tiers == (D,) * 6  # confirmed against the digests alone
+        other = tokens.copy()
+        other[5 * BLOCK] += 1
+        assert m.lookup(other).cached_tokens == 5 * BLOCK
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_the_data_directory_is_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+            m.store_now(prompt(2 * BLOCK), kv(2, seed=32))
+    finally:
+        os.umask(old)
+    data = tmp_path / "data"
+    found = {str(p.relative_to(data)): stat.S_IMODE(p.stat().st_mode) for p in (data, *data.rglob("*"))}
+    assert {"secret", "disk/index.lmdb/data.mdb", "disk/slab-0000.bin"} <= set(found)
+    assert found == {name: 0o700 if (data / name).is_dir() else 0o600 for name in found}
+
+
+def test_a_read_only_data_directory_runs_on_host_memory_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tokens = prompt(3 * BLOCK)
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        m.store_now(tokens, kv(3, seed=33))
+        keys = m.keys(tokens)
+    with read_only(tmp_path / "data"), caplog.at_level(logging.WARNING, logger="kvtier"), manager(tmp_path) as m:
+        assert m.disk is None and [t.kind for t in m.tiers] == [H]
+        assert m.keys(tokens) == keys  # the secret could still be read
+        assert m.lookup(tokens).cached_tokens == 0
+        assert m.store_now(tokens, kv(3, seed=33)) == 3 and m.lookup(tokens).tiers == (H,) * 3
+        assert "disk" not in m.stats()
+    said = [r.getMessage() for r in caplog.records if "without the disk tier" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "data" / "disk") in said[0]
+
+
+def test_an_empty_read_only_data_directory_gets_a_process_local_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvtier import errors
+
+    monkeypatch.setattr(errors, "_seen", set())
+    (tmp_path / "data").mkdir(mode=0o700)
+    with read_only(tmp_path / "data"), caplog.at_level(logging.WARNING, logger="kvtier"), manager(tmp_path) as m:
+        assert m.disk is None and not m.hasher._secret.persistent
+        tokens = prompt(2 * BLOCK)
+        assert m.store_now(tokens, kv(2, seed=34)) == 2 and m.lookup(tokens).cached_tokens == 2 * BLOCK
+    assert sum("process-local" in r.getMessage() for r in caplog.records) == 1
+    assert not list((tmp_path / "data").iterdir())
+
+
+def test_a_second_manager_on_one_data_directory_is_refused(tmp_path: Path) -> None:
+    from kvtier.errors import DiskLockedError
+
+    with manager(tmp_path), pytest.raises(DiskLockedError, match=f"pid {os.getpid()}"):
+        manager(tmp_path)  # not "unavailable": running without disk would hide a misconfiguration
+    with manager(tmp_path) as m:
+        assert m.disk is not None
+
+
+def test_disk_hits_count_blocks_read_and_verified(tmp_path: Path) -> None:
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        tokens = prompt(4 * BLOCK)
+        m.store_now(tokens, kv(4, seed=35))
+        m.clear(TierKind.HOST)
+        result = m.lookup(tokens)
+        assert result.tiers == (D,) * 4
+        assert (m.stats()["disk"]["hit_tokens"], m.stats()["disk"]["miss_tokens"]) == (0, 0)  # index hits only
+        path, offset = m.disk.slab_path(m.disk.slot_of(result.keys[2]))
+        with open(path, "r+b") as f:
+            f.seek(offset + 5)
+            byte = f.read(1)
+            f.seek(offset + 5)
+            f.write(bytes([byte[0] ^ 1]))
+        with m.load(result) as handle:
+            assert handle.served_from == [D, D]  # block 2 fails its checksum: the load stops there
+        disk = m.stats()["disk"]
+        assert (disk["hit_tokens"], disk["miss_tokens"], disk["checksum_failures"]) == (2 * BLOCK, BLOCK, 1)
+        assert m.lookup(tokens).tiers == (H, H)  # block 3 is on disk, but after the gap
+        assert m.stats()["host"]["hit_tokens"] == 2 * BLOCK  # host hits still count at lookup
+
+
+def test_a_quarantined_disk_tier_shows_in_the_stats(tmp_path: Path) -> None:
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        m.store_now(prompt(2 * BLOCK), kv(2, seed=36))
+    data = tmp_path / "data" / "disk" / "index.lmdb" / "data.mdb"
+    with open(data, "r+b") as f:
+        f.write(bytes(2 * os.sysconf("SC_PAGE_SIZE")))  # both meta pages
+    with manager(tmp_path) as m:
+        assert m.stats()["disk"]["quarantined"] == 1 and m.stats()["disk"]["blocks"] == 0

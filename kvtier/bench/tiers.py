@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from kvtier.bench import results
 from kvtier.config import Config, FsyncMode
-from kvtier.keys import BlockKey, KeyHasher, Secret
+from kvtier.keys import DIGEST_BYTES, BlockDigest, BlockKey, KeyHasher, Secret
 from kvtier.layout import KVLayout
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord
@@ -92,9 +92,8 @@ class _Workload:
     def make(cls, layout: KVLayout, n: int) -> _Workload:
         src = torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8)
         dst = torch.empty_like(src)
-        tokens = np.arange(n * layout.block_size, dtype=np.int32).reshape(n, layout.block_size)
         keys = [BlockKey(i.to_bytes(16, "little")) for i in range(n)]
-        records = [BlockRecord.of(tokens[i], None) for i in range(n)]
+        records = [BlockRecord(BlockDigest(i.to_bytes(DIGEST_BYTES, "little")), None) for i in range(n)]
         return cls(src, dst, keys, records, list(src), list(dst), n * layout.block_bytes)
 
 

@@ -17,10 +17,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
-from kvtier.keys import BlockKey
+from kvtier.keys import BlockDigest, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import TierStats
 
@@ -38,21 +37,18 @@ class TierKind(enum.StrEnum):
 class BlockRecord:
     """What a tier keeps beside a block's payload.
 
-    ``tokens`` (int32, ``block_size`` long) let every hit be confirmed against
-    the request's tokens: a key is only a hint. ``parent`` is the previous
-    block's key (None for block 0), kept for prefix-aware eviction.
+    ``digest`` (:meth:`kvtier.keys.KeyHasher.digest`: a keyed hash of the
+    block's key and token ids) lets every hit be confirmed against the
+    request's tokens, since a key is only a hint, without any tier holding
+    the token ids themselves. ``parent`` is the previous block's key (None
+    for block 0), kept for prefix-aware eviction.
     """
 
-    tokens: np.ndarray
+    digest: BlockDigest
     parent: BlockKey | None
 
-    @classmethod
-    def of(cls, tokens: np.ndarray | Sequence[int], parent: BlockKey | None) -> BlockRecord:
-        return cls(np.ascontiguousarray(tokens, dtype=np.int32), parent)
-
-    def matches(self, tokens: np.ndarray) -> bool:
-        # Byte comparison: a few hundred ns, where np.array_equal costs ~5 µs per block of a long prompt.
-        return self.tokens.shape == tokens.shape and self.tokens.tobytes() == np.asarray(tokens, np.int32).tobytes()
+    def matches(self, digest: BlockDigest) -> bool:
+        return self.digest == digest
 
 
 @runtime_checkable

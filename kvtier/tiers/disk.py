@@ -1,9 +1,20 @@
 """The disk tier: preallocated slab files of aligned slots, indexed by LMDB.
 
 Files: ``slab-NNNN.bin`` (fixed-size slots, each a multiple of 4096 bytes at a
-4096-aligned offset, so O_DIRECT can read them) and ``index.lmdb/`` (key →
-record). The index is the source of truth; an in-memory mirror of it, loaded
-at open, answers lookups without a transaction.
+4096-aligned offset, so O_DIRECT can read them), ``index.lmdb/`` (key →
+record) and ``lock`` (:mod:`kvtier.tiers.diskdir`: one opener at a time). The
+index is the source of truth; an in-memory mirror of it, loaded at open,
+answers lookups without a transaction.
+
+Opening checks before it trusts: the directory is made private (0700, files
+0600) and locked; the index is verified by a walker that cannot crash the
+process (:func:`kvtier.tiers.diskdir.index_damage`), and every record must
+decode and name its own slot. A damaged index is quarantined (moved aside
+with its slabs; the tier starts empty) or refused, per
+:class:`~kvtier.config.OnCorrupt`. Records whose slab file is missing or too
+short are dropped. An index of an older format is wiped, with one log line:
+this code cannot read it, and formats before 3 kept the token ids in plain
+form, which is exactly what must not linger on disk.
 
 I/O: slabs are opened with O_DIRECT when the filesystem allows it (probed
 once at open, :attr:`DiskTier.io_mode`), so blocks skip the page cache and
@@ -22,12 +33,13 @@ free again at the next open: a slot is free unless the index names it, which
 reclaims every orphan with no scan) or a record whose bytes were written
 first. Each layer's bytes carry a CRC-32C in the record (the SSE4.2
 instruction checks a block far faster than the disk reads it; format 1 used
-xxh3-64); a read that fails it is a counted miss and the record is dropped.
+xxh3-64); a read that fails it, or ends early, is a counted miss and the
+record is dropped.
 
 Record encoding (little-endian, no pickle)::
 
     uint32 slot | uint64 sequence | uint8 has_parent | 16 B parent
-    | uint32 crc32c[num_layers] | int32 tokens[block_size]
+    | uint32 crc32c[num_layers] | 32 B token digest (kvtier.keys.KeyHasher.digest)
 """
 
 from __future__ import annotations
@@ -35,11 +47,11 @@ from __future__ import annotations
 import enum
 import heapq
 import json
+import logging
 import os
-import shutil
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,20 +59,34 @@ import lmdb
 import numpy as np
 import torch
 
-from kvtier.config import DiskIO, FsyncMode, OnMismatch
-from kvtier.errors import KVTierError, TierMismatchError, warn_once
-from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.config import DiskIO, FsyncMode, OnCorrupt, OnMismatch
+from kvtier.errors import DiskCorruptError, DiskUnavailableError, KVTierError, TierMismatchError, warn_once
+from kvtier.keys import DIGEST_BYTES, KEY_BYTES, BlockDigest, BlockKey
 from kvtier.layout import KVLayout
-from kvtier.stats import TierStats
+from kvtier.private import FILE_MODE, make_private, private_dir
+from kvtier.stats import DiskStats
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord, TierKind
+from kvtier.tiers.diskdir import DiskDir, index_damage
 from kvtier.tiers.host import SLOT_ALIGN, align_up
 
-FORMAT_VERSION = 2  # 2: per-layer CRC-32C (uint32); 1: xxh3-64
+log = logging.getLogger("kvtier")
+
+FORMAT_VERSION = 3  # 3: a keyed token digest instead of the token ids; 2: per-layer CRC-32C; 1: xxh3-64
 _HEAD = struct.Struct("<IQB16s")
 _HEADER_KEY = b"header"
 _SEQ_KEY = b"sequence"
 _DiskErrors = (OSError, lmdb.Error)
+# What liblmdb raises on a damaged file (the verifier should have caught it first).
+_LMDB_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.InvalidError,
+    lmdb.PageNotFoundError,
+    lmdb.VersionMismatchError,
+    lmdb.BadTxnError,
+    lmdb.PanicError,
+    lmdb.IncompatibleError,
+)
 # Per calling thread: four 4 MiB slices, one per I/O thread. Adjacent slots of a batch are
 # gathered into requests of up to a slice (a SmolLM2 bf16 block is 360 KiB): under O_DIRECT
 # the disk serves 4 MiB requests ~30% faster than 360 KiB ones (measured on the dev VM).
@@ -80,11 +106,38 @@ def io_mode_for(setting: DiskIO) -> IOMode | None:
 
 
 @dataclass(frozen=True)
-class _Entry:
+class IndexEntry:
+    """One index record, decoded: where the block is, in what order it was stored, and how to check it."""
+
     slot: int
     seq: int
     checksums: tuple[int, ...]  # CRC-32C per layer
     record: BlockRecord
+
+
+class IndexDamage(Exception):
+    """A header or record this format cannot have: the index is damaged, not merely written for another setup."""
+
+
+def record_bytes(num_layers: int) -> int:
+    return _HEAD.size + 4 * num_layers + DIGEST_BYTES
+
+
+def encode_record(e: IndexEntry) -> bytes:
+    parent = e.record.parent
+    head = _HEAD.pack(e.slot, e.seq, parent is not None, parent or bytes(KEY_BYTES))
+    return head + struct.pack(f"<{len(e.checksums)}I", *e.checksums) + e.record.digest
+
+
+def decode_record(key: bytes, value: bytes, num_layers: int) -> IndexEntry:
+    """Decode one record; raises :class:`IndexDamage` when its sizes cannot be this format's."""
+    if len(key) != KEY_BYTES or len(value) != record_bytes(num_layers):
+        want = record_bytes(num_layers)
+        raise IndexDamage(f"a record of {len(key)}+{len(value)} B, where this format has {KEY_BYTES}+{want} B")
+    slot, seq, has_parent, parent = _HEAD.unpack_from(value)
+    checksums = struct.unpack_from(f"<{num_layers}I", value, _HEAD.size)
+    digest = BlockDigest(bytes(value[_HEAD.size + 4 * num_layers :]))
+    return IndexEntry(slot, seq, checksums, BlockRecord(digest, BlockKey(bytes(parent)) if has_parent else None))
 
 
 @dataclass(frozen=True)
@@ -93,7 +146,7 @@ class _Read:
 
     index: int  # in the caller's batch
     key: BlockKey
-    entry: _Entry
+    entry: IndexEntry
     buf: np.ndarray
     fd: int
     offset: int
@@ -113,6 +166,7 @@ class DiskTier:
         file_bytes: int = 1024**3,
         fsync: FsyncMode = FsyncMode.BATCH,
         on_mismatch: OnMismatch = OnMismatch.ERROR,
+        on_corrupt: OnCorrupt = OnCorrupt.QUARANTINE,
         io_mode: IOMode | None = None,
         backend: native.IOBackend = native.BACKEND,
     ) -> None:
@@ -120,9 +174,14 @@ class DiskTier:
 
         ``backend`` is the C extension when it is built (:data:`kvtier.tiers.native.BACKEND`);
         tests pass :data:`kvtier.tiers.native.PYTHON` to run the fallback.
+
+        Raises :class:`~kvtier.errors.DiskUnavailableError` when the directory
+        cannot be created, written or locked, :class:`~kvtier.errors.DiskLockedError`
+        when another disk tier holds it, :class:`~kvtier.errors.TierMismatchError`
+        and :class:`~kvtier.errors.DiskCorruptError` per ``on_mismatch`` / ``on_corrupt``.
         """
         self.layout = layout
-        self.stats = TierStats()
+        self.stats = DiskStats()
         self.path = Path(path)
         self.fsync = fsync
         self._slot_bytes = align_up(layout.block_bytes)
@@ -135,14 +194,30 @@ class DiskTier:
             "model_fingerprint": model_fingerprint,
             "layout": layout.descriptor,
             "block_size": layout.block_size,
+            "num_layers": layout.num_layers,  # with layer_bytes: what `kvtier cache check` needs without the model
+            "layer_bytes": layout.layer_bytes,
             "slot_bytes": self._slot_bytes,
             "slots_per_file": self._slots_per_file,
         }
         self._lock = threading.Lock()
         self._io = backend
         self._local = threading.local()  # this thread's bounce buffer
-        self.path.mkdir(parents=True, exist_ok=True)
-        if not backend.native:
+        self._fds: dict[int, int] = {}
+        self._index: dict[BlockKey, IndexEntry] = {}
+        self._seq = 0
+        self._dir = DiskDir.open(self.path)
+        try:
+            self._open(io_mode, on_mismatch, on_corrupt)
+        except OSError as err:
+            self._abandon()
+            raise DiskUnavailableError(f"disk tier at {self.path} cannot be opened: {err.strerror or err}") from err
+        except BaseException:
+            self._abandon()
+            raise
+
+    # -- opening -------------------------------------------------------------
+    def _open(self, io_mode: IOMode | None, on_mismatch: OnMismatch, on_corrupt: OnCorrupt) -> None:
+        if not self._io.native:
             warn_once(
                 "disk-python-io",
                 "kvtier._native is not built (%s); the disk tier uses pure-Python I/O and CRC-32C (slow)",
@@ -150,15 +225,26 @@ class DiskTier:
             )
         self._io_mode = self._choose_io_mode(io_mode)
         self._flags = os.O_RDWR | (os.O_DIRECT if self._io_mode is IOMode.DIRECT else 0)
-        self._env = self._open_index(on_mismatch)
+        self._open_index(on_mismatch, on_corrupt)
         self._fds = self._open_slabs()
-        self._index: dict[BlockKey, _Entry] = {}
-        self._seq = 0
-        self._load_index()
+        self._drop_lost()
         used = {e.slot for e in self._index.values()}
         self._free = [s for s in range(self._num_slots) if s not in used]  # sorted: already a heap
+        self._dir.warn_if_short_of_space(self.capacity_bytes)
 
-    # -- opening -------------------------------------------------------------
+    def _abandon(self) -> None:
+        """Undo a failed open: close what was opened and release the lock."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        self._close_env()
+        self._dir.close()
+
+    def _close_env(self) -> None:
+        env = self.__dict__.pop("_env", None)  # absent until the index opened
+        if env is not None:
+            env.close()
+
     def _choose_io_mode(self, wanted: IOMode | None) -> IOMode:
         if wanted is IOMode.BUFFERED:
             return IOMode.BUFFERED
@@ -175,48 +261,124 @@ class DiskTier:
         )
         return IOMode.BUFFERED
 
-    def _open_index(self, on_mismatch: OnMismatch) -> lmdb.Environment:
+    def _open_index(self, on_mismatch: OnMismatch, on_corrupt: OnCorrupt) -> None:
+        """Verify, open and load the index; a damaged one is quarantined (the tier starts empty) or refused."""
+        damage = index_damage(self._dir.index_path)
+        if damage is None:
+            try:
+                self._env = self._open_env(on_mismatch)
+                self._load_index()
+                return
+            except (IndexDamage, *_LMDB_DAMAGE) as err:
+                damage = f"{type(err).__name__}: {err}"
+            self._close_env()
+            self._index, self._seq = {}, 0
+        self._on_damage(damage, on_corrupt)
+        self._env = self._open_env(on_mismatch)
+
+    def _on_damage(self, damage: str, on_corrupt: OnCorrupt) -> None:
+        data = self._dir.index_path / "data.mdb"
+        if on_corrupt is OnCorrupt.ERROR:
+            raise DiskCorruptError(
+                f"disk tier index {data} is damaged ({damage}); see `kvtier cache check`, move {self.path} "
+                "aside, or set disk.on_corrupt: quarantine"
+            )
+        where = self._dir.quarantine()
+        self.stats.add(quarantined=1)
+        log.warning(
+            "disk tier index %s is damaged (%s); moved it and its slab files to %s and started empty",
+            data,
+            damage,
+            where,
+        )
+
+    def _open_env(self, on_mismatch: OnMismatch) -> lmdb.Environment:
+        """Open the index and check its header: a new index gets ours; another setup's is refused or wiped."""
         env = self._lmdb_env()
-        with env.begin(write=True, db=self._meta) as txn:
-            raw = txn.get(_HEADER_KEY)
-            if raw is None:
-                txn.put(_HEADER_KEY, json.dumps(self._header, sort_keys=True).encode())
-                return env
-        found = json.loads(raw)
-        diff = {k: (found.get(k), v) for k, v in self._header.items() if found.get(k) != v}
+        try:
+            found = self._stored_header(env)
+        except BaseException:
+            env.close()
+            raise
+        diff = {} if found is None else {k: (found.get(k), v) for k, v in self._header.items() if found.get(k) != v}
         if not diff:
             return env
-        if on_mismatch is OnMismatch.ERROR:
-            env.close()
+        env.close()
+        version = found.get("format_version") if found is not None else None
+        if isinstance(version, int) and version < FORMAT_VERSION:
+            log.warning(
+                "wiping the disk tier at %s: it is format %d, which this version cannot read (format %d "
+                "keeps a keyed digest of each block's tokens, never the token ids)",
+                self.path,
+                version,
+                FORMAT_VERSION,
+            )
+        elif on_mismatch is OnMismatch.ERROR:
             detail = ", ".join(f"{k}: stored {a!r} != wanted {b!r}" for k, (a, b) in diff.items())
             raise TierMismatchError(
                 f"disk tier at {self.path} was written for another configuration ({detail}); "
                 "point disk.path elsewhere or set disk.on_mismatch: wipe to erase it"
             )
-        env.close()
-        warn_once("disk-wipe", "wiping disk tier at %s: %s", self.path, sorted(diff))
-        shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)
-        return self._open_index(OnMismatch.ERROR)
+        else:
+            warn_once("disk-wipe", "wiping disk tier at %s: %s", self.path, sorted(diff))
+        self._dir.wipe()
+        return self._open_env(OnMismatch.ERROR)
+
+    def _stored_header(self, env: lmdb.Environment) -> dict[str, object] | None:
+        """The header the index holds, or None after writing ours into a new one."""
+        with env.begin(write=True, db=self._meta) as txn:
+            raw = txn.get(_HEADER_KEY)
+            if raw is None:
+                if txn.stat(self._blocks)["entries"]:
+                    raise IndexDamage("block records without a header")
+                txn.put(_HEADER_KEY, json.dumps(self._header, sort_keys=True).encode())
+                return None
+        try:
+            found = json.loads(raw)
+        except ValueError:
+            raise IndexDamage("an unreadable header") from None
+        if not isinstance(found, dict):
+            raise IndexDamage("an unreadable header")
+        return found
 
     def _lmdb_env(self) -> lmdb.Environment:
-        record_bytes = _HEAD.size + 4 * self.layout.num_layers + 4 * self.layout.block_size + KEY_BYTES
-        map_size = 64 * 1024**2 + self._num_slots * 2 * align_up(record_bytes + 64, 512)
+        size = record_bytes(self.layout.num_layers) + KEY_BYTES
+        map_size = 64 * 1024**2 + self._num_slots * 2 * align_up(size + 64, 512)
         sync = self.fsync is not FsyncMode.NEVER
-        env = lmdb.open(
-            str(self.path / "index.lmdb"), map_size=map_size, max_dbs=2, sync=sync, metasync=sync, readahead=False
-        )
-        self._blocks = env.open_db(b"blocks")
-        self._meta = env.open_db(b"meta")
+        index = private_dir(self._dir.index_path)
+        try:
+            env = lmdb.open(
+                str(index),
+                map_size=map_size,
+                max_dbs=2,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                mode=FILE_MODE,
+            )
+        except _LMDB_DAMAGE:
+            raise
+        except lmdb.Error as err:
+            raise DiskUnavailableError(f"disk tier index {index} cannot be opened: {err}") from err
+        try:
+            self._blocks = env.open_db(b"blocks")
+            self._meta = env.open_db(b"meta")
+        except BaseException:
+            env.close()
+            raise
+        for name in ("data.mdb", "lock.mdb"):
+            make_private(index / name)  # made before this rule, or under a looser umask
         return env
 
     def _open_slabs(self) -> dict[int, int]:
-        """Open the slab files that exist; the others are created when a slot in them is first used."""
-        return {
-            i: os.open(self.path / f"slab-{i:04d}.bin", self._flags)
-            for i in range(-(-self._num_slots // self._slots_per_file))
-            if (self.path / f"slab-{i:04d}.bin").exists()
-        }
+        """Open the slab files that exist (made private); the others are created when a slot in them is first used."""
+        fds = {}
+        for i in range(-(-self._num_slots // self._slots_per_file)):
+            path = self._dir.slab_path(i)
+            if path.exists():
+                make_private(path)
+                fds[i] = os.open(path, self._flags)
+        return fds
 
     def _file(self, index: int) -> int:
         """The fd of slab file ``index``, creating it at its full, preallocated size on first use.
@@ -231,44 +393,79 @@ class DiskTier:
             return fd
         with self._lock:
             if index not in self._fds:
-                slots = min(self._slots_per_file, self._num_slots - index * self._slots_per_file)
-                fd = os.open(self.path / f"slab-{index:04d}.bin", self._flags | os.O_CREAT, 0o600)
-                size = slots * self._slot_bytes
-                if os.fstat(fd).st_size < size:
-                    try:
-                        os.posix_fallocate(fd, 0, size)
-                    except OSError:
-                        os.ftruncate(fd, size)  # a filesystem without fallocate: a sparse file
-                self._fds[index] = fd
+                self._fds[index] = self._create_slab(index)
             return self._fds[index]
 
+    def _create_slab(self, index: int) -> int:
+        path = self._dir.slab_path(index)
+        slots = min(self._slots_per_file, self._num_slots - index * self._slots_per_file)
+        size = slots * self._slot_bytes
+        fd = os.open(path, self._flags | os.O_CREAT, FILE_MODE)
+        try:
+            if os.fstat(fd).st_size < size:
+                self._preallocate(fd, path, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _preallocate(self, fd: int, path: Path, size: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as err:
+            warn_once(
+                "disk-fallocate",
+                "disk tier: cannot preallocate %s (%s); it is a sparse file, and writes into it fail if the disk fills",
+                path,
+                err.strerror or err,
+            )
+            os.ftruncate(fd, size)
+
     def _load_index(self) -> None:
+        """Mirror the index in memory, dropping records past the capacity (it shrank since they were written)."""
         stale = []
+        slots: set[int] = set()
         with self._env.begin(db=self._blocks) as txn:
             for key, value in txn.cursor():
-                entry = self._decode(value)
+                entry = decode_record(key, value, self.layout.num_layers)
+                if entry.slot in slots:
+                    raise IndexDamage(f"two records name slot {entry.slot}")
+                slots.add(entry.slot)
                 if entry.slot >= self._num_slots:
-                    stale.append(key)  # capacity shrank since it was written
+                    stale.append(BlockKey(bytes(key)))
                     continue
                 self._index[BlockKey(bytes(key))] = entry
                 self._seq = max(self._seq, entry.seq)
-        if stale:
+        self._forget(stale)
+
+    def _drop_lost(self) -> None:
+        """Forget records whose slab file is missing or too short to hold their block.
+
+        A slab deleted under a stopped tier would be recreated full of zeros
+        (one truncated, read short) while its records stay indexed: a failed
+        read on every pass. Their slots go back to the free list.
+        """
+        sizes = {i: os.fstat(fd).st_size for i, fd in self._fds.items()}
+        lost = [k for k, e in self._index.items() if self._slot_end(e.slot) > sizes.get(self._file_of(e.slot), 0)]
+        if not lost:
+            return
+        self._forget(lost)
+        for key in lost:
+            del self._index[key]
+        self.stats.add(lost_blocks=len(lost))
+        log.warning(
+            "disk tier at %s: %d indexed blocks point into missing or short slab files; dropped (lost_blocks)",
+            self.path,
+            len(lost),
+        )
+
+    def _forget(self, keys: Iterable[BlockKey]) -> None:
+        """Delete records from the index file (at open, before the in-memory mirror is in use)."""
+        keys = list(keys)
+        if keys:
             with self._env.begin(write=True, db=self._blocks) as txn:
-                for key in stale:
+                for key in keys:
                     txn.delete(key)
-
-    # -- record encoding -----------------------------------------------------
-    def _encode(self, e: _Entry) -> bytes:
-        parent = e.record.parent
-        head = _HEAD.pack(e.slot, e.seq, parent is not None, parent or bytes(KEY_BYTES))
-        return head + struct.pack(f"<{len(e.checksums)}I", *e.checksums) + e.record.tokens.astype("<i4").tobytes()
-
-    def _decode(self, value: bytes) -> _Entry:
-        slot, seq, has_parent, parent = _HEAD.unpack_from(value)
-        n = self.layout.num_layers
-        checksums = struct.unpack_from(f"<{n}I", value, _HEAD.size)
-        tokens = np.frombuffer(value, dtype="<i4", offset=_HEAD.size + 4 * n).astype(np.int32)
-        return _Entry(slot, seq, checksums, BlockRecord(tokens, BlockKey(parent) if has_parent else None))
 
     # -- sizes ---------------------------------------------------------------
     @property
@@ -302,8 +499,18 @@ class DiskTier:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def _file_of(self, slot: int) -> int:
+        return slot // self._slots_per_file
+
+    def _offset_of(self, slot: int) -> int:
+        return (slot % self._slots_per_file) * self._slot_bytes
+
+    def _slot_end(self, slot: int) -> int:
+        """The byte after ``slot``'s block in its slab file: how long the file must be to hold it."""
+        return self._offset_of(slot) + self.layout.block_bytes
+
     def _where(self, slot: int) -> tuple[int, int]:
-        return self._file(slot // self._slots_per_file), (slot % self._slots_per_file) * self._slot_bytes
+        return self._file(self._file_of(slot)), self._offset_of(slot)
 
     # -- lookups -------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
@@ -349,7 +556,7 @@ class DiskTier:
     def _read(
         self,
         keys: list[BlockKey],
-        entries: list[_Entry],
+        entries: list[IndexEntry],
         outs: list[torch.Tensor],
         *,
         nbytes: int,
@@ -385,11 +592,15 @@ class DiskTier:
         return results
 
     def _verify(self, r: _Read, whole: bool, crcs: tuple[int, ...]) -> bool:
-        if not whole:
-            self.stats.add(errors=1)  # the slab ends early: truncated under us
+        if not whole:  # the slab ends early: truncated under us, and it will not grow back
+            self.stats.add(lost_blocks=1)
+            warn_once("disk-short", "disk tier block ends past its slab file's end (truncated); dropped (lost_blocks)")
+            self._drop_unreadable(r)
             return False
         if crcs != r.checksums:
-            self._drop_corrupt(r.key, r.entry)
+            self.stats.add(checksum_failures=1)
+            warn_once("disk-checksum", "disk tier block failed its checksum; dropped (counted in checksum_failures)")
+            self._drop_unreadable(r)
             return False
         self.stats.add(bytes_read=r.buf.nbytes)
         return True
@@ -403,14 +614,16 @@ class DiskTier:
             bounce = self._local.bounce = self._io.alloc_aligned(BOUNCE_BYTES, SLOT_ALIGN)
         return bounce
 
-    def _drop_corrupt(self, key: BlockKey, entry: _Entry) -> None:
-        """Forget a block whose bytes fail their checksum, unless it was replaced meanwhile."""
-        self.stats.add(checksum_failures=1)
-        warn_once("disk-checksum", "disk tier block failed its checksum; dropped (counted in checksum_failures)")
+    def _drop_unreadable(self, r: _Read) -> None:
+        """Forget a block whose bytes failed their read, unless it was replaced meanwhile.
+
+        Kept, it would fail every lookup that reaches it again; dropped, its
+        slot is free for a block that can be read.
+        """
         with self._lock:
-            if self._index.get(key) is not entry:
-                return  # the slot was reused while we read it: a race, not corruption on disk
-        self.remove(key)
+            if self._index.get(r.key) is not r.entry:
+                return  # the slot was reused while we read it: a race, not damage on disk
+        self.remove(r.key)
 
     # -- stores --------------------------------------------------------------
     def put(self, key: BlockKey, payload: torch.Tensor, record: BlockRecord) -> bool:
@@ -449,7 +662,7 @@ class DiskTier:
             for i, (key, record) in enumerate(zip(keys, records, strict=True)):
                 entry = self._index.get(key)
                 if entry is not None:
-                    results[i] = entry.record.matches(record.tokens)
+                    results[i] = entry.record.matches(record.digest)
                 elif key in seen:
                     continue
                 elif self._free:
@@ -476,7 +689,7 @@ class DiskTier:
                 first = self._seq + 1
                 self._seq += len(batch)
             entries = [
-                (key, _Entry(slot, first + n, tuple(sums), record))
+                (key, IndexEntry(slot, first + n, tuple(sums), record))
                 for n, ((key, _, record, slot), sums) in enumerate(zip(batch, checksums, strict=True))
             ]
             self._commit(entries)
@@ -490,11 +703,11 @@ class DiskTier:
         self.stats.add(bytes_written=len(entries) * self.layout.block_bytes)
         return True
 
-    def _commit(self, entries: list[tuple[BlockKey, _Entry]]) -> None:
+    def _commit(self, entries: list[tuple[BlockKey, IndexEntry]]) -> None:
         """The acknowledgement point: after this returns, the blocks survive a crash."""
         with self._env.begin(write=True, db=self._blocks) as txn:
             for key, entry in entries:
-                txn.put(key, self._encode(entry))
+                txn.put(key, encode_record(entry))
         with self._lock:
             for key, entry in entries:
                 self._index[key] = entry
@@ -541,20 +754,26 @@ class DiskTier:
 
     def slab_path(self, slot: int) -> tuple[Path, int]:
         """File and byte offset of ``slot`` (tests flip bytes there to prove checksums work)."""
-        return self.path / f"slab-{slot // self._slots_per_file:04d}.bin", (
-            slot % self._slots_per_file
-        ) * self._slot_bytes
+        return self._dir.slab_path(self._file_of(slot)), self._offset_of(slot)
 
     def slot_of(self, key: BlockKey) -> int | None:
         entry = self._index.get(key)
         return None if entry is None else entry.slot
 
     def close(self) -> None:
+        """Close the files and the index, then release the directory's lock (idempotent)."""
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds = {}
-            self._env.close()
+            self._abandon()
 
 
-__all__ = ["BOUNCE_BYTES", "FORMAT_VERSION", "SLOT_ALIGN", "DiskTier", "IOMode"]
+__all__ = [
+    "BOUNCE_BYTES",
+    "FORMAT_VERSION",
+    "SLOT_ALIGN",
+    "DiskTier",
+    "IOMode",
+    "IndexDamage",
+    "IndexEntry",
+    "decode_record",
+    "record_bytes",
+]

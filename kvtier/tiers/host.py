@@ -202,7 +202,7 @@ class HostTier:
     def put(self, key: BlockKey, payload: torch.Tensor, record: BlockRecord) -> bool:
         existing = self.record(key)
         if existing is not None:
-            return existing.matches(record.tokens)
+            return existing.matches(record.digest)
         dst = self.reserve(key, record)
         if dst is None:
             self.stats.add(rejected_stores=1)

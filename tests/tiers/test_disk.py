@@ -1,9 +1,15 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
+import random
+import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -14,14 +20,14 @@ import pytest
 import torch
 
 from kvtier import errors
-from kvtier.config import FsyncMode, OnMismatch
-from kvtier.errors import KVTierError, TierMismatchError
-from kvtier.keys import BlockKey
+from kvtier.config import FsyncMode, OnCorrupt, OnMismatch
+from kvtier.errors import DiskCorruptError, DiskLockedError, DiskUnavailableError, KVTierError, TierMismatchError
+from kvtier.keys import DIGEST_BYTES, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.disk import FORMAT_VERSION, DiskTier, IOMode
-from tests.helpers import as_bytes, payload, toy_layout
+from tests.helpers import as_bytes, payload, read_only, record, toy_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +37,7 @@ def key(i: int) -> BlockKey:
 
 
 def rec(i: int) -> BlockRecord:
-    return BlockRecord.of([i, i + 1, i + 2, i + 3], key(i - 1) if i else None)
+    return record(i, key(i - 1) if i else None)
 
 
 def open_disk(path: Path, dtype: torch.dtype = torch.float32, **kw) -> DiskTier:
@@ -129,7 +135,9 @@ def test_header_mismatch_is_an_error_or_an_explicit_wipe(tmp_path: Path) -> None
         open_disk(tmp_path, model_fingerprint="another-model")
     with pytest.raises(TierMismatchError, match="layout"):
         open_disk(tmp_path, torch.bfloat16)
-    assert len(open_disk(tmp_path)) == 1  # the failed opens changed nothing
+    same = open_disk(tmp_path)
+    assert len(same) == 1  # the failed opens changed nothing
+    same.close()
     wiped = open_disk(tmp_path, model_fingerprint="another-model", on_mismatch=OnMismatch.WIPE)
     assert len(wiped) == 0 and wiped.free_blocks() == wiped.capacity_blocks
 
@@ -362,19 +370,36 @@ def test_records_carry_one_crc32c_per_layer(tmp_path: Path) -> None:
     assert struct.unpack_from(f"<{layout.num_layers}I", value, head) == tuple(
         native.PYTHON.crc32c(data[i * lb : (i + 1) * lb]) for i in range(layout.num_layers)
     )
-    assert len(value) == head + 4 * layout.num_layers + 4 * layout.block_size
+    assert len(value) == head + 4 * layout.num_layers + DIGEST_BYTES
+    assert value[head + 4 * layout.num_layers :] == rec(0).digest  # the digest, never the token ids
 
 
-def test_a_format_1_tier_is_refused(tmp_path: Path) -> None:
+def set_header(path: Path, **fields: object) -> None:
     import json
 
-    open_disk(tmp_path).close()
-    env = lmdb.open(str(tmp_path / "index.lmdb"), max_dbs=2)
+    env = lmdb.open(str(path / "index.lmdb"), max_dbs=2)
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
         header = json.loads(txn.get(b"header"))
-        txn.put(b"header", json.dumps({**header, "format_version": 1}, sort_keys=True).encode())
+        txn.put(b"header", json.dumps({**header, **fields}, sort_keys=True).encode())
     env.close()
-    assert FORMAT_VERSION == 2
+
+
+def test_an_older_format_is_wiped_with_one_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = open_disk(tmp_path)
+    tier.put(key(0), payload(tier.layout, 0), rec(0))
+    tier.close()
+    set_header(tmp_path, format_version=2)  # format 2 kept plain token ids: unreadable here, and not to be kept
+    assert FORMAT_VERSION == 3
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        again = open_disk(tmp_path)  # whatever on_mismatch says: the default is error
+    assert len(again) == 0 and again.free_blocks() == again.capacity_blocks
+    assert not list(tmp_path.glob("slab-*.bin")) and (tmp_path / "lock").exists()
+    wiped = [r.getMessage() for r in caplog.records if "wiping" in r.getMessage()]
+    assert len(wiped) == 1 and "format 2" in wiped[0]
+    again.close()
+    set_header(tmp_path, format_version=4)  # a newer kvtier's tier is not this version's to erase
     with pytest.raises(TierMismatchError, match="format_version"):
         open_disk(tmp_path)
 
@@ -387,3 +412,260 @@ def test_wrong_sized_buffers_are_refused_not_spilled(tmp_path: Path, io_mode: IO
     tier.put(key(0), payload(tier.layout, 0), rec(0))
     assert not tier.get(key(0), torch.empty(tier.layout.block_bytes + 4096, dtype=torch.uint8))
     assert tier.stats.errors == 1
+
+
+# -- opening: damage, lost slabs, one owner, read-only, privacy ------------------------------------------------------
+PAGE = os.sysconf("SC_PAGE_SIZE")  # LMDB's page size
+
+
+def dkey(i: int) -> BlockKey:
+    """A key whose bytes occur nowhere else in the index, so a test can find the page holding it."""
+    return BlockKey(hashlib.blake2b(b"dkey-%d" % i, digest_size=16).digest())
+
+
+def fill(path: Path, n: int, **kw) -> DiskTier:
+    """A tier holding ``n`` blocks under :func:`dkey`, all written in one index transaction."""
+    tier = open_disk(path, capacity=max(16, n) * 4096, **kw)
+    keys = [dkey(i) for i in range(n)]
+    records = [record(i) for i in range(n)]  # no parents: each key is written once, in its own leaf page
+    assert tier.put_many(keys, [payload(tier.layout, i) for i in range(n)], records) == [True] * n
+    return tier
+
+
+def leaf_page(path: Path, n: int) -> int:
+    """A live leaf page of the blocks index: one holding a key that no other page holds.
+
+    Every key was written by one transaction, so no older copy of its page
+    exists; a key found on two pages is also a separator in a branch page.
+    """
+    data = (path / "index.lmdb" / "data.mdb").read_bytes()
+    for i in range(n):
+        pages = {m.start() // PAGE for m in re.finditer(re.escape(dkey(i)), data)}
+        if len(pages) == 1:
+            return pages.pop()
+    raise AssertionError("every key is on two pages")
+
+
+def overwrite_page(path: Path, page: int, data: bytes) -> None:
+    with open(path / "index.lmdb" / "data.mdb", "r+b") as f:
+        f.seek(page * PAGE)
+        f.write(data)
+
+
+PROBE = textwrap.dedent(
+    """
+    import json, logging, os, resource, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, os.getcwd())
+    from tests.tiers.test_disk import key, open_disk, rec
+    from tests.helpers import payload
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    mode, path = sys.argv[1], Path(sys.argv[2])
+    if mode == "fsize":  # no file of this process may grow past 64 KiB: a 256 KiB slab cannot be preallocated
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        tier = open_disk(path, capacity=64 * 4096, file_bytes=64 * 4096)
+        print(json.dumps({"stored": tier.put(key(0), payload(tier.layout, 0), rec(0)), "errors": tier.stats.errors}))
+    elif mode == "hold":
+        tier = open_disk(path, capacity=int(sys.argv[3]))
+        print("HELD", flush=True)
+        signal.pause()
+    else:  # "open"
+        tier = open_disk(path, capacity=int(sys.argv[3]))
+        print(json.dumps({"blocks": len(tier), "quarantined": tier.stats.quarantined}))
+    """
+)
+
+
+def probe(mode: str, path: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", PROBE, mode, str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_garbage_in_a_live_index_page_is_quarantined_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fill(tmp_path, 4).close()
+    overwrite_page(tmp_path, leaf_page(tmp_path, 4), random.Random(7).randbytes(PAGE))
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        tier = open_disk(tmp_path)
+    assert (len(tier), tier.stats.quarantined, tier.free_blocks()) == (0, 1, tier.capacity_blocks)
+    (moved,) = (tmp_path / "quarantine").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["index.lmdb", "slab-0000.bin"]
+    assert stat.S_IMODE(moved.stat().st_mode) == 0o700
+    said = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(said) == 1 and str(moved) in said[0]
+    assert tier.put(key(0), payload(tier.layout, 0), rec(0))  # a working, empty tier
+    assert torch.equal(read(tier, 0), as_bytes(payload(tier.layout, 0)))
+    tier.close()
+    again = open_disk(tmp_path)
+    assert (len(again), again.stats.quarantined) == (1, 0)  # the new index is sound: nothing more moved
+
+
+def test_a_zeroed_index_page_is_quarantined_where_liblmdb_would_abort(tmp_path: Path) -> None:
+    n = 200  # several leaf pages under a branch page
+    fill(tmp_path, n).close()
+    overwrite_page(tmp_path, leaf_page(tmp_path, n), bytes(PAGE))
+    walk = (
+        "import lmdb, sys; e = lmdb.open(sys.argv[1], max_dbs=2, readonly=True, lock=False)\n"
+        "for _ in e.begin(db=e.open_db(b'blocks', create=False)).cursor(): pass"
+    )
+    raw = subprocess.run([sys.executable, "-c", walk, str(tmp_path / "index.lmdb")], capture_output=True)
+    assert raw.returncode != 0  # liblmdb cannot walk it (it aborts: "Assertion 'IS_LEAF(mp)' failed")
+    child = probe("open", tmp_path, str(n * 4096))
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert json.loads(out) == {"blocks": 0, "quarantined": 1}
+
+
+def test_on_corrupt_error_refuses_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    fill(tmp_path, 4).close()
+    overwrite_page(tmp_path, leaf_page(tmp_path, 4), bytes(PAGE))
+    with pytest.raises(DiskCorruptError) as refused:
+        open_disk(tmp_path, on_corrupt=OnCorrupt.ERROR)
+    message = str(refused.value)
+    assert "\n" not in message and str(tmp_path / "index.lmdb" / "data.mdb") in message
+    assert "disk.on_corrupt" in message
+    assert not (tmp_path / "quarantine").exists() and (tmp_path / "slab-0000.bin").exists()  # nothing moved
+    tier = open_disk(tmp_path)  # the refusal released the lock; quarantine is the default
+    assert tier.stats.quarantined == 1
+
+
+@pytest.mark.parametrize("damage", ["short record", "two records, one slot"])
+def test_a_record_this_format_cannot_have_is_damage(tmp_path: Path, damage: str) -> None:
+    fill(tmp_path, 2).close()
+    env = lmdb.open(str(tmp_path / "index.lmdb"), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        value = txn.get(dkey(0))
+        txn.put(dkey(9), value[:-1] if damage == "short record" else value)
+    env.close()
+    tier = open_disk(tmp_path)
+    assert (len(tier), tier.stats.quarantined) == (0, 1)
+
+
+def test_records_of_missing_or_short_slab_files_are_dropped_at_open(tmp_path: Path) -> None:
+    tier = open_disk(tmp_path, capacity=12 * 4096, file_bytes=4 * 4096)  # slots 0-3, 4-7, 8-11 in three files
+    tier.put_many(
+        [key(i) for i in range(12)], [payload(tier.layout, i) for i in range(12)], [rec(i) for i in range(12)]
+    )
+    slots = {i: tier.slot_of(key(i)) for i in range(12)}
+    tier.close()
+    (tmp_path / "slab-0001.bin").unlink()
+    os.truncate(tmp_path / "slab-0002.bin", 4096 + 100)  # keeps the block in its first slot whole, not the second
+    again = open_disk(tmp_path, capacity=12 * 4096, file_bytes=4 * 4096)
+    kept = sorted(i for i in range(12) if again.contains(key(i)))
+    assert kept == sorted(i for i, s in slots.items() if s < 4 or s == 8)
+    assert again.stats.lost_blocks == 7 and again.free_blocks() == 12 - len(kept)
+    assert all(torch.equal(read(again, i), as_bytes(payload(again.layout, i))) for i in kept)
+    again.close()
+    third = open_disk(tmp_path, capacity=12 * 4096, file_bytes=4 * 4096)
+    assert len(third) == len(kept) and third.stats.lost_blocks == 0  # dropped from the index file too
+
+
+def test_a_slab_truncated_under_the_tier_drops_the_record_on_the_first_short_read(
+    tmp_path: Path, io_mode: IOMode
+) -> None:
+    tier = open_disk(tmp_path, io_mode=io_mode)
+    tier.put_many([key(i) for i in range(2)], [payload(tier.layout, i) for i in range(2)], [rec(i) for i in range(2)])
+    path, offset = tier.slab_path(tier.slot_of(key(1)))
+    os.truncate(path, offset + 100)
+    assert read(tier, 1) is None
+    assert tier.stats.lost_blocks == 1 and not tier.contains(key(1))
+    assert read(tier, 1) is None and tier.stats.lost_blocks == 1  # not read, and not counted, again
+    assert torch.equal(read(tier, 0), as_bytes(payload(tier.layout, 0)))
+
+
+def test_a_second_opener_in_this_process_is_refused_until_the_first_closes(tmp_path: Path) -> None:
+    first = open_disk(tmp_path)
+    with pytest.raises(DiskLockedError, match=f"in use by pid {os.getpid()} \\(this process\\)") as refused:
+        open_disk(tmp_path)
+    assert "node-local cache service" in str(refused.value) and "\n" not in str(refused.value)
+    assert first.put(key(0), payload(first.layout, 0), rec(0))  # the refused opener touched nothing
+    first.close()
+    second = open_disk(tmp_path)
+    assert len(second) == 1
+
+
+def test_another_process_holding_the_tier_is_named_and_its_death_frees_it(tmp_path: Path) -> None:
+    child = probe("hold", tmp_path, str(16 * 4096))
+    assert child.stdout is not None and child.stdout.readline().strip() == "HELD"
+    try:
+        with pytest.raises(DiskLockedError, match=f"in use by pid {child.pid}:"):
+            open_disk(tmp_path)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    open_disk(tmp_path).close()  # the kernel dropped the lock with its holder: no stale lock
+
+
+def test_a_read_only_directory_is_unavailable_in_one_line(tmp_path: Path) -> None:
+    tier = open_disk(tmp_path / "disk")
+    tier.put(key(0), payload(tier.layout, 0), rec(0))
+    tier.close()
+    with read_only(tmp_path):
+        for where in (tmp_path / "disk", tmp_path / "not-yet"):
+            with pytest.raises(DiskUnavailableError) as refused:
+                open_disk(where)
+            assert "\n" not in str(refused.value) and str(where) in str(refused.value)
+    assert len(open_disk(tmp_path / "disk")) == 1  # writable again: nothing was lost
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_files_are_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        tier = open_disk(tmp_path / "disk")
+        tier.put(key(0), payload(tier.layout, 0), rec(0))
+        tier.close()
+    finally:
+        os.umask(old)
+    assert modes(tmp_path / "disk") == expected_modes(tmp_path / "disk")
+
+
+def test_files_made_before_are_made_private_at_open(tmp_path: Path) -> None:
+    tier = open_disk(tmp_path)
+    tier.put(key(0), payload(tier.layout, 0), rec(0))
+    tier.close()
+    for path in (tmp_path, *tmp_path.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    open_disk(tmp_path).close()
+    assert modes(tmp_path) == expected_modes(tmp_path)
+
+
+def modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in (root, *root.rglob("*"))}
+
+
+def expected_modes(root: Path) -> dict[str, int]:
+    names = {".", "lock", "index.lmdb", "index.lmdb/data.mdb", "index.lmdb/lock.mdb", "slab-0000.bin"}
+    assert set(modes(root)) == names
+    return {name: 0o700 if (root / name).is_dir() else 0o600 for name in names}
+
+
+def test_a_capacity_beyond_the_free_space_is_said_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(errors, "_seen", set())
+    huge = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2**20, block_size=64, dtype=torch.float32)  # 512 MiB
+    free = shutil.disk_usage(tmp_path).free
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        open_disk(tmp_path / "fits", layout=huge, capacity=huge.block_bytes).close()
+        assert not [r for r in caplog.records if "free" in r.getMessage()]
+        open_disk(tmp_path / "too-big", layout=huge, capacity=free + 2**40).close()
+    (said,) = [r.getMessage() for r in caplog.records if "free" in r.getMessage()]
+    assert str(tmp_path / "too-big") in said and "disk.capacity_bytes" in said
+
+
+def test_a_slab_that_cannot_be_preallocated_is_said_naming_the_file(tmp_path: Path) -> None:
+    child = probe("fsize", tmp_path)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert json.loads(out) == {"stored": False, "errors": 1}  # nor can it grow: the store fails, counted
+    (said,) = [line for line in err.splitlines() if "cannot preallocate" in line]
+    assert str(tmp_path / "slab-0000.bin") in said

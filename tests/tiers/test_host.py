@@ -6,7 +6,7 @@ import torch
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.host import HostTier
-from tests.helpers import as_bytes, payload, toy_layout
+from tests.helpers import as_bytes, payload, record, toy_layout
 
 
 def key(i: int) -> BlockKey:
@@ -14,7 +14,7 @@ def key(i: int) -> BlockKey:
 
 
 def rec(i: int) -> BlockRecord:
-    return BlockRecord.of([i, i + 1, i + 2, i + 3], None)
+    return record(i)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -66,7 +66,7 @@ def test_reserved_slot_is_invisible_until_commit_and_abort_frees_it() -> None:
     assert buf is not None
     buf.copy_(as_bytes(payload(layout, 1)))
     tier.commit(key(1))
-    assert tier.contains(key(1)) and tier.record(key(1)).matches(rec(1).tokens)
+    assert tier.contains(key(1)) and tier.record(key(1)).matches(rec(1).digest)
 
 
 def test_too_small_capacity_is_a_clear_error() -> None:
