@@ -171,6 +171,26 @@ def _cache_check(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
+def _cache_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from kvtier.engine.runtime import kv_identity
+    from kvtier.service import CacheService
+
+    config = load_config(args.config)
+    path = args.socket or config.cache.service_socket or config.data_dir / "cache.sock"
+    layout, fingerprint = kv_identity(config)
+    service = CacheService(config, layout, model_fingerprint=fingerprint, socket_path=path)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stop())
+    print(f"kvtier cache service: unix://{path} ({layout.descriptor})", flush=True)
+    try:
+        service.serve_forever()
+    finally:
+        service.close()  # the tiers flush here: a planned restart keeps the cache
+    return 0
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from kvtier.bench import gpu
 
@@ -274,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--read", action="store_true", help="also read every block and verify its CRC-32C")
     c.set_defaults(run=_cache_check)
+    sv = what.add_parser(
+        "serve", parents=[common], help="the node-local cache service every engine process shares (Unix socket)"
+    )
+    sv.add_argument(
+        "--socket", type=Path, default=None, help="default: cache.service's path, else <data_dir>/cache.sock"
+    )
+    sv.set_defaults(run=_cache_serve)
     return parser
 
 

@@ -143,6 +143,22 @@ class CacheConfig(_Section):
     flush_on_exit_s: float = Field(
         30.0, ge=0, description="On a clean exit (SIGTERM), write-back host blocks go to disk for at most this long."
     )
+    service: str = Field(
+        "embedded",
+        description="embedded: the tiers live in this process; unix:///path: in the node's cache service there.",
+    )
+
+    @field_validator("service")
+    @classmethod
+    def _check_service(cls, v: str) -> str:
+        if v != "embedded" and not (v.startswith("unix:///") and len(v) > len("unix:///")):
+            raise ValueError("cache.service is 'embedded' or 'unix:///absolute/path/to.sock'")
+        return v
+
+    @property
+    def service_socket(self) -> Path | None:
+        """The cache service's socket, or None when the cache is embedded."""
+        return None if self.service == "embedded" else Path(self.service.removeprefix("unix://"))
 
 
 class ComputeDtype(enum.StrEnum):

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,7 +82,9 @@ class CacheManager:
         *,
         model_fingerprint: str,
         hasher: KeyHasher | None = None,
+        host_file: Path | None = None,
     ) -> None:
+        """``host_file``: the host slab in that shared-memory file (the cache service maps it to its clients)."""
         if layout.block_size != config.cache.block_size:
             raise ValueError(f"layout block size {layout.block_size} != cache.block_size {config.cache.block_size}")
         self.config = config
@@ -92,7 +95,7 @@ class CacheManager:
             layout_descriptor=layout.descriptor,
             block_size=layout.block_size,
         )
-        self.host = HostTier(layout, int(config.host.capacity_bytes))
+        self.host = HostTier(layout, int(config.host.capacity_bytes), shared_file=host_file)
         self.disk = self._open_disk(model_fingerprint) if config.disk.enabled else None
         self.tiers: list[Tier] = [t for t in (self.host, self.disk) if t is not None]
         self._policies: dict[TierKind, EvictionPolicy] = {

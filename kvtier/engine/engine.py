@@ -44,6 +44,7 @@ from kvtier.fetch import Fetch, LoadHandle
 from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
 from kvtier.model.tokenizer import StreamDecoder, Tokenizer
+from kvtier.service.cache import ServiceCache
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobId, JobStatus
 
@@ -139,7 +140,7 @@ class Engine:
         *,
         pool_blocks: int,
         block_size: int,
-        cache: CacheManager | None = None,
+        cache: CacheManager | ServiceCache | None = None,
         hasher: KeyHasher | None = None,
         keep_resident: bool = True,
         max_batch: int = 16,

@@ -9,7 +9,7 @@ from kvtier.config import Config, DecodeWeights
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
 from kvtier.keys import KeyHasher
-from kvtier.layout import dtype_from_name
+from kvtier.layout import KVLayout, dtype_from_name
 from kvtier.manager import CacheManager
 from kvtier.model import (
     ChatTemplate,
@@ -20,7 +20,10 @@ from kvtier.model import (
     load_gguf_with_blocks,
     load_tokenizer,
     model_fingerprint,
+    read_gguf_metadata,
 )
+from kvtier.service.cache import ServiceCache
+from kvtier.service.client import CacheClient
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,36 @@ def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
     )
 
 
-def open_cache(loaded: LoadedModel, config: Config) -> CacheManager:
+def open_cache(loaded: LoadedModel, config: Config) -> CacheManager | ServiceCache:
+    """The tiers in this process, or a client of the node's cache service (``cache.service``)."""
     layout = loaded.model.kv_layout(config.cache.block_size)
-    return CacheManager(config, layout, model_fingerprint=loaded.fingerprint)
+    socket_path = config.cache.service_socket
+    if socket_path is None:
+        return CacheManager(config, layout, model_fingerprint=loaded.fingerprint)
+    return ServiceCache(CacheClient(socket_path, layout, model_fingerprint=loaded.fingerprint), config, layout)
+
+
+def kv_identity(config: Config) -> tuple[KVLayout, str]:
+    """The KV layout and model fingerprint a cache of this config's model binds, from the GGUF header alone.
+
+    The cache service needs them to check its clients, not the weights.
+    """
+    path = config.engine.model_path or default_gguf_path()
+    dtype = dtype_from_name(config.engine.dtype.value)
+    meta = read_gguf_metadata(path)
+    arch = meta.architecture
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads))
+    layout = KVLayout(int(meta[f"{arch}.block_count"]), kv_heads, head_dim, config.cache.block_size, dtype)
+    return layout, model_fingerprint(path, dtype, config.data_dir)
 
 
 def make_engine(
     loaded: LoadedModel,
     config: Config,
     *,
-    cache: CacheManager | None,
+    cache: CacheManager | ServiceCache | None,
     keep_resident: bool | None = None,
     hasher: KeyHasher | None = None,
 ) -> Engine:
@@ -84,6 +107,7 @@ def make_engine(
     for an engine that uses only its own pool.
     """
     e = config.engine
+    embedded = isinstance(cache, CacheManager)  # a service cache loads at admission: no prefetch on arrival
     block_bytes = loaded.model.kv_layout(config.cache.block_size).block_bytes
     resident = e.keep_resident if keep_resident is None else keep_resident
     hasher = hasher or (cache.hasher if cache is not None else None)
@@ -98,6 +122,6 @@ def make_engine(
         max_batch=e.max_batch,
         max_step_tokens=e.max_step_tokens,
         namespace=config.cache.namespace,
-        prefetch=config.transfer.prefetch,
+        prefetch=config.transfer.prefetch and embedded,
         layerwise=config.transfer.layerwise,
     )

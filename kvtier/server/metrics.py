@@ -38,6 +38,7 @@ from kvtier.server.schemas import (
     StatsReport,
     TierReport,
 )
+from kvtier.service.cache import ServiceCache
 from kvtier.stats import LATENCY_BUCKETS_S, Histogram
 from kvtier.tiers.base import TierKind
 
@@ -179,7 +180,7 @@ def tier_report(snap: dict[str, Any]) -> TierReport:
     )
 
 
-def build_report(model: str, cache: CacheManager, metrics: EngineMetrics) -> StatsReport:
+def build_report(model: str, cache: CacheManager | ServiceCache, metrics: EngineMetrics) -> StatsReport:
     stats = cache.stats()
     tiers = {TierKind.DEVICE: metrics.device_report()}
     for tier in cache.tiers:

@@ -9,6 +9,7 @@ from kvtier.engine.runtime import LoadedModel
 from kvtier.manager import CacheManager
 from kvtier.server.auth import AdminToken, Tenants
 from kvtier.server.loop import EngineLoop
+from kvtier.service.cache import ServiceCache
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class ServerState:
     config: Config
     model_name: str
     loaded: LoadedModel  # the tokenizer and chat template; the weights are the engine thread's
-    cache: CacheManager
+    cache: CacheManager | ServiceCache
     loop: EngineLoop
     tenants: Tenants
     admin: AdminToken

@@ -18,9 +18,11 @@ the manager's job (pins), not this tier's.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -62,7 +64,11 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 class HostTier:
     kind = TierKind.HOST
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int, *, pin: bool | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, capacity_bytes: int, *, pin: bool | None = None, shared_file: Path | None = None
+    ) -> None:
+        """``shared_file``: back the slab by this file (shared memory, ``/dev/shm``), mapped shared, so
+        other processes can map the same slots (the cache service's clients copy straight out of them)."""
         self.layout = layout
         self.stats = TierStats()
         self._slot_bytes = align_up(layout.block_bytes)
@@ -75,7 +81,16 @@ class HostTier:
             pin = torch.cuda.is_available()
         self.pinned = pin
         nbytes = num_slots * self._slot_bytes
-        if pin:
+        if shared_file is not None:
+            fd = os.open(shared_file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)  # sparse: pages cost memory only once written
+            finally:
+                os.close(fd)
+            self._slab = torch.from_file(str(shared_file), shared=True, size=nbytes, dtype=torch.uint8)
+            if pin:
+                torch.cuda.cudart().cudaHostRegister(self._slab.data_ptr(), nbytes, 0)
+        elif pin:
             self._slab = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
             # Page-aligned (so the disk tier's O_DIRECT reads land in slots without a bounce
@@ -122,6 +137,10 @@ class HostTier:
     def record(self, key: BlockKey) -> BlockRecord | None:
         slot = self._slot_of.get(key)
         return None if slot is None else self._records[slot]
+
+    def offset(self, view: torch.Tensor) -> int:
+        """Byte offset in the slab of a slot view this tier handed out (what a mapping client indexes by)."""
+        return view.data_ptr() - self._slab.data_ptr()
 
     def view(self, key: BlockKey) -> torch.Tensor | None:
         """The block's slot itself (uint8, ``block_bytes``): zero-copy, valid while pinned."""

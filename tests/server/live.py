@@ -68,8 +68,9 @@ class LiveServer:
         return response.json()
 
 
-def write_config(tmp: Path, server: dict[str, Any]) -> Path:
-    tree = {"data_dir": str(tmp / "data"), **SIZES, "server": {"admin_token": ADMIN, **server}}
+def write_config(tmp: Path, server: dict[str, Any], sections: dict[str, Any] | None = None) -> Path:
+    tree = {"data_dir": str(tmp / "data"), **SIZES, "server": {"admin_token": ADMIN, **server}, **(sections or {})}
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "kvtier.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path
@@ -90,9 +91,9 @@ def _wait_healthy(server: LiveServer, timeout_s: float) -> None:
 
 
 @contextmanager
-def running(tmp: Path, **server: Any) -> Iterator[LiveServer]:
-    """``kvtier serve`` with ``server`` settings; terminated (SIGTERM, then SIGKILL) on exit."""
-    config = write_config(tmp, server)
+def running(tmp: Path, sections: dict[str, Any] | None = None, **server: Any) -> Iterator[LiveServer]:
+    """``kvtier serve`` with ``server`` settings (and other config ``sections``); SIGTERM, then SIGKILL, on exit."""
+    config = write_config(tmp, server, sections)
     port = free_port()
     log = tmp / "server.log"
     with log.open("wb") as out:

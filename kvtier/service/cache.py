@@ -1,0 +1,139 @@
+"""The built-in engine's cache when it lives in the node's cache service (``cache.service: unix:///path``).
+
+The engine and the server call the same methods on a :class:`ServiceCache`
+as on an embedded :class:`~kvtier.manager.CacheManager` (lookup, load,
+store_from, poll / wait, stats, and the admin probe / pin / clear), so two
+``kvtier serve`` instances on one machine share one cache: turn 2 of a
+session sent to the second instance finds the blocks the first one stored.
+
+What differs, and why:
+
+* Loads are one round trip at admission (the service promotes disk blocks
+  before it answers); there is no prefetch on arrival, which would hold the
+  connection while other requests want it.
+* The engine's own resident-pool index keys blocks with a process-local
+  secret: those keys never leave the process, and the service computes the
+  shared ones from the tokens, keeping the deployment secret to itself.
+* The reload-vs-recompute model is the engine's own: it is fed by this
+  process's forwards.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.breakeven import BreakEvenModel
+from kvtier.config import Config
+from kvtier.index import LookupResult
+from kvtier.keys import SECRET_BYTES, KeyHasher, Secret
+from kvtier.layout import KVLayout
+from kvtier.service.client import CacheClient, ClientLoad
+from kvtier.tiers.base import TierKind
+from kvtier.transfer import JobId, JobStatus, TransferWorker
+
+
+@dataclass(frozen=True)
+class ServiceLookup(LookupResult):
+    """A lookup answered by the service, carrying the tokens a load of it must send again."""
+
+    tokens: bytes = b""
+
+
+@dataclass(frozen=True)
+class ServiceTier:
+    """A tier the service runs, named for the server's reports (the bytes are the service's)."""
+
+    kind: TierKind
+
+
+class ServiceCache:
+    def __init__(self, client: CacheClient, config: Config, layout: KVLayout) -> None:
+        self.client = client
+        self.config = config
+        self.layout = layout
+        self.hasher = KeyHasher(
+            Secret(secrets.token_bytes(SECRET_BYTES), persistent=False),
+            model_fingerprint="process-local",
+            layout_descriptor=layout.descriptor,
+            block_size=layout.block_size,
+        )
+        self.costs = BreakEvenModel(
+            layout.block_size, layout.block_bytes, deadline_slack=config.transfer.deadline_slack
+        )
+        self.worker = TransferWorker(1)  # stores run off the engine's step, as embedded
+        self.tiers = [ServiceTier(kind) for kind in (TierKind.HOST, TierKind.DISK) if kind.value in client.stats()]
+
+    @property
+    def load_chunk(self) -> int:
+        """Blocks one load asks for, so that several loads can hold pins at once (as embedded)."""
+        return max(1, self.client.welcome.slab_bytes // self.client.welcome.slot_bytes // 4)
+
+    def _ns(self, namespace: str | None) -> str:
+        return namespace or self.config.cache.namespace
+
+    # -- the data path ------------------------------------------------------------------------------
+    def lookup(
+        self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None, *, first_block: int = 0
+    ) -> ServiceLookup:
+        ns = self._ns(namespace)
+        raw = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+        r = self.client.lookup(tokens, ns, first_block=first_block)
+        bs = self.layout.block_size
+        return ServiceLookup(ns, bs, len(tokens), (), tuple(r.tiers), r.miss_reason, first_block, tokens=raw)
+
+    def probe(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> LookupResult:
+        r = self.client.probe(tokens, self._ns(namespace))
+        return LookupResult(self._ns(namespace), self.layout.block_size, len(tokens), (), tuple(r.tiers), r.miss_reason)
+
+    def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> ClientLoad:
+        assert isinstance(result, ServiceLookup)
+        tokens = np.frombuffer(result.tokens, dtype="<i4")
+        first = result.first_block if start is None else start
+        return self.client.load(tokens, result.namespace, start=first, max_blocks=max_blocks)
+
+    def store_from(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        fill: Callable[[int, torch.Tensor], object],
+        namespace: str | None = None,
+        *,
+        first_block: int = 0,
+        num_blocks: int,
+    ) -> JobId:
+        ids = np.array(tokens, dtype=np.int32)
+        ns = self._ns(namespace)
+        return self.worker.submit(
+            lambda: self.client.store_from(ids, fill, ns, first_block=first_block, num_blocks=num_blocks)
+        )
+
+    def poll(self, job: JobId) -> JobStatus:
+        return self.worker.poll(job)
+
+    def wait(self, job: JobId) -> Any:
+        return self.worker.wait(job)
+
+    # -- operators --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"pinned_blocks": 0, "ttl_pinned_blocks": 0, **self.client.stats(), "break_even": self.costs.snapshot()}
+
+    def ttl_pinned(self) -> int:
+        return int(self.client.stats().get("ttl_pinned_blocks", 0))
+
+    def pin_for(self, tokens: Sequence[int] | np.ndarray, namespace: str | None, ttl_s: float) -> list[int]:
+        """The indices of the blocks pinned (the keys are the service's)."""
+        return list(range(self.client.pin(tokens, self._ns(namespace), ttl_s)))
+
+    def clear(self, kind: TierKind | None = None) -> int:
+        return self.client.clear(kind)
+
+    def close(self, flush_s: float | None = None) -> None:
+        """Finish this process's stores; flushing the tiers is the service's job when it stops."""
+        self.worker.drain()
+        self.worker.shutdown()
+        self.client.close()

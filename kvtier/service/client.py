@@ -1,0 +1,204 @@
+"""``CacheClient``: an engine process's side of the cache service.
+
+It maps the service's host slab once, at the handshake; after that a load
+is one round trip that answers with slot offsets, and the engine copies
+each block straight out of its own mapping into its KV pool (the one copy a
+load costs), then releases. A store reserves slots, writes the payloads into
+the mapping, and commits. One connection carries one request at a time (a
+lock around each round trip); pins and reservations die with the connection.
+
+A service that is down, or goes away mid-request, is a miss for the caller:
+:class:`ServiceUnavailable` is raised by the constructor, and afterwards
+every call answers "nothing cached" / "nothing stored" and counts the
+failure in :attr:`CacheClient.failures`, never an error to the engine's
+client.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.errors import KVTierError, warn_once
+from kvtier.index import MissReason
+from kvtier.layout import KVLayout
+from kvtier.service import protocol as p
+from kvtier.tiers import native
+from kvtier.tiers.base import TierKind
+
+log = logging.getLogger(__name__)
+
+
+class ServiceUnavailable(KVTierError):
+    """The cache service could not be reached, or refused this client (the reason says which side differs)."""
+
+
+@dataclass
+class ClientLoad:
+    """Pinned blocks in the shared slab: ``blocks[i]`` is block ``first_block + i``; release when copied."""
+
+    first_block: int
+    blocks: list[torch.Tensor]
+    served_from: list[TierKind]
+    _release: Callable[[], None] = field(repr=False)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release()
+
+    def __enter__(self) -> ClientLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _raw(tokens: Sequence[int] | np.ndarray) -> bytes:
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+
+
+class CacheClient:
+    def __init__(self, socket_path: str | Path, layout: KVLayout, *, model_fingerprint: str) -> None:
+        self.layout = layout
+        self.failures = 0
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(str(socket_path))
+            p.send(self._sock, p.Hello(p.PROTOCOL_VERSION, model_fingerprint, layout.descriptor, layout.block_size))
+            welcome = p.recv_reply(self._sock)
+        except (OSError, p.ProtocolError) as err:
+            self._sock.close()
+            raise ServiceUnavailable(f"cache service at {socket_path}: {err}") from None
+        if not isinstance(welcome, p.Welcome):
+            self._sock.close()
+            reason = welcome.reason if isinstance(welcome, p.Refused) else type(welcome).__name__
+            raise ServiceUnavailable(f"cache service at {socket_path} refused this client: {reason}")
+        if welcome.block_bytes != layout.block_bytes:
+            self._sock.close()
+            raise ServiceUnavailable(f"block of {welcome.block_bytes} B at the service, {layout.block_bytes} B here")
+        self.welcome = welcome
+        self._slab = torch.from_file(welcome.slab_path, shared=True, size=welcome.slab_bytes, dtype=torch.uint8)
+
+    # -- one round trip ------------------------------------------------------------------------
+    def _ask(self, msg: p.Request) -> p.Reply | None:
+        """The service's answer, or None when it is gone (counted, logged once): a miss, never an error."""
+        with self._lock:
+            try:
+                p.send(self._sock, msg)
+                reply = p.recv_reply(self._sock)
+            except (OSError, p.ProtocolError) as err:
+                self.failures += 1
+                warn_once("cache-service-gone", "cache service unreachable (%s); serving misses", err)
+                return None
+        if isinstance(reply, p.Failure):
+            self.failures += 1
+            log.warning("cache service: %s", reply.message)
+            return None
+        return reply
+
+    def _view(self, offset: int) -> torch.Tensor:
+        return self._slab[offset : offset + self.layout.block_bytes]
+
+    # -- the API ---------------------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str, *, first_block: int = 0) -> p.LookupReply:
+        reply = self._ask(p.Lookup(_raw(tokens), namespace, first_block))
+        if not isinstance(reply, p.LookupReply):
+            return p.LookupReply(first_block, [], MissReason.ABSENT)
+        return reply
+
+    def load(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        namespace: str,
+        *,
+        start: int = 0,
+        max_blocks: int | None = None,
+        deadline_s: float | None = None,
+    ) -> ClientLoad:
+        """Pin blocks ``start ..`` (the service promotes disk ones first); the views read the shared slab."""
+        reply = self._ask(p.Load(_raw(tokens), namespace, start, max_blocks, deadline_s))
+        if not isinstance(reply, p.Loaded):
+            return ClientLoad(start, [], [], lambda: None)
+        lease = reply.lease
+        return ClientLoad(
+            start, [self._view(o) for o in reply.offsets], list(reply.served_from), lambda: self._ask(p.Release(lease))
+        )
+
+    def store_from(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        fill: Callable[[int, torch.Tensor], object],
+        namespace: str,
+        *,
+        first_block: int = 0,
+        num_blocks: int | None = None,
+    ) -> int:
+        """Store blocks ``first_block ..``: ``fill(i, out)`` writes block i's payload into its reserved slot.
+
+        Returns how many blocks were newly stored. A block the service
+        already holds is not reserved (nor written) again.
+        """
+        reserved = self._ask(p.Reserve(_raw(tokens), namespace, first_block, num_blocks))
+        if not isinstance(reserved, p.Reserved):
+            return 0
+        try:
+            for i, offset in zip(reserved.block_indices, reserved.offsets, strict=True):
+                fill(i, self._view(offset))
+        except BaseException:
+            self._ask(p.Commit(reserved.lease, success=False))
+            raise
+        views = [self._view(o) for o in reserved.offsets]
+        done = self._ask(p.Commit(reserved.lease, crc32c=[native.BACKEND.crc32c(v.numpy()) for v in views]))
+        return done.blocks if isinstance(done, p.Committed) else 0
+
+    def store(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Sequence[torch.Tensor],
+        namespace: str,
+        *,
+        first_block: int = 0,
+    ) -> int:
+        """``blocks[j]`` is the payload of block ``first_block + j``."""
+
+        def fill(i: int, out: torch.Tensor) -> None:
+            out.copy_(blocks[i - first_block].reshape(-1).view(torch.uint8))
+
+        return self.store_from(tokens, fill, namespace, first_block=first_block, num_blocks=len(blocks))
+
+    def probe(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> p.LookupReply:
+        reply = self._ask(p.Probe(_raw(tokens), namespace))
+        return reply if isinstance(reply, p.LookupReply) else p.LookupReply(0, [], MissReason.ABSENT)
+
+    def pin(self, tokens: Sequence[int] | np.ndarray, namespace: str, ttl_s: float) -> int:
+        reply = self._ask(p.Pin(_raw(tokens), namespace, ttl_s))
+        return reply.n if isinstance(reply, p.Count) else 0
+
+    def clear(self, tier: TierKind | None = None) -> int:
+        reply = self._ask(p.Clear(tier))
+        return reply.n if isinstance(reply, p.Count) else 0
+
+    def stats(self) -> dict[str, Any]:
+        reply = self._ask(p.Stats())
+        return reply.stats if isinstance(reply, p.StatsReply) else {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,212 @@
+"""The cache service's wire protocol: versioned, length-prefixed msgpack messages over a Unix socket.
+
+Why this shape: every engine process on a node (vLLM's scheduler and
+workers, llama.cpp, ``kvtier serve``) talks to one cache service, so the
+messages are small typed structs (msgspec, never pickle: a socket is a trust
+boundary) and **payload bytes never cross the socket**: they live in the
+host slab, a shared-memory file every client maps. A load answers with the
+byte offsets of pinned slots; a store reserves slots, the client writes its
+bytes into them, then commits. Tokens travel as little-endian int32 bytes
+(the service computes the keys: the deployment secret stays with it).
+
+Frame: ``uint32 little-endian length`` then that many bytes of msgpack, one
+tagged struct. The first exchange is :class:`Hello` / :class:`Welcome` (or
+:class:`Refused`, naming both sides of whatever did not match).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+from kvtier.index import MissReason
+from kvtier.tiers.base import TierKind
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 * 1024**2  # a prompt's tokens at most; anything larger is a broken or hostile peer
+_LEN = struct.Struct("<I")
+
+
+class _Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+# -- client -> service ---------------------------------------------------------------------------
+class Hello(_Msg):
+    version: int
+    model_fingerprint: str
+    layout: str  # KVLayout.descriptor: order, shape, dtype
+    block_size: int
+
+
+class Lookup(_Msg):
+    tokens: bytes  # int32 little-endian
+    namespace: str
+    first_block: int = 0
+
+
+class Load(_Msg):
+    """Pin the cached blocks ``start ..`` (promoting disk ones) and say where they are in the slab."""
+
+    tokens: bytes
+    namespace: str
+    start: int
+    max_blocks: int | None = None
+    deadline_s: float | None = None
+
+
+class Release(_Msg):
+    lease: int
+
+
+class Reserve(_Msg):
+    """Reserve slots for the full blocks ``first_block ..`` of ``tokens`` that are not cached yet."""
+
+    tokens: bytes
+    namespace: str
+    first_block: int = 0
+    num_blocks: int | None = None
+
+
+class Commit(_Msg):
+    """Publish a reservation's blocks (``success``) or give its slots back.
+
+    ``crc32c`` is the CRC-32C of each block as the client wrote it: the
+    service checks the slots against it before anyone can load them, so a
+    torn or misdirected write is never published.
+    """
+
+    lease: int
+    success: bool = True
+    crc32c: list[int] = []
+
+
+class Probe(_Msg):
+    """What :class:`Lookup` would answer, without touching eviction order or stats (operators' ``/lookup``)."""
+
+    tokens: bytes
+    namespace: str
+
+
+class Pin(_Msg):
+    """Keep the full blocks of ``tokens`` out of host eviction for ``ttl_s`` seconds (0 unpins)."""
+
+    tokens: bytes
+    namespace: str
+    ttl_s: float
+
+
+class Clear(_Msg):
+    """Drop every unpinned block of one tier (None: all)."""
+
+    tier: TierKind | None = None
+
+
+class Stats(_Msg):
+    pass
+
+
+# -- service -> client ---------------------------------------------------------------------------
+class Welcome(_Msg):
+    version: int
+    slab_path: str
+    slab_bytes: int
+    slot_bytes: int
+    block_bytes: int
+
+
+class Refused(_Msg):
+    reason: str
+
+
+class LookupReply(_Msg):
+    cached_blocks: int
+    tiers: list[TierKind]  # from first_block on
+    miss_reason: MissReason
+
+
+class Loaded(_Msg):
+    lease: int
+    first_block: int
+    offsets: list[int]  # byte offset of each pinned block's payload in the slab
+    served_from: list[TierKind]
+
+
+class Reserved(_Msg):
+    lease: int
+    block_indices: list[int]
+    offsets: list[int]
+    already_cached: int
+    next_block: int
+
+
+class Committed(_Msg):
+    blocks: int
+
+
+class Done(_Msg):
+    pass
+
+
+class Count(_Msg):
+    n: int
+
+
+class StatsReply(_Msg):
+    stats: dict[str, Any]
+
+
+class Failure(_Msg):
+    message: str
+
+
+Request = Hello | Lookup | Load | Release | Reserve | Commit | Probe | Pin | Clear | Stats
+Reply = Welcome | Refused | LookupReply | Loaded | Reserved | Committed | Done | Count | StatsReply | Failure
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(Request)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+class ProtocolError(ConnectionError):
+    """The peer sent something that is not a frame of this protocol (or closed mid-frame)."""
+
+
+def send(sock: socket.socket, message: _Msg) -> None:
+    body = _encoder.encode(message)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ProtocolError("the peer closed the connection" + (" mid-frame" if got else ""))
+        got += k
+    return bytes(buf)
+
+
+def _frame(sock: socket.socket) -> bytes:
+    (n,) = _LEN.unpack(_recv_exactly(sock, _LEN.size))
+    if n > MAX_FRAME:
+        raise ProtocolError(f"a frame of {n} bytes is over the {MAX_FRAME}-byte limit")
+    return _recv_exactly(sock, n)
+
+
+def recv_request(sock: socket.socket) -> Request:
+    try:
+        return _requests.decode(_frame(sock))
+    except msgspec.DecodeError as err:
+        raise ProtocolError(f"not a request of protocol {PROTOCOL_VERSION}: {err}") from None
+
+
+def recv_reply(sock: socket.socket) -> Reply:
+    try:
+        return _replies.decode(_frame(sock))
+    except msgspec.DecodeError as err:
+        raise ProtocolError(f"not a reply of protocol {PROTOCOL_VERSION}: {err}") from None

@@ -1,0 +1,267 @@
+"""The node-local cache service: one :class:`CacheManager` that every engine process on the machine shares.
+
+Engines restart often and run as several processes (vLLM's scheduler and
+workers, several instances per node); a cache inside one of them dies with
+it and cannot be shared. The service owns the host, disk (and later remote)
+tiers; clients speak :mod:`kvtier.service.protocol` over a Unix socket.
+
+Trust: the socket is created mode 0600 and every connection's peer uid
+(``SO_PEERCRED``) must be the service's own (or one listed in
+``allowed_uids``), so another local user can neither read cached prompts'
+KV nor poison them. The slab file is 0600 too.
+
+Leases: a client's pins (loads) and reservations (stores) belong to its
+connection. When the connection ends, for whatever reason (a clean close, a
+crash, SIGKILL), every pin is released and every reservation given back, so
+a dead client can leak nothing. Each connection is served by its own
+thread; the manager is thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.config import Config
+from kvtier.fetch import LoadHandle
+from kvtier.layout import KVLayout
+from kvtier.manager import CacheManager, StorePlan
+from kvtier.service import protocol as p
+from kvtier.tiers import native
+
+log = logging.getLogger(__name__)
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def default_slab_dir() -> Path:
+    """Shared memory where the system has it (pages never touch a disk), else the temp directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def peer_uid(conn: socket.socket) -> int:
+    _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return uid
+
+
+class _Session:
+    """One client connection and the leases it holds."""
+
+    def __init__(self, service: CacheService, conn: socket.socket) -> None:
+        self.service = service
+        self.conn = conn
+        self.loads: dict[int, LoadHandle] = {}
+        self.stores: dict[int, StorePlan] = {}
+
+    def run(self) -> None:
+        try:
+            if self._handshake():
+                while True:
+                    p.send(self.conn, self._answer(p.recv_request(self.conn)))
+        except (p.ProtocolError, OSError) as err:
+            log.debug("cache client left: %s", err)
+        finally:
+            self._reclaim()
+            self.conn.close()
+            self.service._forget(self)
+
+    def _handshake(self) -> bool:
+        uid = peer_uid(self.conn)
+        if uid not in self.service.allowed_uids:
+            p.send(
+                self.conn, p.Refused(f"uid {uid} may not use this cache service (allowed: {self.service.allowed_uids})")
+            )
+            return False
+        hello = p.recv_request(self.conn)
+        if not isinstance(hello, p.Hello):
+            p.send(self.conn, p.Refused(f"the first message must be Hello, not {type(hello).__name__}"))
+            return False
+        problem = self.service.mismatch(hello)
+        if problem:
+            p.send(self.conn, p.Refused(problem))
+            return False
+        p.send(self.conn, self.service.welcome())
+        return True
+
+    def _answer(self, msg: p.Request) -> p.Reply:
+        m = self.service.manager
+        match msg:
+            case p.Lookup():
+                r = m.lookup(_tokens(msg.tokens), msg.namespace, first_block=msg.first_block)
+                return p.LookupReply(r.cached_blocks, list(r.tiers), r.miss_reason)
+            case p.Load():
+                return self._load(msg)
+            case p.Release():
+                handle = self.loads.pop(msg.lease, None)
+                if handle is not None:
+                    handle.release()
+                return p.Done()
+            case p.Reserve():
+                return self._reserve(msg)
+            case p.Commit():
+                plan = self.stores.pop(msg.lease, None)
+                if plan is None:
+                    return p.Failure(f"no reservation {msg.lease}")
+                if msg.success and [native.BACKEND.crc32c(b.numpy()) for b in plan.buffers] != msg.crc32c:
+                    m.complete_store(plan, success=False)
+                    return p.Failure("the stored bytes do not match their checksums; nothing was published")
+                return p.Committed(m.complete_store(plan, msg.success))
+            case p.Probe():
+                r = m.probe(_tokens(msg.tokens), msg.namespace)
+                return p.LookupReply(r.cached_blocks, list(r.tiers), r.miss_reason)
+            case p.Pin():
+                return p.Count(len(m.pin_for(_tokens(msg.tokens), msg.namespace, msg.ttl_s)))
+            case p.Clear():
+                return p.Count(m.clear(msg.tier))
+            case p.Stats():
+                return p.StatsReply({**m.stats(), "ttl_pinned_blocks": m.ttl_pinned()})
+        return p.Failure(f"{type(msg).__name__} is not asked again after the handshake")
+
+    def _load(self, msg: p.Load) -> p.Reply:
+        m = self.service.manager
+        result = m.lookup(_tokens(msg.tokens), msg.namespace, first_block=msg.start)
+        fetch = m.fetch(result, start=msg.start, max_blocks=msg.max_blocks, deadline_s=msg.deadline_s)
+        handle = fetch.take()
+        lease = self.service.lease()
+        self.loads[lease] = handle
+        offsets = [m.host.offset(b) for b in handle.blocks]
+        return p.Loaded(lease, msg.start, offsets, list(handle.served_from))
+
+    def _reserve(self, msg: p.Reserve) -> p.Reply:
+        m = self.service.manager
+        plan = m.prepare_store(
+            _tokens(msg.tokens), msg.namespace, first_block=msg.first_block, num_blocks=msg.num_blocks
+        )
+        lease = self.service.lease()
+        self.stores[lease] = plan
+        offsets = [m.host.offset(b) for b in plan.buffers]
+        return p.Reserved(lease, plan.block_indices, offsets, plan.already_cached, plan.next_block)
+
+    def _reclaim(self) -> None:
+        """The connection is over: nothing it pinned or reserved may outlive it."""
+        for handle in self.loads.values():
+            handle.release()
+        for plan in self.stores.values():
+            self.service.manager.complete_store(plan, success=False)
+        if self.loads or self.stores:
+            log.info("reclaimed %d loads and %d reservations of a departed client", len(self.loads), len(self.stores))
+        self.loads.clear()
+        self.stores.clear()
+
+
+def _tokens(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+
+
+class CacheService:
+    """Listens on ``socket_path``; :meth:`serve_forever` until :meth:`close`."""
+
+    def __init__(
+        self,
+        config: Config,
+        layout: KVLayout,
+        *,
+        model_fingerprint: str,
+        socket_path: Path,
+        allowed_uids: Iterable[int] = (),
+        slab_dir: Path | None = None,
+    ) -> None:
+        self.layout = layout
+        self.model_fingerprint = model_fingerprint
+        self.allowed_uids = sorted({os.getuid(), *allowed_uids})
+        self.slab_path = (slab_dir or default_slab_dir()) / f"kvtier-{os.getuid()}-{secrets.token_hex(6)}.slab"
+        self.manager = CacheManager(config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path)
+        self.socket_path = Path(socket_path)
+        self._listener = self._listen()
+        self._ids = itertools.count(1)
+        self._sessions: set[_Session] = set()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a session ended (its leases are reclaimed by then)
+        self._closed = threading.Event()
+
+    def _listen(self) -> socket.socket:
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()  # a stale socket of a service that died; the disk tier's lock guards the rest
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # created 0600: no window in which another user could connect
+        try:
+            sock.bind(str(self.socket_path))
+        finally:
+            os.umask(old)
+        sock.listen(64)
+        return sock
+
+    def mismatch(self, hello: p.Hello) -> str | None:
+        """Why a client cannot share this cache, naming both sides; None when it can."""
+        ours = (p.PROTOCOL_VERSION, self.model_fingerprint, self.layout.descriptor, self.layout.block_size)
+        theirs = (hello.version, hello.model_fingerprint, hello.layout, hello.block_size)
+        names = ("protocol version", "model fingerprint", "KV layout", "block size")
+        diffs = [f"{n}: client {b!r}, service {a!r}" for n, a, b in zip(names, ours, theirs, strict=True) if a != b]
+        return "; ".join(diffs) or None
+
+    def welcome(self) -> p.Welcome:
+        host = self.manager.host
+        return p.Welcome(
+            p.PROTOCOL_VERSION, str(self.slab_path), host.capacity_bytes, host.slot_bytes, self.layout.block_bytes
+        )
+
+    def lease(self) -> int:
+        return next(self._ids)
+
+    def serve_forever(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                break  # closed
+            session = _Session(self, conn)
+            with self._lock:
+                self._sessions.add(session)
+            threading.Thread(target=session.run, name="kvtier-cache-session", daemon=True).start()
+
+    def _forget(self, session: _Session) -> None:
+        with self._changed:
+            self._sessions.discard(session)
+            self._changed.notify_all()
+
+    @property
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def wait_sessions(self, at_most: int, timeout: float | None = None) -> bool:
+        """Wait until at most ``at_most`` clients are connected, every departed one's leases reclaimed."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._sessions) <= at_most, timeout)
+
+    def stop(self) -> None:
+        """Stop accepting (safe from a signal handler): :meth:`serve_forever` returns."""
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Stop accepting, end every session (their leases are reclaimed), flush and close the tiers."""
+        self.stop()
+        self._listener.close()
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
+            with contextlib.suppress(OSError):
+                s.conn.shutdown(socket.SHUT_RDWR)
+        self.manager.close(self.manager.config.cache.flush_on_exit_s)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.slab_path.unlink()

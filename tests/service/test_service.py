@@ -1,0 +1,214 @@
+"""The cache service over a real Unix socket and a real shared-memory slab: clients in this and other processes.
+
+The service runs on a thread of the test process; "another engine process"
+is a real subprocess with its own client and its own mapping of the slab.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.service import CacheClient, CacheService, ServiceUnavailable, protocol
+from kvtier.tiers import native
+from kvtier.tiers.base import TierKind
+from tests.helpers import BLOCK, as_bytes, make_config, payload, prompt, toy_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+FINGERPRINT = "toy-model"
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[CacheService]:
+    cfg = make_config(tmp_path, host={"capacity_bytes": 16 * 4096}, disk={"capacity_bytes": 32 * 4096})
+    svc = CacheService(
+        cfg, toy_layout(), model_fingerprint=FINGERPRINT, socket_path=tmp_path / "cache.sock", slab_dir=tmp_path
+    )
+    thread = threading.Thread(target=svc.serve_forever, daemon=True)
+    thread.start()
+    yield svc
+    svc.close()
+    thread.join(timeout=30)
+
+
+def client(svc: CacheService) -> CacheClient:
+    return CacheClient(svc.socket_path, toy_layout(), model_fingerprint=FINGERPRINT)
+
+
+def blocks(n: int, seed: int) -> list[torch.Tensor]:
+    return [payload(toy_layout(), seed * 100 + i) for i in range(n)]
+
+
+# A second engine process: loads the prompt's blocks through its own client and mapping, prints their bytes' sums.
+OTHER_PROCESS = """
+import json, sys
+import numpy as np
+from kvtier.service import CacheClient
+from tests.helpers import toy_layout
+tokens = np.array(json.loads(sys.argv[2]), dtype=np.int32)
+with CacheClient(sys.argv[1], toy_layout(), model_fingerprint="toy-model") as c:
+    with c.load(tokens, "default") as load:
+        print(json.dumps({"sums": [int(b.sum()) for b in load.blocks], "tiers": [t.value for t in load.served_from]}))
+    if len(sys.argv) > 3:  # pin them again and wait to be killed
+        held = c.load(tokens, "default")
+        print("pinned", len(held.blocks), flush=True)
+        sys.stdin.read()
+"""
+
+
+def test_blocks_stored_by_one_process_load_in_another_byte_for_byte(service: CacheService) -> None:
+    tokens = prompt(4 * BLOCK + 1)
+    data = blocks(4, seed=1)
+    with client(service) as a:
+        assert a.store(tokens, data, "default") == 4
+        assert a.store(tokens, data, "default") == 0  # already held: nothing reserved or written again
+        assert a.lookup(tokens, "default").cached_blocks == 4
+    out = subprocess.run(
+        [sys.executable, "-c", OTHER_PROCESS, str(service.socket_path), json.dumps(tokens.tolist())],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    got = json.loads(out.stdout)
+    assert got["sums"] == [int(as_bytes(b).sum()) for b in data]
+    assert got["tiers"] == ["host"] * 4
+    assert service.manager.stats()["pinned_blocks"] == 0
+
+
+def test_a_load_is_a_view_of_the_shared_slab_and_release_unpins(service: CacheService) -> None:
+    tokens = prompt(2 * BLOCK + 1, seed=2)
+    data = blocks(2, seed=2)
+    with client(service) as c:
+        c.store(tokens, data, "default")
+        with c.load(tokens, "default") as load:
+            assert [torch.equal(v, as_bytes(b)) for v, b in zip(load.blocks, data, strict=True)] == [True, True]
+            assert load.served_from == [TierKind.HOST, TierKind.HOST]
+            assert service.manager.stats()["pinned_blocks"] == 2
+        assert service.manager.stats()["pinned_blocks"] == 0
+        assert c.load(tokens, "other-tenant").blocks == []  # the namespace is in the key
+
+
+def test_a_client_killed_while_holding_pins_loses_them(service: CacheService) -> None:
+    tokens = prompt(3 * BLOCK + 1, seed=3)
+    with client(service) as c:
+        c.store(tokens, blocks(3, seed=3), "default")
+    child = subprocess.Popen(
+        [sys.executable, "-c", OTHER_PROCESS, str(service.socket_path), json.dumps(tokens.tolist()), "hold"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert child.stdout is not None
+        child.stdout.readline()  # the first load's sums
+        assert child.stdout.readline().split() == ["pinned", "3"]
+        assert service.manager.stats()["pinned_blocks"] == 3
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert service.wait_sessions(0, timeout=60)  # the killed client's connection ended, its pins with it
+    assert service.manager.stats()["pinned_blocks"] == 0
+
+
+def test_an_abandoned_reservation_is_given_back(service: CacheService) -> None:
+    tokens = prompt(2 * BLOCK + 1, seed=4)
+    c = client(service)
+
+    def fill(i: int, out: torch.Tensor) -> None:
+        raise RuntimeError("the engine died half-way")
+
+    with pytest.raises(RuntimeError):
+        c.store_from(tokens, fill, "default", num_blocks=2)
+    assert c.lookup(tokens, "default").cached_blocks == 0
+    assert service.manager.host.free_blocks() == service.manager.host.capacity_blocks
+    c.close()
+
+
+def test_bytes_that_do_not_match_their_checksum_are_never_published(service: CacheService) -> None:
+    tokens = prompt(2 * BLOCK + 1, seed=6)
+    c = client(service)
+    reserved = c._ask(protocol.Reserve(tokens.astype("<i4").tobytes(), "default", 0, 2))
+    assert isinstance(reserved, protocol.Reserved) and len(reserved.offsets) == 2
+    data = blocks(2, seed=6)
+    for offset, block in zip(reserved.offsets, data, strict=True):
+        c._view(offset).copy_(as_bytes(block))
+    sums = [native.BACKEND.crc32c(as_bytes(b).numpy()) for b in data]  # what the client meant to write
+    c._view(reserved.offsets[1])[7] ^= 0xFF  # and a byte that changed under it
+    assert c._ask(protocol.Commit(reserved.lease, crc32c=sums)) is None  # refused (a counted failure)
+    assert c.failures == 1
+    assert c.lookup(tokens, "default").cached_blocks == 0
+    assert service.manager.host.free_blocks() == service.manager.host.capacity_blocks
+    c.close()
+
+
+def test_the_handshake_refuses_another_model_or_layout_naming_both(service: CacheService) -> None:
+    with pytest.raises(ServiceUnavailable, match=r"model fingerprint: client 'other-model', service 'toy-model'"):
+        CacheClient(service.socket_path, toy_layout(), model_fingerprint="other-model")
+    with pytest.raises(ServiceUnavailable, match="KV layout"):
+        CacheClient(service.socket_path, toy_layout(torch.bfloat16), model_fingerprint=FINGERPRINT)
+    with pytest.raises(ServiceUnavailable, match="cache service at"):
+        CacheClient(service.socket_path.with_name("none.sock"), toy_layout(), model_fingerprint=FINGERPRINT)
+
+
+def test_the_socket_and_slab_are_private_and_other_users_are_refused(service: CacheService, tmp_path: Path) -> None:
+    assert stat.S_IMODE(service.socket_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(service.slab_path.stat().st_mode) == 0o600
+    if os.getuid() != 0:
+        pytest.skip("needs root to connect as another user")
+    os.chmod(service.socket_path, 0o666)  # even past the file mode, the peer's uid is checked
+    with tempfile.TemporaryDirectory() as reachable:  # pytest's own temp tree is closed to other users
+        os.chmod(reachable, 0o711)
+        link = Path(reachable) / "cache.sock"
+        os.link(service.socket_path, link)  # the same socket, by a path nobody can traverse to
+        assert refusal_as_nobody(link).startswith("uid 65534 may not use this cache service")
+
+
+def refusal_as_nobody(path: Path) -> str:
+    """Connect as uid 65534 from a forked child (which needs nothing it has not imported) and return the reply."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become nobody, say Hello, report what came back, never return into pytest
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(str(path))
+                reply = protocol.recv_reply(sock)
+            os.write(write, (reply.reason if isinstance(reply, protocol.Refused) else repr(reply)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_a_service_that_went_away_is_a_miss(service: CacheService) -> None:
+    tokens = prompt(2 * BLOCK + 1, seed=5)
+    c = client(service)
+    c.store(tokens, blocks(2, seed=5), "default")
+    service.close()
+    assert c.lookup(tokens, "default").cached_blocks == 0
+    assert c.load(tokens, "default").blocks == []
+    assert c.store(tokens, blocks(2, seed=5), "default") == 0
+    assert c.failures >= 3
+    c.close()

@@ -1,0 +1,67 @@
+"""Two ``kvtier serve`` instances on one node-local cache service: a session's turn 2 on the second instance
+hits the blocks its turn 1 stored through the first, with the same greedy output as no cache at all."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from kvtier.engine.runtime import LoadedModel
+from tests.helpers import shared_full_blocks
+from tests.server.live import ROOT, SIZES, Reference, running
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@contextmanager
+def cache_service(tmp: Path) -> Iterator[Path]:
+    """``kvtier cache serve`` in a subprocess; yields its socket once it says it is listening."""
+    sock = tmp / "cache.sock"
+    config = tmp / "service.yaml"
+    config.write_text(yaml.safe_dump({"data_dir": str(tmp / "service-data"), **SIZES}))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "cache", "serve", "--config", str(config), "--socket", str(sock)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # printed once the socket listens
+        assert line.startswith("kvtier cache service: unix://"), line + process.stdout.read()
+        yield sock
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    reference = Reference(loaded_model, tmp_path)
+    messages = [
+        {"role": "system", "content": "You are a terse assistant. Answer in one short sentence. " * 4},
+        {"role": "user", "content": "List three prime numbers."},
+    ]
+    with cache_service(tmp_path) as sock:
+        shared = {"cache": {"service": f"unix://{sock}"}}
+        with running(tmp_path / "a", shared) as a, running(tmp_path / "b", shared) as b:
+            first = a.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            ids1, ref1 = reference.chat(messages, 12)
+            assert first.choices[0].message.content == ref1.text
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Now add them up."},
+            ]
+            second = b.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            ids2, ref2 = reference.chat(messages, 12)
+            assert second.choices[0].message.content == ref2.text  # identical to no cache at all
+            cached = second.usage.prompt_tokens_details.cached_tokens
+            assert cached == shared_full_blocks(ids2, [ids1 + ref1.token_ids[:-1]]) > 0
+            stats = b.stats()
+            assert stats["tiers"]["host"]["hit_tokens"] >= cached  # the service's own tier counted the hit
+            assert stats["tiers"]["host"]["blocks"] > 0
