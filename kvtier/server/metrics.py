@@ -176,6 +176,8 @@ def tier_report(snap: dict[str, Any]) -> TierReport:
         bytes_moved=snap["bytes_read"] + snap["bytes_written"],
         checksum_failures=snap["checksum_failures"],
         errors=snap["errors"],
+        quarantined=snap.get("quarantined", 0),
+        lost_blocks=snap.get("lost_blocks", 0),
         load_latency=latency_report(snap["load_latency"]),
     )
 
@@ -216,6 +218,8 @@ _TIER_COUNTERS = {
     "bytes_moved": "bytes_read + bytes_written.",
     "checksum_failures": "Blocks that failed their checksum (a counted miss).",
     "errors": "Tier I/O errors (a counted miss).",
+    "quarantined": "Damaged indexes moved aside at start (the disk tier started empty).",
+    "lost_blocks": "Records dropped because their bytes were gone (slab missing, short or truncated).",
 }
 
 

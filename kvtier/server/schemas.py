@@ -304,6 +304,8 @@ class TierReport(BaseModel):
     bytes_moved: int
     checksum_failures: int
     errors: int
+    quarantined: int = Field(0, description="Disk: damaged indexes moved aside at start (the tier started empty).")
+    lost_blocks: int = Field(0, description="Disk: records dropped because their slab bytes were gone.")
     load_latency: LatencyReport
 
 

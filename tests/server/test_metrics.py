@@ -78,3 +78,16 @@ def test_prometheus_shows_the_cost_model_in_base_units_and_the_prefetch_counters
     unfitted.break_even.tiers[TierKind.DISK].bandwidth_gbps = None  # no per-byte cost: no sample, not +Inf
     labels = {k[1] for k in scrape(unfitted) if k[0] == "kvtier_tier_bandwidth_bytes_per_second"}
     assert labels == {(("tier", "device"),), (("tier", "host"),)}
+
+
+def test_a_quarantined_index_and_lost_blocks_show_in_stats_and_metrics(tmp_path: Path) -> None:
+    with CacheManager(make_config(tmp_path), toy_layout(), model_fingerprint="toy-model") as cache:
+        assert cache.disk is not None
+        cache.disk.stats.add(quarantined=1, lost_blocks=3)  # what a damaged index found at open records
+        report = build_report("toy", cache, EngineMetrics())
+    disk = report.tiers[TierKind.DISK]
+    assert (disk.quarantined, disk.lost_blocks) == (1, 3)
+    assert report.tiers[TierKind.HOST].quarantined == 0
+    got = scrape(report)
+    assert got[("kvtier_tier_quarantined_total", (("tier", "disk"),))] == 1
+    assert got[("kvtier_tier_lost_blocks_total", (("tier", "disk"),))] == 3
