@@ -156,8 +156,8 @@ def _lock(fd: int, path: Path) -> None:
         mine = " (this process)" if holder == str(os.getpid()) else ""
         raise DiskLockedError(
             f"disk tier at {path} is in use by pid {holder}{mine}: two caches on one disk directory would "
-            "overwrite each other's blocks; give each server its own disk.path (sharing one cache between "
-            "processes is the job of the node-local cache service, still to come)"
+            "overwrite each other's blocks; give each server its own disk.path, or share one cache: "
+            "`kvtier cache serve` and cache.service: unix:///path/to.sock in every server's config"
         ) from None
     except OSError as err:  # e.g. ENOLCK: a filesystem without locks
         raise DiskUnavailableError(f"disk tier at {path} cannot be locked: {err.strerror or err}") from err

@@ -585,7 +585,7 @@ def test_a_second_opener_in_this_process_is_refused_until_the_first_closes(tmp_p
     first = open_disk(tmp_path)
     with pytest.raises(DiskLockedError, match=f"in use by pid {os.getpid()} \\(this process\\)") as refused:
         open_disk(tmp_path)
-    assert "node-local cache service" in str(refused.value) and "\n" not in str(refused.value)
+    assert "kvtier cache serve" in str(refused.value) and "\n" not in str(refused.value)
     assert first.put(key(0), payload(first.layout, 0), rec(0))  # the refused opener touched nothing
     first.close()
     second = open_disk(tmp_path)
