@@ -83,8 +83,12 @@ class CacheManager:
         model_fingerprint: str,
         hasher: KeyHasher | None = None,
         host_file: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``host_file``: the host slab in that shared-memory file (the cache service maps it to its clients)."""
+        """``host_file``: the host slab in that shared-memory file (the cache service maps it to its clients).
+
+        ``clock`` tells the time TTL pins expire by (tests step it instead of sleeping).
+        """
         if layout.block_size != config.cache.block_size:
             raise ValueError(f"layout block size {layout.block_size} != cache.block_size {config.cache.block_size}")
         self.config = config
@@ -106,7 +110,8 @@ class CacheManager:
             for key, record in tier.entries():
                 self._policies[tier.kind].on_insert(key, record.parent)
         self._pins: Counter[BlockKey] = Counter()
-        self._ttl_pins: dict[BlockKey, float] = {}  # key -> time.monotonic() expiry; see pin_for
+        self._ttl_pins: dict[BlockKey, float] = {}  # key -> expiry on self._clock; see pin_for
+        self._clock = clock
         self._lock = threading.RLock()
         self.worker = TransferWorker(config.transfer.workers)
         self.write_mode = config.cache.write_mode
@@ -354,7 +359,7 @@ class CacheManager:
         if ttl_s < 0:
             raise ValueError("ttl_s must be >= 0")
         keys = self.hasher.keys(tokens, namespace or self.config.cache.namespace)
-        until = time.monotonic() + ttl_s
+        until = self._clock() + ttl_s
         with self._lock:
             self._ttl_pins.update(dict.fromkeys(keys, until))
             self._expire_ttl_pins()
@@ -367,7 +372,7 @@ class CacheManager:
             return len(self._ttl_pins)
 
     def _expire_ttl_pins(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         for key in [k for k, until in self._ttl_pins.items() if until <= now]:
             del self._ttl_pins[key]
 

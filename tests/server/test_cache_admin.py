@@ -5,8 +5,8 @@ Toy shapes (tests.helpers): 4-token blocks, one 4 KiB host slot per block.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,14 +19,14 @@ from tests.helpers import BLOCK, make_config, payload, prompt, toy_layout
 H, D = TierKind.HOST, TierKind.DISK
 
 
-def manager(tmp: Path, host_blocks: int, disk_blocks: int = 16) -> CacheManager:
+def manager(tmp: Path, host_blocks: int, disk_blocks: int = 16, **kw: Any) -> CacheManager:
     cfg = make_config(
         tmp,
         host={"capacity_bytes": host_blocks * 4096},
         disk={"capacity_bytes": disk_blocks * 4096},
         cache={"write_mode": WriteMode.WRITE_BACK},
     )
-    return CacheManager(cfg, toy_layout(), model_fingerprint="toy-model")
+    return CacheManager(cfg, toy_layout(), model_fingerprint="toy-model", **kw)
 
 
 def blocks(n: int, seed: int) -> list:
@@ -51,14 +51,17 @@ def test_probe_answers_like_lookup_and_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_ttl_pinned_blocks_stay_in_host_until_they_expire(tmp_path: Path) -> None:
-    with manager(tmp_path, host_blocks=3) as m:
+    now = [1000.0]
+    with manager(tmp_path, host_blocks=3, clock=lambda: now[0]) as m:
         system = prompt(2 * BLOCK, seed=4)
         m.store_now(system, blocks(2, 4))
         keys = m.pin_for(system, None, ttl_s=0.3)
         assert keys == m.keys(system) and m.ttl_pinned() == 2
         m.store_now(prompt(3 * BLOCK, seed=5), blocks(3, 5))  # would evict both system blocks without the pin
         assert m.probe(system).tiers == (H, H)
-        time.sleep(0.35)
+        now[0] += 0.29
+        assert m.ttl_pinned() == 2
+        now[0] += 0.01
         assert m.ttl_pinned() == 0  # expired, dropped lazily
         m.store_now(prompt(3 * BLOCK, seed=6), blocks(3, 6))
         assert m.probe(system).tiers == (D, D)
