@@ -18,6 +18,10 @@ prompt chunks:
 * **The oldest prompt always progresses.** If it got less than a quarter of
   the budget in the previous step, it gets that quarter before anyone else,
   so a steady stream of short prompts cannot starve a long one.
+* **No tiny last chunk for a prompt alone.** A lone prompt whose rest is at
+  most a quarter of the budget over it takes it in one step: a second
+  forward for a few dozen tokens would cost its fixed overhead for nothing,
+  and nobody else is waiting for the step to end.
 * **Chunks end on block boundaries** when they are not a prompt's last: the
   blocks a chunk completes can be stored and shared at once, instead of
   waiting for the next chunk to fill a half-done block.
@@ -52,6 +56,8 @@ def prefill_chunks(
     grant = [0] * n
     if n == 0 or budget <= 0:
         return grant
+    if n == 1 and remaining[0] <= budget + oldest_share(budget):
+        return [remaining[0]]
     if oldest_starved:
         grant[0] = min(remaining[0], oldest_share(budget))
     left = budget - grant[0]

@@ -11,6 +11,8 @@ def test_a_lone_prompt_takes_the_whole_budget_in_whole_blocks() -> None:
     assert prefill_chunks([1000], [0], 512, B) == [512]
     assert prefill_chunks([1000], [8], 512, B) == [504]  # ends on a block boundary: 8 + 504 = 512
     assert prefill_chunks([100], [0], 512, B) == [100]  # the last chunk of a prompt ends where the prompt does
+    assert prefill_chunks([640], [0], 512, B) == [640]  # alone, a tail of up to a quarter budget comes along
+    assert prefill_chunks([641], [0], 512, B) == [512]
 
 
 def test_a_short_prompt_goes_first_and_its_step_stays_short() -> None:
