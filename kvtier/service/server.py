@@ -13,8 +13,10 @@ KV nor poison them. The slab file is 0600 too.
 Leases: a client's pins (loads) and reservations (stores) belong to its
 connection. When the connection ends, for whatever reason (a clean close, a
 crash, SIGKILL), every pin is released and every reservation given back, so
-a dead client can leak nothing. Each connection is served by its own
-thread; the manager is thread-safe.
+a dead client can leak nothing. A reservation a live client leaves
+uncommitted for ``reservation_ttl_s`` is given back too (a hung engine must
+not hold host slots forever); its late commit is refused. Each connection
+is served by its own thread; the manager is thread-safe.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import secrets
 import socket
 import struct
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +65,8 @@ class _Session:
         self.service = service
         self.conn = conn
         self.loads: dict[int, LoadHandle] = {}
-        self.stores: dict[int, StorePlan] = {}
+        self.stores: dict[int, tuple[StorePlan, float]] = {}  # lease -> (plan, expiry on the service's clock)
+        self.lock = threading.Lock()  # stores are also reaped by the service's expiry thread
 
     def run(self) -> None:
         try:
@@ -110,9 +114,10 @@ class _Session:
             case p.Reserve():
                 return self._reserve(msg)
             case p.Commit():
-                plan = self.stores.pop(msg.lease, None)
+                with self.lock:
+                    plan, _ = self.stores.pop(msg.lease, (None, 0.0))
                 if plan is None:
-                    return p.Failure(f"no reservation {msg.lease}")
+                    return p.Failure(f"no reservation {msg.lease} (expired, or never made)")
                 if msg.success and [native.BACKEND.crc32c(b.numpy()) for b in plan.buffers] != msg.crc32c:
                     m.complete_store(plan, success=False)
                     return p.Failure("the stored bytes do not match their checksums; nothing was published")
@@ -144,7 +149,8 @@ class _Session:
             _tokens(msg.tokens), msg.namespace, first_block=msg.first_block, num_blocks=msg.num_blocks
         )
         lease = self.service.lease()
-        self.stores[lease] = plan
+        with self.lock:
+            self.stores[lease] = (plan, self.service.clock() + self.service.reservation_ttl_s)
         offsets = [m.host.offset(b) for b in plan.buffers]
         return p.Reserved(lease, plan.block_indices, offsets, plan.already_cached, plan.next_block)
 
@@ -152,12 +158,22 @@ class _Session:
         """The connection is over: nothing it pinned or reserved may outlive it."""
         for handle in self.loads.values():
             handle.release()
-        for plan in self.stores.values():
+        with self.lock:
+            plans, self.stores = [plan for plan, _ in self.stores.values()], {}
+        for plan in plans:
             self.service.manager.complete_store(plan, success=False)
-        if self.loads or self.stores:
-            log.info("reclaimed %d loads and %d reservations of a departed client", len(self.loads), len(self.stores))
+        if self.loads or plans:
+            log.info("reclaimed %d loads and %d reservations of a departed client", len(self.loads), len(plans))
         self.loads.clear()
-        self.stores.clear()
+
+    def expire(self, now: float) -> int:
+        """Give back the reservations past their expiry; how many."""
+        with self.lock:
+            late = [lease for lease, (_, until) in self.stores.items() if until <= now]
+            plans = [self.stores.pop(lease)[0] for lease in late]
+        for plan in plans:
+            self.service.manager.complete_store(plan, success=False)
+        return len(plans)
 
 
 def _tokens(raw: bytes) -> np.ndarray:
@@ -176,10 +192,14 @@ class CacheService:
         socket_path: Path,
         allowed_uids: Iterable[int] = (),
         slab_dir: Path | None = None,
+        reservation_ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.layout = layout
         self.model_fingerprint = model_fingerprint
         self.allowed_uids = sorted({os.getuid(), *allowed_uids})
+        self.reservation_ttl_s = reservation_ttl_s
+        self.clock = clock
         self.slab_path = (slab_dir or default_slab_dir()) / f"kvtier-{os.getuid()}-{secrets.token_hex(6)}.slab"
         self.manager = CacheManager(config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path)
         self.socket_path = Path(socket_path)
@@ -219,7 +239,21 @@ class CacheService:
     def lease(self) -> int:
         return next(self._ids)
 
+    def expire_reservations(self) -> int:
+        """Give back every reservation left uncommitted past ``reservation_ttl_s``; how many."""
+        with self._lock:
+            sessions = list(self._sessions)
+        expired = sum(s.expire(self.clock()) for s in sessions)
+        if expired:
+            log.warning("gave back %d reservations left uncommitted for %ss", expired, self.reservation_ttl_s)
+        return expired
+
+    def _expiry_loop(self) -> None:
+        while not self._closed.wait(max(0.1, self.reservation_ttl_s / 4)):
+            self.expire_reservations()
+
     def serve_forever(self) -> None:
+        threading.Thread(target=self._expiry_loop, name="kvtier-cache-expiry", daemon=True).start()
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()

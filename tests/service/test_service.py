@@ -212,3 +212,36 @@ def test_a_service_that_went_away_is_a_miss(service: CacheService) -> None:
     assert c.store(tokens, blocks(2, seed=5), "default") == 0
     assert c.failures >= 3
     c.close()
+
+
+def test_a_reservation_left_uncommitted_is_given_back_and_its_late_commit_refused(tmp_path: Path) -> None:
+    now = [100.0]
+    cfg = make_config(tmp_path, host={"capacity_bytes": 8 * 4096}, disk={"capacity_bytes": 16 * 4096})
+    svc = CacheService(
+        cfg,
+        toy_layout(),
+        model_fingerprint=FINGERPRINT,
+        socket_path=tmp_path / "c.sock",
+        slab_dir=tmp_path,
+        reservation_ttl_s=10.0,
+        clock=lambda: now[0],
+    )
+    thread = threading.Thread(target=svc.serve_forever, daemon=True)
+    thread.start()
+    try:
+        c = client(svc)
+        tokens = prompt(2 * BLOCK + 1, seed=7)
+        reserved = c._ask(protocol.Reserve(tokens.astype("<i4").tobytes(), "default", 0, 2))
+        assert isinstance(reserved, protocol.Reserved) and svc.manager.host.free_blocks() == 6
+        now[0] += 9.9
+        svc.expire_reservations()
+        assert svc.manager.host.free_blocks() == 6  # not yet
+        now[0] += 0.1
+        svc.expire_reservations()
+        assert svc.manager.host.free_blocks() == 8  # given back, unpublished
+        assert c._ask(protocol.Commit(reserved.lease)) is None  # the hung engine's late commit is refused
+        assert c.lookup(tokens, "default").cached_blocks == 0
+        c.close()
+    finally:
+        svc.close()
+        thread.join(timeout=30)
