@@ -65,8 +65,9 @@ class DiskIO(enum.StrEnum):
     """How the disk tier reads and writes its slab files.
 
     ``buffered`` (the default, chosen by ``kvtier bench tiers`` on the
-    development VM): through the page cache, whose readahead made cold block
-    reads ~1.6x faster there than O_DIRECT (2.8 vs 1.7 GB/s). ``direct``:
+    development VM): through the page cache, whose readahead keeps a disk
+    with slow individual requests streaming, so cold block reads beat
+    O_DIRECT there (see bench/README.md). ``direct``:
     O_DIRECT, never double-caching what the host tier already holds and
     using less CPU per byte; the better choice on a local NVMe that serves
     aligned requests at full speed (fails at open if the filesystem refuses).
@@ -166,10 +167,13 @@ class ComputeDtype(enum.StrEnum):
 
     ``float32`` is the default because reuse must be exact: with it, greedy
     output with cached KV is token-for-token identical to a full recompute.
-    ``bfloat16`` is ~2x faster on CPU, but torch's flash-attention kernel
-    blocks the work by sequence length, so a token's KV computed during
-    decode differs in the last bf16 bits from the same KV computed in a long
-    prefill, and a greedy continuation can drift after many tokens.
+    ``bfloat16`` halves the bytes every weight and KV read moves, which
+    pays on a CPU with native bf16 arithmetic (AVX-512 BF16) and can cost on
+    one without it (see bench/README.md). Its reuse is not exact: torch's
+    flash-attention kernel blocks the work by sequence length, so a token's
+    KV computed during decode differs in the last bf16 bits from the same KV
+    computed in a long prefill, and a greedy continuation can drift after
+    many tokens.
     """
 
     FLOAT32 = "float32"

@@ -28,14 +28,13 @@ bfloat16 matmuls round the scores and probabilities to bfloat16.
 A prefill on top of cached positions (an agent's next turn: a long cached
 transcript and a few dozen new tokens) has the same problem in another
 shape: torch gathers the sequence's K/V out of its blocks and runs SDPA
-with a shifted causal mask, ~80 GFLOP/s all told at 4,096 cached + 64 new
-on the 2-core AVX2 development CPU. :class:`NativePrefill` runs
-``paged_prefill_attention`` (``native/kvtier_prefill.c``) instead, the
-query rows in the vector lanes and K/V read where they lie: ~130 GFLOP/s,
-2.3 ms instead of 3.9 per layer at 2,048 cached, 4.6 instead of 7.4 at
-4,096 (median of 20, two threads). :func:`plan_prefill` picks it where it
-fits, as :func:`plan_decode` does; a prefill from nothing keeps SDPA's
-causal kernel, which needs no gather and is as fast there.
+with a shifted causal mask, paying for the copy and the mask on top of the
+arithmetic. :class:`NativePrefill` runs ``paged_prefill_attention``
+(``native/kvtier_prefill.c``) instead, the query rows in the vector lanes
+and K/V read where they lie, so it pays for neither (bench/README.md has
+the figures). :func:`plan_prefill` picks it where it fits, as
+:func:`plan_decode` does; a prefill from nothing keeps SDPA's causal
+kernel, which needs no gather and is as fast there.
 """
 
 from __future__ import annotations
@@ -165,10 +164,11 @@ class DecodePlan(Protocol):
 class NativeDecode:
     """The C kernel over a pool's layers for one batch, every argument but q worked out once per forward.
 
-    Per layer that leaves one C call and an output allocation (~3 us; building
-    the arguments each time cost 10). ``threads`` defaults to torch's intra-op
-    thread count: torch's own threads sit idle during the call, and the result
-    is the same bits whatever the count. ``impl`` picks one of :data:`IMPLS`
+    Per layer that leaves one C call and an output allocation: building the
+    arguments every layer would cost Python more than the call itself.
+    ``threads`` defaults to torch's intra-op thread count: torch's own
+    threads sit idle during the call, and the result is the same bits
+    whatever the count. ``impl`` picks one of :data:`IMPLS`
     rather than the best (for tests).
     """
 

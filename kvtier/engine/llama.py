@@ -23,27 +23,23 @@ writes its new K/V into the pool first, then attends:
   matrices when the model was given them (:mod:`kvtier.engine.quant`):
   the step is bound by weight bytes, and those are 5-6x fewer.
 
-Measured on the shared 2-core development CPU (2 threads, whole model, the
-machine otherwise idle; another busy process there makes 2-thread OpenMP
-several times slower, so numbers taken under load mean nothing):
+Choices made by measurement on the shared 2-core development CPU, with the
+machine otherwise idle (another busy process there starves 2-thread OpenMP,
+so numbers taken under load mean nothing; current figures are in
+bench/README.md):
 
-* prefill from empty: 512 tokens fp32 0.83 s, bf16 0.30 s; 2,048 tokens
-  fp32 3.85 s, bf16 1.94 s; 64 new tokens on 1,984 cached: 0.20 s in either;
-* decode at context 2,048, ms/token (median of 40 steps, variants
-  interleaved): fp32 46.3 plain ``matmul → softmax → matmul`` vs 47.0 SDPA
-  with a boolean padding mask; bf16 22.7 matmul (bf16 softmax), 23.9 matmul
-  with a float32 softmax, 24.2 to 26.2 SDPA. The matmul form with a float32
-  softmax is kept: as fast as any, and as precise as SDPA's kernel;
-* the C decode kernel (:mod:`kvtier.engine.kernels`) against that gather +
-  matmul path, same conditions, median of 4 interleaved runs of 40 steps:
-  fp32 42.7 vs 47.5 ms/token, bf16 19.9 vs 21.6. Attention goes from ~22%
-  (fp32) / ~28% (bf16) of a step to ~12% / ~15% (torch.profiler); most of
-  the rest is the weight matmuls (``aten::mm``, ~70% of an fp32 step, which
-  MKL runs as a one-thread sgemv at ~15 GB/s);
-* SDPA on 3-D ``[heads, T, D]`` inputs takes the slow math path on CPU: a
-  2,048-token causal prefill's attention went from 234 ms to 39 ms per
-  layer once inputs were 4-D. ``enable_gqa=True`` costs nothing there,
-  so prefill never repeats K/V.
+* the torch decode path is a plain ``matmul → softmax → matmul`` with the
+  softmax in float32 rather than SDPA with a boolean padding mask: no
+  slower than any variant tried, and as precise as SDPA's kernel;
+* the C decode kernel beats that gather + matmul path because it reads
+  each cached K/V byte once, in place, where torch copies it out and then
+  reads the copy twice; with it attention is a minor share of a decode
+  step, and most of the rest is the weight matmuls, matrix-vector products
+  bound by the bytes of weights they stream (hence the quantized decode
+  weights above);
+* SDPA on 3-D ``[heads, T, D]`` inputs takes the slow math path on CPU, so
+  prefill attention always passes 4-D ones. ``enable_gqa=True`` costs
+  nothing there, so prefill never repeats K/V.
 """
 
 from __future__ import annotations
@@ -251,8 +247,8 @@ class LlamaModel:
         The lm_head runs on the last rows only: on a long prefill it would
         otherwise cost as much as several layers. Those few rows are a
         matrix-vector product bound by the head's bytes, so they read its
-        GGUF blocks when the model has them (Q8_0 here: 28 MB instead of
-        113 MB of float32, ~2 ms instead of ~9 ms), prefill or decode alike.
+        GGUF blocks when the model has them (Q8_0 here: 34 bytes per 32
+        weights instead of float32's 128), prefill or decode alike.
         ``layer_ready(l)``, when given, is called right before layer *l*
         first reads the pool: cached K/V still being copied in
         (:class:`~kvtier.engine.onboard.LayerwiseLoad`) only has to be there
@@ -346,8 +342,9 @@ class LlamaModel:
 
         Additive (0 / -inf) in the model dtype rather than boolean: SDPA
         takes the same kernel either way, bit for bit, but converts a
-        boolean mask to this form on every call, which measured about 30%
-        of a 64-token tail's attention over a 4,096-token prefix.
+        boolean mask to this form on every call: a fresh ``[count, total]``
+        tensor per layer, a sizable share of a short tail's attention over a
+        long prefix.
         """
         total = start + count
         query_pos = torch.arange(start, total, device=self.device)
@@ -406,10 +403,10 @@ class LlamaModel:
         """One sequence's new tokens ``q [T, heads, D]`` against its cached plus new positions.
 
         On top of cached positions, the C kernel where it fits
-        (:class:`~kvtier.engine.kernels.NativePrefill`: no gather, no mask,
-        ~1.6x SDPA's speed there). Else SDPA, with 4-D inputs (``[1, heads,
-        T, D]``): on CPU it takes its flash kernel only for 4-D inputs and
-        falls back to the math path (6x slower at 2,048 tokens) for 3-D ones.
+        (:class:`~kvtier.engine.kernels.NativePrefill`: no gather, no mask
+        to build or read). Else SDPA, with 4-D inputs (``[1, heads, T, D]``):
+        on CPU it takes its flash kernel only for 4-D inputs and falls back
+        to the math path, which materializes every score, for 3-D ones.
         """
         if p.native is not None:
             return p.native.attend(index, q)

@@ -56,7 +56,7 @@ class Gather:
     share the same block tables. So is ``buffer``, the destination: every
     layer gathers into the same memory (a layer's K/V are dead once it has
     attended), which spares a fresh multi-megabyte allocation, and its page
-    faults, per layer; at context 2,048 that made the fp32 gather 2x faster.
+    faults, per layer: a cost that grows with the context as the copy does.
     """
 
     rows: torch.Tensor  # int64 [2 * num_seqs * kv_heads * num_blocks], rows of a layer viewed [-1, B*D]
