@@ -1273,12 +1273,11 @@ ATTN_VARIANT(attn_unit_base, , 4)
  * weights are one vector, and V is accumulated in registers, four heads per V row. nv
  * (head_dim / 16) is a constant in the common instantiations (4 and 8: head_dim 64
  * and 128), so the accumulators stay in registers and row offsets are immediates.
- * Measured on the 2-core EPYC (one thread, one layer of SmolLM2 at context 2,048 in
- * cache): float32 ~100 us, bfloat16 ~75 us (118 us when bf16 was widened with
- * vpmovzxwd rather than split, see attn512_load, and V read once per head); about
- * 0.24 (fp32) and 0.18 (bf16) us per block and KV head, the same from L2 as from
- * L3: bound by instructions more than by memory. From DRAM (30 layers in turn):
- * ~165 and ~90 us.
+ * It runs about as fast from L2 as from L3, so it is bound by instructions more than
+ * by memory: that is why bfloat16 rows are split rather than widened with vpmovzxwd
+ * (see attn512_load) and each V row is loaded once for several heads, both of which
+ * measured faster than the plainer forms. From DRAM, bfloat16 gains on float32 by
+ * reading half the bytes.
  */
 #include <immintrin.h>
 
@@ -1536,15 +1535,14 @@ ATTN512 static void attn_unit_avx512(const attn_job_t *j, const attn_unit_t *u, 
 /*
  * The AVX2 unit, by hand, for x86-64 CPUs with AVX2+FMA and no AVX-512 (AMD Zen 1-3,
  * most desktops and laptops). The auto-vectorised body reduced every dot product
- * through the stack and ran at ~1 ms per layer of SmolLM2 at context 2,048 (one
- * thread, an AVX2 EPYC): ~2.4 GMAC/s, a tenth of what the same core's memory delivers.
+ * through the stack and ran far below what the same core's memory delivers.
  * The same plan as the AVX-512 unit, at 8 lanes: a tile of up to 16 positions is
  * scored as two vectors of 8, each folded from 8 rows' partial sums by a hadd tree
  * (attn256_scores, q held in registers); its softmax weights are two vectors; and V is
  * accumulated in registers, 16 columns of up to 4 heads at a time (8 accumulators: 12
  * of 3 heads by 32 columns spilled one to the stack, a store-forward stall per row).
- * Measured on the same EPYC, one thread, 30 layers at 2,048: ~11 ms from DRAM (23
- * auto-vectorised), ~7 ms from cache; two threads ~8 ms, near the VM's ~10 GB/s.
+ * By hand it is bound by memory again, as decode attention should be: two threads
+ * read K/V near the machine's memory bandwidth.
  */
 #define ATTN256 __attribute__((target("avx2,fma")))
 #define ATTN256_INLINE static inline __attribute__((always_inline)) ATTN256
@@ -1804,9 +1802,9 @@ static struct {
 /*
  * How long a worker that just finished a task watches for the next before it sleeps.
  * A decode step calls the team ~150 times (four matrices and one attention per layer)
- * with a few tens of microseconds of torch work between calls; a sleeping worker takes
- * about as long to wake, so without the watch the second thread joined too late to pay
- * for itself. The watch ends long before a prefill's matmuls could miss the core.
+ * with little torch work between calls, no longer than a sleeping worker takes to
+ * wake, so without the watch the second thread joined too late to pay for itself.
+ * The watch ends long before a prefill's matmuls could miss the core.
  */
 #define TEAM_WATCH_NS 200000
 

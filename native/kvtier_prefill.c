@@ -5,10 +5,10 @@
  * An agent's next turn is a long cached transcript plus a few dozen new tokens: a
  * prefill of T new rows over start + T positions. torch's way is to gather the
  * sequence's K/V out of its blocks into one tensor and call SDPA with a shifted causal
- * mask; measured on the 2-core AVX2 EPYC at 4,096 cached + 64 new (one layer of
- * SmolLM2, 9 query heads over 3 KV heads of 64): the gather ~0.65 ms and SDPA 5.5 to
- * 7 ms, ~110 GFLOP/s, where the same cores do ~175 in a large matmul. On a cache hit
- * this attention is about half of the time to first token.
+ * mask: the gather copies every cached byte before any arithmetic, and SDPA on these
+ * short, wide shapes runs well below the rate the same cores reach in a large matmul.
+ * On a cache hit this attention is a large share of the time to first token (see
+ * bench/README.md).
  *
  * The kernel works as a small GEMM with the query rows in the vector lanes. A unit is
  * one KV head and a run of new tokens: its R = tokens * group query rows (token-major,
