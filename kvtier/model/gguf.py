@@ -362,10 +362,11 @@ def model_fingerprint(path: str | os.PathLike[str], dtype: torch.dtype, cache_di
 def file_sha256(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> str:
     """The SHA-256 of a file's bytes, remembered in ``cache_dir`` by (resolved path, size, mtime_ns).
 
-    Hashing is ~0.06 s for the 98 MB default model but seconds for a multi-GB one, on
-    every start; the cache makes it a ``stat``. The file is stat-ed *before* hashing, so a file rewritten while
-    being hashed is recorded under its old mtime and hashed again next time. A cache
-    that cannot be read or written only costs the rehash.
+    Hashing reads the whole file, which is quick for the small default model
+    but takes seconds for a multi-GB one, on every start; the cache makes it a
+    ``stat``. The file is stat-ed *before* hashing, so a file rewritten while
+    being hashed is recorded under its old mtime and hashed again next time. A
+    cache that cannot be read or written only costs the rehash.
     """
     resolved = Path(path).resolve()
     stat = resolved.stat()

@@ -19,7 +19,8 @@ class LFUPolicy(EvictionPolicy):
     moves a key to the end of the next bucket, so each bucket is ordered by
     last use without storing a clock: the logical time is the bucket order.
     Events are O(1) and ``victims(n)`` costs O(B log B + n + skipped excluded
-    keys) for B distinct counts, which keeps eviction cheap at ~100k keys.
+    keys) for B distinct counts, which does not grow with the number of
+    resident keys.
     """
 
     def __init__(self) -> None:
