@@ -1,16 +1,23 @@
 /*
- * kvtier._native: the disk tier's hot path.
+ * kvtier._native: the disk tier's hot path, the block-key chain and the engine's
+ * decode attention (kvtier_quant.c and kvtier_prefill.c add the rest of the module).
  *
  *   preadv_batch / pwritev_batch  many positional reads or writes in one call,
  *                                 spread over a small pthread pool, GIL released
  *   alloc_aligned                 a writable buffer at an aligned address (O_DIRECT)
  *   crc32c / crc32c_layers        CRC-32C (Castagnoli): the SSE4.2 crc32 instruction,
  *                                 three streams interleaved, else a slicing-by-8 table
+ *   bind_xxh3 / xxh3_128_chain    the chained block keys of kvtier/keys.py, calling the
+ *                                 xxhash package's own xxh3-128, GIL released
  *   copy_regions                  many same-sized memcpys by address in one call, GIL
  *                                 released (the engine's layer-by-layer KV onboarding)
+ *   paged_decode_attention        decode attention read in place from the paged pool
+ *   kvt_team_run                  the sleeping worker team the kernels share
  *
- * Everything here is also written in pure Python in kvtier/tiers/native.py (the
- * fallback for a platform without a compiler); tests check the two agree.
+ * The disk tier's functions and copy_regions are also written in pure Python in
+ * kvtier/tiers/native.py (the fallback for a platform without a compiler); tests check
+ * the two agree. The key chain falls back to a Python loop in kvtier/keys.py, the
+ * attention kernels to torch (kvtier/engine/kernels.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
