@@ -163,8 +163,8 @@ class HostTier:
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """One lock round and one stats update for the batch, and the copies split over two threads.
 
-        A single core does not saturate memory bandwidth here: two copy loops
-        (numpy releases the GIL while it copies) beat one large torch copy.
+        A single core does not saturate memory bandwidth: two copy loops (numpy
+        releases the GIL while it copies) move more bytes per second than one.
         """
         with self._lock:
             slots = [self._slot_of.get(k) for k in keys]
