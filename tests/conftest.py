@@ -1,12 +1,28 @@
-"""Skip tests marked ``cuda`` when no CUDA device is present (every CPU-only machine)."""
+"""Skip tests marked ``cuda`` when no CUDA device is present; mark the slow ones ``slow``.
+
+``slow``: every test that loads the real model (the ``loaded_model`` or
+``hf_model`` fixture) or starts a real ``kvtier serve`` (``tests.server.live``).
+``pytest -m "not slow"`` runs the rest, the fast suite, in about a minute on two cores.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+MODEL_FIXTURES = {"loaded_model", "hf_model"}
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    module = getattr(item, "module", None)
+    return bool(fixtures & MODEL_FIXTURES) or "running" in vars(module or object)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
