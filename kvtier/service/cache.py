@@ -67,7 +67,8 @@ class ServiceCache:
             layout.block_size, layout.block_bytes, deadline_slack=config.transfer.deadline_slack
         )
         self.worker = TransferWorker(1)  # stores run off the engine's step, as embedded
-        self.tiers = [ServiceTier(kind) for kind in (TierKind.HOST, TierKind.DISK) if kind.value in client.stats()]
+        self._last_stats = client.stats()
+        self.tiers = [ServiceTier(kind) for kind in (TierKind.HOST, TierKind.DISK) if kind.value in self._last_stats]
 
     @property
     def load_chunk(self) -> int:
@@ -120,10 +121,20 @@ class ServiceCache:
 
     # -- operators --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return {"pinned_blocks": 0, "ttl_pinned_blocks": 0, **self.client.stats(), "break_even": self.costs.snapshot()}
+        """The service's figures; while it is unreachable, the last ones it gave (its failures are counted)."""
+        fresh = self.client.stats()
+        if fresh:
+            self._last_stats = fresh
+        return {
+            "pinned_blocks": 0,
+            "ttl_pinned_blocks": 0,
+            **self._last_stats,
+            "service_failures": self.client.failures,
+            "break_even": self.costs.snapshot(),
+        }
 
     def ttl_pinned(self) -> int:
-        return int(self.client.stats().get("ttl_pinned_blocks", 0))
+        return int(self._last_stats.get("ttl_pinned_blocks", 0))
 
     def pin_for(self, tokens: Sequence[int] | np.ndarray, namespace: str | None, ttl_s: float) -> list[int]:
         """The indices of the blocks pinned (the keys are the service's)."""

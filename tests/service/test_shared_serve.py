@@ -19,8 +19,8 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 @contextmanager
-def cache_service(tmp: Path) -> Iterator[Path]:
-    """``kvtier cache serve`` in a subprocess; yields its socket once it says it is listening."""
+def cache_service(tmp: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """``kvtier cache serve`` in a subprocess; yields its socket (and process) once it says it is listening."""
     sock = tmp / "cache.sock"
     config = tmp / "service.yaml"
     config.write_text(yaml.safe_dump({"data_dir": str(tmp / "service-data"), **SIZES}))
@@ -35,7 +35,7 @@ def cache_service(tmp: Path) -> Iterator[Path]:
         assert process.stdout is not None
         line = process.stdout.readline()  # printed once the socket listens
         assert line.startswith("kvtier cache service: unix://"), line + process.stdout.read()
-        yield sock
+        yield sock, process
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -47,7 +47,7 @@ def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: Lo
         {"role": "system", "content": "You are a terse assistant. Answer in one short sentence. " * 4},
         {"role": "user", "content": "List three prime numbers."},
     ]
-    with cache_service(tmp_path) as sock:
+    with cache_service(tmp_path) as (sock, service):
         shared = {"cache": {"service": f"unix://{sock}"}}
         with running(tmp_path / "a", shared) as a, running(tmp_path / "b", shared) as b:
             first = a.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
@@ -65,3 +65,16 @@ def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: Lo
             stats = b.stats()
             assert stats["tiers"]["host"]["hit_tokens"] >= cached  # the service's own tier counted the hit
             assert stats["tiers"]["host"]["blocks"] > 0
+
+            service.terminate()  # the service goes away mid-session: the instances answer on, from their own pools
+            assert service.wait(timeout=60) == 0
+            messages += [
+                {"role": "assistant", "content": second.choices[0].message.content},
+                {"role": "user", "content": "Is the sum prime?"},
+            ]
+            for server in (a, b):
+                third = server.client().chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=12, temperature=0
+                )
+                assert third.choices[0].message.content == reference.chat(messages, 12)[1].text
+            assert b.stats()["tiers"]["host"]["blocks"] > 0  # the last figures the service gave
