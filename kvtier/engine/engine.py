@@ -330,8 +330,9 @@ class Engine:
             req.stored_blocks = req.shared_blocks = len(req.table.block_ids)
             self.pool.grow(req.table, total)
             self.prefill_tokens_skipped += req.cached_tokens
-            for key in req.keys[req.shared_blocks :]:
-                self._producing.setdefault(key, req)
+            if self.resident is not None:  # only a pool that publishes blocks lets others attach them
+                for key in req.keys[req.shared_blocks :]:
+                    self._producing.setdefault(key, req)
             admitted.append(req)
         return admitted
 

@@ -134,3 +134,17 @@ def test_abort_frees_the_pool_whether_waiting_prefilling_or_decoding(
     again = words(loaded_model, 300, seed=6)
     rid = engine.add_request(again, GREEDY)
     assert run(engine)[rid] == alone(reference, again)
+
+
+def test_without_a_resident_pool_nobody_waits_for_blocks_it_could_not_attach(
+    loaded_model: LoadedModel, tmp_path: Path
+) -> None:
+    prefix = words(loaded_model, 100, seed=8)
+    cut = len(prefix) // B * B
+    prompts = [prefix[:cut] + words(loaded_model, 5 + i, seed=20 + i) for i in range(2)]
+    engine = make_engine(loaded_model, config(tmp_path, max_step_tokens=64), cache=None, keep_resident=False)
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    engine.step()
+    assert len(engine._running) == 2 and not engine._waiting  # both admitted at once: no producer to wait for
+    assert engine._producing == {}
