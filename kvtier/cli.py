@@ -178,9 +178,18 @@ def _cache_serve(args: argparse.Namespace) -> int:
     from kvtier.service import CacheService
 
     config = load_config(args.config)
-    path = args.socket or config.cache.service_socket or config.data_dir / "cache.sock"
+    path = args.socket or config.service_socket
     layout, fingerprint = kv_identity(config)
-    service = CacheService(config, layout, model_fingerprint=fingerprint, socket_path=path)
+    s = config.service
+    service = CacheService(
+        config,
+        layout,
+        model_fingerprint=fingerprint,
+        socket_path=path,
+        allowed_uids=s.allowed_uids,
+        slab_dir=s.slab_dir,
+        reservation_ttl_s=s.reservation_ttl_s,
+    )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stop())
     print(f"kvtier cache service: unix://{path} ({layout.descriptor})", flush=True)

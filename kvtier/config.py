@@ -269,6 +269,29 @@ def default_data_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvtier"))
 
 
+class ServiceConfig(_Section):
+    """``kvtier cache serve``: who may connect and how long a reservation may stay open.
+
+    Its socket is ``cache.service``'s path (one config file serves the whole
+    node), or ``<data_dir>/cache.sock`` while that is ``embedded``.
+    """
+
+    allowed_uids: list[int] = Field(
+        default_factory=list, description="Users besides the service's own who may connect (peer uid checked)."
+    )
+    reservation_ttl_s: float = Field(
+        60.0, gt=0, description="An uncommitted store reservation is given back after this."
+    )
+    slab_dir: Path | None = Field(
+        None, description="Where the shared host slab file lives; null: /dev/shm (else TMPDIR)."
+    )
+
+    @field_validator("slab_dir")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return None if v is None else v.expanduser()
+
+
 class Config(_Section):
     data_dir: Path = Field(default_factory=default_data_dir)
     cache: CacheConfig = CacheConfig()
@@ -277,11 +300,17 @@ class Config(_Section):
     transfer: TransferConfig = TransferConfig()
     engine: EngineConfig = EngineConfig()
     server: ServerConfig = ServerConfig()
+    service: ServiceConfig = ServiceConfig()
 
     @field_validator("data_dir")
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
+
+    @property
+    def service_socket(self) -> Path:
+        """Where the node's cache service listens: ``cache.service``'s path, else ``<data_dir>/cache.sock``."""
+        return self.cache.service_socket or self.data_dir / "cache.sock"
 
     @property
     def disk_path(self) -> Path:

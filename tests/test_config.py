@@ -84,3 +84,12 @@ def _same_size(a: object, b: object) -> bool:
         return TypeAdapter(ByteSize).validate_python(a) == TypeAdapter(ByteSize).validate_python(b)
     except ValidationError:
         return False
+
+
+def test_the_cache_service_socket_comes_from_cache_service_else_the_data_dir(tmp_path: Path) -> None:
+    embedded = load_config(environ={"KVTIER_DATA_DIR": str(tmp_path)})
+    assert embedded.cache.service_socket is None and embedded.service_socket == tmp_path / "cache.sock"
+    shared = load_config(environ={"KVTIER_DATA_DIR": str(tmp_path), "KVTIER_CACHE__SERVICE": "unix:///run/k.sock"})
+    assert shared.service_socket == Path("/run/k.sock")
+    with pytest.raises(ConfigError, match="cache.service"):
+        load_config(environ={"KVTIER_CACHE__SERVICE": "tcp://x:1"})
