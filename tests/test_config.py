@@ -91,5 +91,5 @@ def test_the_cache_service_socket_comes_from_cache_service_else_the_data_dir(tmp
     assert embedded.cache.service_socket is None and embedded.service_socket == tmp_path / "cache.sock"
     shared = load_config(environ={"KVTIER_DATA_DIR": str(tmp_path), "KVTIER_CACHE__SERVICE": "unix:///run/k.sock"})
     assert shared.service_socket == Path("/run/k.sock")
-    with pytest.raises(ConfigError, match="cache.service"):
+    with pytest.raises(ConfigError, match=r"cache\.service"):
         load_config(environ={"KVTIER_CACHE__SERVICE": "tcp://x:1"})

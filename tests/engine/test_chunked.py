@@ -94,9 +94,7 @@ def test_a_short_request_is_not_held_behind_a_long_prefill(
     assert done[short_id] == alone(reference, short_ids)
 
 
-def test_a_prefix_being_computed_is_computed_once(
-    loaded_model: LoadedModel, tmp_path: Path, reference: Engine
-) -> None:
+def test_a_prefix_being_computed_is_computed_once(loaded_model: LoadedModel, tmp_path: Path, reference: Engine) -> None:
     prefix = words(loaded_model, 200, seed=4)
     cut = len(prefix) // B * B
     prompts = [prefix[:cut] + words(loaded_model, 12 + i, seed=10 + i) for i in range(4)]
