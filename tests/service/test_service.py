@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -245,3 +247,30 @@ def test_a_reservation_left_uncommitted_is_given_back_and_its_late_commit_refuse
     finally:
         svc.close()
         thread.join(timeout=30)
+
+
+def raw_exchange(path: Path, payload: bytes) -> bytes:
+    """Send raw bytes as a client would, read until the service closes the connection."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(str(path))
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := sock.recv(4096):
+            out += chunk
+        return out
+
+
+def test_malformed_frames_end_that_connection_only(service: CacheService) -> None:
+    oversized = struct.pack("<I", protocol.MAX_FRAME + 1)
+    assert raw_exchange(service.socket_path, oversized) == b""  # closed: no frame of that size is read
+    garbage = struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1"
+    assert raw_exchange(service.socket_path, garbage) == b""
+    stats = msgspec.msgpack.encode(protocol.Stats())
+    reply = raw_exchange(service.socket_path, struct.pack("<I", len(stats)) + stats)  # no Hello first
+    refused = msgspec.msgpack.decode(reply[4:], type=protocol.Reply)
+    assert isinstance(refused, protocol.Refused) and "Hello" in refused.reason
+    assert service.wait_sessions(0, timeout=60)
+    with client(service) as c:  # the service is unharmed
+        assert c.stats()["host"]["blocks"] == 0
