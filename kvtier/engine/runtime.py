@@ -74,7 +74,11 @@ def open_cache(loaded: LoadedModel, config: Config) -> CacheManager | ServiceCac
     socket_path = config.cache.service_socket
     if socket_path is None:
         return CacheManager(config, layout, model_fingerprint=loaded.fingerprint)
-    return ServiceCache(CacheClient(socket_path, layout, model_fingerprint=loaded.fingerprint), config, layout)
+
+    def connect() -> CacheClient:
+        return CacheClient(socket_path, layout, model_fingerprint=loaded.fingerprint)
+
+    return ServiceCache(connect(), config, layout, prefetcher=connect())
 
 
 def kv_identity(config: Config) -> tuple[KVLayout, str]:
@@ -107,7 +111,6 @@ def make_engine(
     for an engine that uses only its own pool.
     """
     e = config.engine
-    embedded = isinstance(cache, CacheManager)  # a service cache loads at admission: no prefetch on arrival
     block_bytes = loaded.model.kv_layout(config.cache.block_size).block_bytes
     resident = e.keep_resident if keep_resident is None else keep_resident
     hasher = hasher or (cache.hasher if cache is not None else None)
@@ -122,6 +125,6 @@ def make_engine(
         max_batch=e.max_batch,
         max_step_tokens=e.max_step_tokens,
         namespace=config.cache.namespace,
-        prefetch=config.transfer.prefetch and embedded,
+        prefetch=config.transfer.prefetch,
         layerwise=config.transfer.layerwise,
     )

@@ -8,9 +8,11 @@ session sent to the second instance finds the blocks the first one stored.
 
 What differs, and why:
 
-* Loads are one round trip at admission (the service promotes disk blocks
-  before it answers); there is no prefetch on arrival, which would hold the
-  connection while other requests want it.
+* A fetch started on arrival is one ``Load`` round trip on a second
+  connection, run by a thread of this process, so the engine's own
+  connection stays free for lookups and the engine thread never waits on the
+  disk: the service promotes what it can before the fetch's deadline and
+  answers with what landed; admission takes that answer.
 * The engine's own resident-pool index keys blocks with a process-local
   secret: those keys never leave the process, and the service computes the
   shared ones from the tokens, keeping the deployment secret to itself.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +55,31 @@ class ServiceTier:
     kind: TierKind
 
 
+class ServiceFetch:
+    """A fetch in flight at the service: what :class:`~kvtier.fetch.Fetch` offers the engine, over one round trip."""
+
+    def __init__(self, future: Future[ClientLoad], first_block: int, wanted: int) -> None:
+        self._future = future
+        self.first_block = first_block
+        self.wanted = wanted
+        self.missed_deadline = False
+
+    def take(self, extend: Callable[[int, float], float] | None = None) -> ClientLoad:
+        """The blocks the service pinned before the deadline it was given (it, not this process, keeps the time)."""
+        load = self._future.result()
+        self.missed_deadline = len(load.blocks) < self.wanted
+        return load
+
+    def cancel(self) -> None:
+        """Nobody will copy these blocks: release them now, or as soon as the service answers."""
+        self._future.add_done_callback(lambda f: f.result().release())
+
+
 class ServiceCache:
-    def __init__(self, client: CacheClient, config: Config, layout: KVLayout) -> None:
+    def __init__(self, client: CacheClient, config: Config, layout: KVLayout, *, prefetcher: CacheClient) -> None:
         self.client = client
+        self._prefetcher = prefetcher  # a second connection: fetches run on it while the engine looks things up
+        self._fetches = ThreadPoolExecutor(1, thread_name_prefix="kvtier-service-fetch")
         self.config = config
         self.layout = layout
         self.hasher = KeyHasher(
@@ -97,6 +122,25 @@ class ServiceCache:
         tokens = np.frombuffer(result.tokens, dtype="<i4")
         first = result.first_block if start is None else start
         return self.client.load(tokens, result.namespace, start=first, max_blocks=max_blocks)
+
+    def fetch(
+        self,
+        result: LookupResult,
+        *,
+        start: int | None = None,
+        max_blocks: int | None = None,
+        deadline_s: float | None = None,
+    ) -> ServiceFetch:
+        """Start pinning blocks ``start ..`` at the service; the engine takes them at admission."""
+        assert isinstance(result, ServiceLookup)
+        tokens = np.frombuffer(result.tokens, dtype="<i4")
+        first = result.first_block if start is None else start
+        stop = result.cached_blocks if max_blocks is None else min(result.cached_blocks, first + max_blocks)
+        ns = result.namespace
+        future = self._fetches.submit(
+            self._prefetcher.load, tokens, ns, start=first, max_blocks=stop - first, deadline_s=deadline_s
+        )
+        return ServiceFetch(future, first, stop - first)
 
     def store_from(
         self,
@@ -147,4 +191,6 @@ class ServiceCache:
         """Finish this process's stores; flushing the tiers is the service's job when it stops."""
         self.worker.drain()
         self.worker.shutdown()
+        self._fetches.shutdown(wait=True)
+        self._prefetcher.close()
         self.client.close()

@@ -65,6 +65,8 @@ def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: Lo
             stats = b.stats()
             assert stats["tiers"]["host"]["hit_tokens"] >= cached  # the service's own tier counted the hit
             assert stats["tiers"]["host"]["blocks"] > 0
+            prefetch = stats["engine"]["prefetch"]  # fetched on arrival, off the engine thread, then taken
+            assert prefetch["started"] == 1 and prefetch["blocks_used"] * 16 == cached
 
             service.terminate()  # the service goes away mid-session: the instances answer on, from their own pools
             assert service.wait(timeout=60) == 0
