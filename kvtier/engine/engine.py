@@ -44,7 +44,8 @@ from kvtier.fetch import Fetch, LoadHandle
 from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
 from kvtier.model.tokenizer import StreamDecoder, Tokenizer
-from kvtier.service.cache import ServiceCache
+from kvtier.service.cache import ServiceCache, ServiceFetch
+from kvtier.service.client import ClientLoad
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobId, JobStatus
 
@@ -81,7 +82,7 @@ class Request:
     stored_blocks: int = 0  # leading blocks known to be in kvtier already
     shared_blocks: int = 0  # leading prompt blocks published in the pool for other requests to attach
     last_chunk: int | None = None  # prompt tokens the previous step gave it (None: not planned yet)
-    fetch: Fetch | None = None  # started on arrival, taken on admission
+    fetch: Fetch | ServiceFetch | None = None  # started on arrival, taken on admission
     fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival
 
     @property
@@ -176,7 +177,7 @@ class Engine:
         self.prefetch_counters = PrefetchCounters()
         # One thread copies fetched KV into the pool, layer by layer, while the forward computes.
         self._onboard = ThreadPoolExecutor(1, thread_name_prefix="kvtier-onboard") if layerwise else None
-        self._loads: list[tuple[LoadHandle, list[int]]] = []  # fetched this step, copied during its forward
+        self._loads: list[tuple[LoadHandle | ClientLoad, list[int]]] = []  # fetched this step, copied in its forward
         self._storing: list[tuple[JobId, list[int]]] = []  # stores reading pool blocks, which they hold a ref on
         # Prompt blocks a running request is about to compute: a request sharing that prefix waits for them.
         self._producing: dict[BlockKey, Request] = {}
@@ -419,7 +420,7 @@ class Engine:
             req.table.block_ids.extend(fresh)
             at += len(fresh)
 
-    def _count_served(self, req: Request, handle: LoadHandle) -> None:
+    def _count_served(self, req: Request, handle: LoadHandle | ClientLoad) -> None:
         for kind in handle.served_from:
             req.served_from[kind] = req.served_from.get(kind, 0) + self.block_size
 
