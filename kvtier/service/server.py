@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.config import Config
+from kvtier.errors import KVTierError
 from kvtier.fetch import LoadHandle
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager, StorePlan
@@ -176,6 +177,19 @@ class _Session:
         return len(plans)
 
 
+class ServiceRunningError(KVTierError):
+    """Another cache service answers on the socket path: taking it over would cut its clients off."""
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def _tokens(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4").astype(np.int32)
 
@@ -200,19 +214,34 @@ class CacheService:
         self.allowed_uids = sorted({os.getuid(), *allowed_uids})
         self.reservation_ttl_s = reservation_ttl_s
         self.clock = clock
-        self.slab_path = (slab_dir or default_slab_dir()) / f"kvtier-{os.getuid()}-{secrets.token_hex(6)}.slab"
-        self.manager = CacheManager(config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path)
         self.socket_path = Path(socket_path)
-        self._listener = self._listen()
+        if _answers(self.socket_path):
+            raise ServiceRunningError(f"a cache service already answers at {self.socket_path}: stop it, or use another")
+        self.slab_path = (slab_dir or default_slab_dir()) / f"kvtier-{os.getuid()}-{secrets.token_hex(6)}.slab"
+        try:
+            self.manager = CacheManager(config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path)
+        except BaseException:
+            self._drop_slab()  # shared memory outlives the process: never leave a slab behind
+            raise
+        try:
+            self._listener = self._listen()
+        except BaseException:
+            self.manager.close(flush_s=0)
+            self._drop_slab()
+            raise
         self._ids = itertools.count(1)
         self._sessions: set[_Session] = set()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a session ended (its leases are reclaimed by then)
         self._closed = threading.Event()
 
+    def _drop_slab(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.slab_path.unlink()
+
     def _listen(self) -> socket.socket:
         with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()  # a stale socket of a service that died; the disk tier's lock guards the rest
+            self.socket_path.unlink()  # the socket of a service that died: nobody answers on it
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # created 0600: no window in which another user could connect
         try:
@@ -297,5 +326,4 @@ class CacheService:
         self.manager.close(self.manager.config.cache.flush_on_exit_s)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            self.slab_path.unlink()
+        self._drop_slab()

@@ -23,7 +23,9 @@ import msgspec
 import pytest
 import torch
 
+from kvtier.errors import DiskLockedError
 from kvtier.service import CacheClient, CacheService, ServiceUnavailable, protocol
+from kvtier.service.server import ServiceRunningError
 from kvtier.tiers import native
 from kvtier.tiers.base import TierKind
 from tests.helpers import BLOCK, as_bytes, make_config, payload, prompt, toy_layout
@@ -273,4 +275,20 @@ def test_malformed_frames_end_that_connection_only(service: CacheService) -> Non
     assert isinstance(refused, protocol.Refused) and "Hello" in refused.reason
     assert service.wait_sessions(0, timeout=60)
     with client(service) as c:  # the service is unharmed
+        assert c.stats()["host"]["blocks"] == 0
+
+
+def test_a_second_service_on_a_live_socket_or_disk_refuses_and_leaves_nothing(
+    service: CacheService, tmp_path: Path
+) -> None:
+    slabs = set(tmp_path.glob("*.slab"))
+    cfg = make_config(tmp_path, host={"capacity_bytes": 16 * 4096}, disk={"capacity_bytes": 32 * 4096})
+    with pytest.raises(ServiceRunningError, match="already answers"):
+        CacheService(cfg, toy_layout(), model_fingerprint=FINGERPRINT, socket_path=service.socket_path)
+    with pytest.raises(DiskLockedError):  # the same disk tier under another socket
+        CacheService(
+            cfg, toy_layout(), model_fingerprint=FINGERPRINT, socket_path=tmp_path / "b.sock", slab_dir=tmp_path
+        )
+    assert set(tmp_path.glob("*.slab")) == slabs  # the refused one's shared-memory slab is gone
+    with client(service) as c:  # the first one still answers on its socket
         assert c.stats()["host"]["blocks"] == 0
