@@ -85,16 +85,28 @@ def _where(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(p) for p in loc if p != "body" and (isinstance(p, int) or str(p).isidentifier()))
 
 
+def _is_type_error(e: dict) -> bool:
+    return str(e.get("type", "")).endswith("_type")
+
+
+def _ancestors(where: str) -> list[str]:
+    parts = where.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _relevant(errors: list[dict]) -> list[dict]:
     """For a field given as one branch of a union (``stop``: a string or a list), the branch it was written as.
 
     Pydantic reports every branch; "Input should be a valid string" beside
-    "List should have at most 4 items" would only hide the real limit.
+    "List should have at most 4 items" would only hide the real limit. A
+    type mismatch at a field is dropped when another error sits at the same
+    field or inside it: the client wrote that other shape. Linear in the
+    errors, since one body can carry many thousands.
     """
-    wrong_type = {_where(e.get("loc", ())) for e in errors if not str(e.get("type", "")).endswith("_type")}
-    return [
-        e for e in errors if not (str(e.get("type", "")).endswith("_type") and _where(e.get("loc", ())) in wrong_type)
-    ]
+    wheres = [_where(e.get("loc", ())) for e in errors]
+    other_shape = {w for w, e in zip(wheres, errors, strict=True) if not _is_type_error(e)}
+    other_shape.update(a for w in wheres for a in _ancestors(w))
+    return [e for w, e in zip(wheres, errors, strict=True) if not (_is_type_error(e) and w in other_shape)]
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:

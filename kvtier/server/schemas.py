@@ -41,7 +41,9 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
-StopString = Annotated[Text, Field(min_length=1, max_length=256)]
+# The bounds come before the validator, so they apply to the string itself: a too-long
+# stop reads "String should have at most 256 characters", not a length of "items".
+StopString = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
