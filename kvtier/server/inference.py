@@ -15,6 +15,7 @@ prompt takes a while), never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import secrets
 import time
@@ -89,11 +90,18 @@ async def chat_ids(state: ServerState, messages: list[ChatMessage], *, add_gener
         raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
 
 
-def check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> None:
+class PromptField(enum.StrEnum):
+    """The field a request's prompt came from: what a 400 about its length names, as OpenAI's do."""
+
+    PROMPT = "prompt"
+    MESSAGES = "messages"
+
+
+def check_prompt(state: ServerState, ids: list[int], max_tokens: int, source: PromptField = PromptField.PROMPT) -> None:
     """Refuse, with a clear 400, every request the engine could not run."""
     limits = state.loop.limits
     if not ids:
-        raise APIError(400, "the prompt is empty", code=ErrorCode.INVALID_PROMPT, param="prompt")
+        raise APIError(400, "the prompt is empty", code=ErrorCode.INVALID_PROMPT, param=source)
     bad = next((t for t in ids if t >= limits.vocab_size), None)
     if bad is not None:
         raise APIError(
@@ -106,9 +114,9 @@ def check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> None:
         raise APIError(
             400,
             f"This model's maximum context length is {limits.context_length} tokens; "
-            f"the prompt has {len(ids)} tokens. Shorten the prompt.",
+            f"you sent {len(ids)} tokens in the {source}. Shorten the {source}.",
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            param="prompt",
+            param=source,
         )
     limit = state.config.server.max_tokens_limit
     if max_tokens > limit:
@@ -122,8 +130,8 @@ def check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> None:
         raise APIError(
             400,
             f"This model's maximum context length is {limits.context_length} tokens. However, you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the completion). "
-            "Shorten the prompt or lower max_tokens.",
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the {source}, {max_tokens} in the completion). "
+            f"Shorten the {source} or lower max_tokens.",
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             param="max_tokens",
         )
@@ -146,7 +154,8 @@ def _job(
     max_tokens: int,
     tenant: Tenant,
 ) -> Job:
-    check_prompt(state, ids, max_tokens)
+    source = PromptField.MESSAGES if isinstance(body, ChatCompletionRequest) else PromptField.PROMPT
+    check_prompt(state, ids, max_tokens, source)
     temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
     params = SamplingParams(
         max_tokens=max_tokens,

@@ -366,6 +366,34 @@ def test_bad_requests_get_clear_4xx_and_the_server_stays_up(
     assert chat(client, model, [{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_422_names_the_shape_the_client_wrote_and_its_limit(server: LiveServer) -> None:
+    """A list ``stop`` is not also told "Input should be a valid string"; a string's limit is in characters."""
+
+    def message(body: dict[str, Any]) -> str:
+        response = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **body})
+        assert response.status_code == 422
+        return error_of(response)["message"]
+
+    assert message({"stop": ["x" * 257]}) == "stop.0: String should have at most 256 characters"
+    assert message({"stop": "x" * 257}) == "stop: String should have at most 256 characters"
+    assert message({"stop": [""]}) == "stop.0: String should have at least 1 character"
+    assert message({"stop": [1]}) == "stop.0: Input should be a valid string"
+    assert message({"stop": {}}) == "stop: Input should be a valid string; stop: Input should be a valid list"
+    assert message({"prompt": [-1]}) == "prompt.0: Input should be greater than or equal to 0"
+
+
+def test_a_chat_past_the_context_is_refused_naming_the_messages(
+    client: openai.OpenAI, model: str, loaded_model: LoadedModel
+) -> None:
+    messages = [{"role": "user", "content": "hello " * 8140}]
+    n = len(loaded_model.chat_ids(messages))
+    assert 8192 - 64 < n < 8192  # fits alone, not with max_tokens 64
+    with pytest.raises(openai.BadRequestError) as past_context:
+        chat(client, model, messages, max_tokens=64)
+    assert f"you requested {n + 64} tokens ({n} in the messages, 64 in the completion)" in past_context.value.message
+    assert past_context.value.code == "context_length_exceeded"
+
+
 def test_the_served_schema_shows_the_configured_max_tokens_limit(server: LiveServer) -> None:
     schemas = server.get("/openapi.json").json()["components"]["schemas"]
     bound = [s.get("maximum") for s in schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"]]
