@@ -20,6 +20,10 @@ class KVTierError(Exception):
     pass
 
 
+class BindError(KVTierError):
+    """``kvtier serve`` cannot listen where it was told (the port is taken, the address is not this host's)."""
+
+
 class TierMismatchError(KVTierError):
     """A persistent tier was written for another model, layout, block size or format."""
 

@@ -6,18 +6,25 @@ has thought about who may clear or probe its cache). Without API keys,
 inference on a non-loopback address is open to the network: that is logged
 as a warning, not refused, since a trusted network or a proxy may be doing
 the authentication.
+
+The listening sockets are bound before the model loads: a port in use or an
+address this host does not have is a one-line error at once, and uvicorn
+then serves those very sockets, so nothing can take the port in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
+import socket
 import time
 
 import uvicorn
 
 from kvtier.config import Config, ConfigError
 from kvtier.engine.runtime import load_model, make_engine, open_cache
+from kvtier.errors import BindError
 from kvtier.server.app import create_app
 from kvtier.server.auth import AdminToken, Tenants
 from kvtier.server.limits import read_timeout_protocol
@@ -50,6 +57,27 @@ def check_bind(config: Config) -> None:
         log.warning("serving on %s without server.api_keys: inference is open to that network", server.host)
 
 
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound (not yet listening) sockets for every address ``host`` resolves to, as uvicorn would bind."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        raise BindError(f"cannot listen on {host}:{port}: {err}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            socks.append(sock := socket.socket(family, kind, proto))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # one family per socket, as asyncio binds them
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as err:
+        for sock in socks:
+            sock.close()
+        raise BindError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return socks
+
+
 def build_state(config: Config) -> ServerState:
     loaded = load_model(config)
     cache = open_cache(loaded, config)
@@ -66,24 +94,35 @@ def build_state(config: Config) -> ServerState:
     )
 
 
+def _log_addresses(sockets: list[socket.socket]) -> None:
+    """uvicorn logs where it listens only for sockets it binds itself."""
+    for sock in sockets:
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        logging.getLogger("uvicorn.error").info("kvtier serving on http://%s:%d", shown, port)
+
+
 def serve(config: Config) -> int:
     check_bind(config)
-    state = build_state(config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(state),
-            host=config.server.host,
-            port=config.server.port,
-            log_level="info",
-            server_header=False,
-            timeout_graceful_shutdown=10,
-            http=read_timeout_protocol(config.server.read_timeout_s),
-            limit_concurrency=config.server.max_connections,
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(s) for s in listen_sockets(config.server.host, config.server.port)]
+        state = build_state(config)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(state),
+                host=config.server.host,
+                port=config.server.port,
+                log_level="info",
+                server_header=False,
+                timeout_graceful_shutdown=10,
+                http=read_timeout_protocol(config.server.read_timeout_s),
+                limit_concurrency=config.server.max_connections,
+            )
         )
-    )
-    try:
-        server.run()
-    finally:
-        state.loop.stop()
-        state.cache.close(config.cache.flush_on_exit_s)
+        _log_addresses(sockets)
+        try:
+            server.run(sockets=sockets)
+        finally:
+            state.loop.stop()
+            state.cache.close(config.cache.flush_on_exit_s)
     return 0 if server.started else 1

@@ -1,8 +1,9 @@
-"""The server's guards, without a model: tenants from keys, the admin token, the body limit, the bind check."""
+"""The server's guards, without a model: tenants, the admin token, the body limit, the bind, the connection cap."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pydantic import SecretStr
 from kvtier.config import ConfigError, load_config
 from kvtier.server.auth import AdminToken, Tenants
 from kvtier.server.limits import BodyLimit
-from kvtier.server.main import check_bind, is_loopback
+from kvtier.server.main import check_bind, is_loopback, listen_sockets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,3 +108,31 @@ def test_a_non_loopback_bind_needs_an_admin_token(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 2 and "refusing to serve on the non-loopback address 0.0.0.0" in out.stderr
+
+
+# -- listening: the connection cap, the bind before the model loads, the open-files limit -------------------
+def test_a_port_in_use_or_a_bad_address_fails_before_the_model_loads(tmp_path: Path) -> None:
+    """The model path is not a GGUF: had the model loaded first, that would be the error."""
+    not_a_model = tmp_path / "not-a-model.gguf"
+    not_a_model.write_text("not a model")
+    env = {"PATH": "/usr/bin:/bin", "KVTIER_DATA_DIR": str(tmp_path), "KVTIER_ENGINE__MODEL_PATH": str(not_a_model)}
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for host, error in (("127.0.0.1", f"cannot listen on 127.0.0.1:{port}"), ("[::1", "cannot listen on [::1")):
+            out = subprocess.run(
+                [sys.executable, "-m", "kvtier.cli", "serve", "--host", host, "--port", str(port)],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env=env,
+                timeout=120,
+            )
+            assert out.returncode == 2 and error in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this host")
+def test_a_bracketed_ipv6_host_binds_that_address(tmp_path: Path) -> None:
+    config = load_config(environ={"KVTIER_DATA_DIR": str(tmp_path), "KVTIER_SERVER__HOST": "[::1]"})
+    (sock,) = listen_sockets(config.server.host, 0)
+    with sock:
+        assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"
