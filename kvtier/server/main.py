@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import resource
 import socket
 import time
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from kvtier.config import Config, ConfigError
 from kvtier.engine.runtime import load_model, make_engine, open_cache
@@ -33,6 +35,10 @@ from kvtier.server.metrics import EngineMetrics
 from kvtier.server.state import ServerState
 
 log = logging.getLogger(__name__)
+
+# Descriptors the process needs beside its connections: the model file, the disk tier's
+# slabs and index, the cache service's socket, the runtime's own.
+FD_HEADROOM = 512
 
 
 def is_loopback(host: str) -> bool:
@@ -78,6 +84,43 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+def fit_open_files(max_connections: int) -> int:
+    """Raise the soft open-files limit to what ``max_connections`` needs, as far as the hard limit allows.
+
+    Each connection holds a descriptor. At the soft limit accept() fails and
+    asyncio stops accepting for a while: clients then hang in connect, not
+    the quick 503 the cap promises. Returns the soft limit now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_HEADROOM
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        log.warning("server.max_connections %d needs %d open files; the hard limit is %d", max_connections, want, new)
+    return new
+
+
+def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
+    """uvicorn with the server section's limits.
+
+    uvicorn counts the connection a request arrives on among the open ones
+    and refuses at ``limit_concurrency``: one more than ``max_connections``
+    serves exactly that many.
+    """
+    return uvicorn.Config(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level="info",
+        server_header=False,
+        timeout_graceful_shutdown=10,
+        http=read_timeout_protocol(config.server.read_timeout_s),
+        limit_concurrency=config.server.max_connections + 1,
+    )
+
+
 def build_state(config: Config) -> ServerState:
     loaded = load_model(config)
     cache = open_cache(loaded, config)
@@ -106,19 +149,9 @@ def serve(config: Config) -> int:
     check_bind(config)
     with contextlib.ExitStack() as held:
         sockets = [held.enter_context(s) for s in listen_sockets(config.server.host, config.server.port)]
+        fit_open_files(config.server.max_connections)
         state = build_state(config)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(state),
-                host=config.server.host,
-                port=config.server.port,
-                log_level="info",
-                server_header=False,
-                timeout_graceful_shutdown=10,
-                http=read_timeout_protocol(config.server.read_timeout_s),
-                limit_concurrency=config.server.max_connections,
-            )
-        )
+        server = uvicorn.Server(uvicorn_config(config, create_app(state)))
         _log_addresses(sockets)
         try:
             server.run(sockets=sockets)

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import resource
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+import uvicorn
 from pydantic import SecretStr
 
 from kvtier.config import ConfigError, load_config
 from kvtier.server.auth import AdminToken, Tenants
 from kvtier.server.limits import BodyLimit
-from kvtier.server.main import check_bind, is_loopback, listen_sockets
+from kvtier.server.main import FD_HEADROOM, check_bind, is_loopback, listen_sockets, uvicorn_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,6 +117,58 @@ def test_a_non_loopback_bind_needs_an_admin_token(tmp_path: Path) -> None:
 
 
 # -- listening: the connection cap, the bind before the model loads, the open-files limit -------------------
+async def _ok_app(scope: dict, receive, send) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextmanager
+def _uvicorn_serving(tmp_path: Path, **server: str) -> Iterator[tuple[str, int]]:
+    """:func:`uvicorn_config` of a config with ``server`` settings, serving a two-byte app on a thread."""
+    env = {"KVTIER_DATA_DIR": str(tmp_path), **{f"KVTIER_SERVER__{k.upper()}": v for k, v in server.items()}}
+    (sock,) = listen_sockets("127.0.0.1", 0)
+    sock.listen()  # connections queue from here on, so none races the server's start
+    uv = uvicorn.Server(uvicorn_config(load_config(environ=env), _ok_app))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        yield sock.getsockname()[:2]
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+    assert not thread.is_alive()
+
+
+def _status(sock: socket.socket) -> int:
+    """Send a whole GET and read the whole answer; the connection stays open."""
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+def test_max_connections_are_served_and_one_more_gets_503(tmp_path: Path) -> None:
+    """Three half-sent requests and a whole one make four open connections, all allowed; a fifth is refused."""
+    with _uvicorn_serving(tmp_path, max_connections="4", read_timeout_s="600") as address, ExitStack() as held:
+
+        def connect() -> socket.socket:
+            return held.enter_context(socket.create_connection(address, timeout=60))
+
+        for _ in range(3):
+            connect().sendall(b"GET / HTTP/1.1\r\n")
+        fourth = connect()
+        assert _status(fourth) == 200
+        fourth.sendall(b"GET / HTTP/1.1\r\n")  # and it stays open, half-sent
+        assert _status(connect()) == 503
+
+
 def test_a_port_in_use_or_a_bad_address_fails_before_the_model_loads(tmp_path: Path) -> None:
     """The model path is not a GGUF: had the model loaded first, that would be the error."""
     not_a_model = tmp_path / "not-a-model.gguf"
@@ -136,3 +194,20 @@ def test_a_bracketed_ipv6_host_binds_that_address(tmp_path: Path) -> None:
     (sock,) = listen_sockets(config.server.host, 0)
     with sock:
         assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"
+
+
+def test_the_open_files_limit_is_raised_to_fit_max_connections() -> None:
+    """A soft limit of 256 would stall accept() long before 2,048 connections; it is raised as the hard one allows."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    code = "import resource; from kvtier.server.main import fit_open_files; fit_open_files(2048); "
+    code += "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+    )
+    want = 2048 + FD_HEADROOM
+    assert int(out.stdout) == (want if hard == resource.RLIM_INFINITY else min(want, hard)), out.stderr
