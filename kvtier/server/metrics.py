@@ -55,7 +55,7 @@ class PoolSnapshot:
 
 
 def latency_report(snapshot: dict[str, Any]) -> LatencyReport:
-    """A :meth:`Histogram.snapshot` as a report; an open-ended (infinite) percentile becomes None."""
+    """A :meth:`Histogram.snapshot` as a report; JSON has no infinity, so a non-finite percentile becomes None."""
 
     def finite(v: float | None) -> float | None:
         return v if v is not None and math.isfinite(v) else None
