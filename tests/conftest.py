@@ -3,6 +3,11 @@
 ``slow``: every test that loads the real model (the ``loaded_model`` or
 ``hf_model`` fixture) or starts a real ``kvtier serve`` (``tests.server.live``).
 ``pytest -m "not slow"`` runs the rest, the fast suite, in about a minute on two cores.
+
+``engines``: tests that run kvtier inside a real vLLM, llama-cpp-python or
+SGLang, each from its own venv. They need those venvs, which take many
+minutes to build, so they run only under ``--engines`` (``make test-engines``);
+``make test`` reports them skipped.
 """
 
 from __future__ import annotations
@@ -19,10 +24,19 @@ def _is_slow(item: pytest.Item) -> bool:
     return bool(fixtures & MODEL_FIXTURES) or "running" in vars(module or object)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--engines", action="store_true", help="run the in-engine tests (make test-engines)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
+    if not config.getoption("--engines"):
+        skip_engines = pytest.mark.skip(reason="runs inside a real engine's venv: make test-engines")
+        for item in items:
+            if "engines" in item.keywords:
+                item.add_marker(skip_engines)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
