@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvtier.config import ConfigError, load_config
 from kvtier.errors import KVTierError
+from kvtier.layout import LayoutOrder
 
 
 def _bench_tiers(args: argparse.Namespace) -> int:
@@ -174,12 +175,21 @@ def _cache_check(args: argparse.Namespace) -> int:
 def _cache_serve(args: argparse.Namespace) -> int:
     import signal
 
-    from kvtier.engine.runtime import kv_identity
+    from kvtier.identity import kv_identity_for
+    from kvtier.layout import dtype_from_name
+    from kvtier.model import default_gguf_path
     from kvtier.service import CacheService
 
     config = load_config(args.config)
     path = args.socket or config.service_socket
-    layout, fingerprint = kv_identity(config)
+    # the engine whose KV this service keeps: kvtier's own by default, another engine's files and block shape by flag
+    layout, fingerprint = kv_identity_for(
+        args.model or config.engine.model_path or default_gguf_path(),
+        dtype_from_name(args.dtype or config.engine.dtype.value),
+        args.block_size or config.cache.block_size,
+        config.data_dir,
+        order=args.kv_order,
+    )
     s = config.service
     service = CacheService(
         config,
@@ -308,6 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--socket", type=Path, default=None, help="default: cache.service's path, else <data_dir>/cache.sock"
+    )
+    sv.add_argument("--model", type=Path, default=None, help="GGUF file or Hugging Face directory (default: engine's)")
+    sv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="KV dtype")
+    sv.add_argument("--block-size", type=int, default=None, help="tokens per block (default: cache.block_size)")
+    sv.add_argument(
+        "--kv-order",
+        type=LayoutOrder,
+        choices=list(LayoutOrder),
+        default=LayoutOrder.LAYER_MAJOR,
+        help="in-block order: layer_major (kvtier's engine), head_major (vLLM-CPU)",
     )
     sv.set_defaults(run=_cache_serve)
     return parser

@@ -4,6 +4,12 @@ A block's payload is layer-major: ``[num_layers][K|V][num_kv_heads][block_size][
 Layer-major is chosen so that one layer's K and V are one contiguous range
 (``layer_offset(l)``, ``layer_bytes``): a tier can read layer *l* alone, which
 is what layer-wise loading (load layer *l+1* while layer *l* computes) needs.
+
+Another engine's blocks keep that engine's own interior order, so a load is
+one plain copy per layer into its KV pool: :attr:`LayoutOrder.HEAD_MAJOR` is
+vLLM-CPU's ``[num_kv_heads][K|V][block_size][head_dim]`` inside each layer.
+The order is part of :attr:`KVLayout.descriptor`, so blocks of one order are
+never read as the other.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 class LayoutOrder(enum.StrEnum):
-    LAYER_MAJOR = "layer_major"
+    LAYER_MAJOR = "layer_major"  # per layer: K|V, heads, tokens, head_dim (kvtier's own engine)
+    HEAD_MAJOR = "head_major"  # per layer: heads, K|V, tokens, head_dim (vLLM-CPU's paged blocks)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -58,7 +65,9 @@ class KVLayout:
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one layer's slice: ``(2, kv_heads, block_size, head_dim)``, K then V."""
+        """Shape of one layer's slice: ``(2, kv_heads, block_size, head_dim)``, K then V (head-major: heads first)."""
+        if self.order is LayoutOrder.HEAD_MAJOR:
+            return (self.num_kv_heads, 2, self.block_size, self.head_dim)
         return (2, self.num_kv_heads, self.block_size, self.head_dim)
 
     @property

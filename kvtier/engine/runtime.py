@@ -8,6 +8,7 @@ from pathlib import Path
 from kvtier.config import Config, DecodeWeights
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
+from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher
 from kvtier.layout import KVLayout, dtype_from_name
 from kvtier.manager import CacheManager
@@ -20,7 +21,6 @@ from kvtier.model import (
     load_gguf_with_blocks,
     load_tokenizer,
     model_fingerprint,
-    read_gguf_metadata,
 )
 from kvtier.service.cache import ServiceCache
 from kvtier.service.client import CacheClient
@@ -87,14 +87,7 @@ def kv_identity(config: Config) -> tuple[KVLayout, str]:
     The cache service needs them to check its clients, not the weights.
     """
     path = config.engine.model_path or default_gguf_path()
-    dtype = dtype_from_name(config.engine.dtype.value)
-    meta = read_gguf_metadata(path)
-    arch = meta.architecture
-    heads = int(meta[f"{arch}.attention.head_count"])
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads))
-    layout = KVLayout(int(meta[f"{arch}.block_count"]), kv_heads, head_dim, config.cache.block_size, dtype)
-    return layout, model_fingerprint(path, dtype, config.data_dir)
+    return kv_identity_for(path, dtype_from_name(config.engine.dtype.value), config.cache.block_size, config.data_dir)
 
 
 def make_engine(
