@@ -181,12 +181,14 @@ def _cache_serve(args: argparse.Namespace) -> int:
     from kvtier.service import CacheService
 
     config = load_config(args.config)
+    if args.block_size:
+        config = config.model_copy(update={"cache": config.cache.model_copy(update={"block_size": args.block_size})})
     path = args.socket or config.service_socket
     # the engine whose KV this service keeps: kvtier's own by default, another engine's files and block shape by flag
     layout, fingerprint = kv_identity_for(
         args.model or config.engine.model_path or default_gguf_path(),
         dtype_from_name(args.dtype or config.engine.dtype.value),
-        args.block_size or config.cache.block_size,
+        config.cache.block_size,
         config.data_dir,
         order=args.kv_order,
     )

