@@ -14,7 +14,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.keys import BlockDigests, BlockKey
+from kvtier.keys import BlockKey, Digests
 from kvtier.tiers.base import Tier, TierKind
 
 
@@ -65,7 +65,7 @@ class Probe:
     mismatched: TierKind | None  # the tier whose stored tokens disagreed
 
 
-def longest_prefix(keys: Sequence[BlockKey], digests: BlockDigests, tiers: Sequence[Tier], *, start: int = 0) -> Probe:
+def longest_prefix(keys: Sequence[BlockKey], digests: Digests, tiers: Sequence[Tier], *, start: int = 0) -> Probe:
     """Walk ``keys`` from ``start`` in order; each block is served by the first (fastest) tier holding it, confirmed.
 
     ``digests`` are the request's, beside ``keys`` (digested only where a

@@ -4,7 +4,9 @@ A block key is the only identity a block of KV has anywhere in kvtier (every
 tier, every process, every restart), so this module is the one place that
 hashes. The exact bytes are spelled out in :meth:`KeyHasher.root` and
 :meth:`KeyHasher.keys`; change them only together with ``KEY_SPEC_VERSION``.
-The digest that confirms a hit (:meth:`KeyHasher.digest`) is defined here too.
+The digest that confirms a hit (:meth:`KeyHasher.digest`) is defined here too,
+and so are the keys and digests of named blocks (:meth:`KeyHasher.named`),
+whose payloads a caller addresses by a name of its own instead of a token chain.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ KEY_SPEC_VERSION = 1
 SECRET_BYTES = 32
 SECRET_FILE = "secret"
 _DIGEST_KEY_LABEL = b"kvtier-token-digest-key"
+_NAMED_LABEL = b"kvtier-named"
+_NAMED_DIGEST_KEY_LABEL = b"kvtier-named-digest-key"
 
 Hash128 = Callable[[bytes, int], bytes]
 """``(data, seed) -> 16-byte digest``. Only tests replace the default (to force collisions)."""
@@ -90,6 +94,15 @@ class Secret:
         one key serves one purpose.
         """
         return hashlib.blake2b(_DIGEST_KEY_LABEL, key=self.raw, digest_size=DIGEST_BYTES).digest()
+
+    @property
+    def named_digest_key(self) -> bytes:
+        """The key of named blocks' digests: BLAKE2b-256, keyed with the secret, of ``b"kvtier-named-digest-key"``.
+
+        Another subkey than :attr:`digest_key`, so that no named block's
+        digest can ever equal a token block's, whatever the bytes hashed.
+        """
+        return hashlib.blake2b(_NAMED_DIGEST_KEY_LABEL, key=self.raw, digest_size=DIGEST_BYTES).digest()
 
     @classmethod
     def load_or_create(cls, data_dir: Path) -> Secret:
@@ -178,6 +191,7 @@ class KeyHasher:
         self._hash = hash128
         self._roots: dict[str, bytes] = {}
         self._digest = hashlib.blake2b(key=secret.digest_key, digest_size=DIGEST_BYTES)  # copied per block
+        self._named_digest = hashlib.blake2b(key=secret.named_digest_key, digest_size=DIGEST_BYTES)
 
     def root(self, namespace: str) -> BlockKey:
         """The chain's origin for ``namespace``.
@@ -271,6 +285,43 @@ class KeyHasher:
         """The digests of ``tokens``' full blocks under ``keys``, computed as they are first asked for."""
         return BlockDigests(self, keys, block_tokens(tokens, self.block_size))
 
+    def named(self, name: bytes, namespace: str) -> BlockKey:
+        """The key of the block a caller calls ``name`` (any bytes it chooses) in ``namespace``.
+
+        xxh3-128 (seed = :attr:`Secret.seed`) over::
+
+            b"kvtier-named" || uint8 KEY_SPEC_VERSION || root(namespace) (16 bytes) || field(name)
+
+        Why this shape: an engine that keeps its own artefacts in kvtier (a
+        llama.cpp state, an SGLang page named by its own hash) has no token
+        chain to key them by. The root binds a name, like a token chain, to
+        the secret, the model, the KV layout and the tenant; the label puts
+        named keys in a domain of their own, so a name that happened to be
+        the bytes of some token block still hashes other input than any
+        chain step (16 bytes of key then token ids). Hits are confirmed by
+        :meth:`named_digest` anyway, whose key differs from token digests'.
+        """
+        data = b"".join((_NAMED_LABEL, bytes([KEY_SPEC_VERSION]), self.root(namespace), _field(bytes(name))))
+        return BlockKey(self._hash(data, self._seed))
+
+    def named_digest(self, key: BlockKey, name: bytes) -> BlockDigest:
+        """What a tier keeps beside named block ``key`` to confirm a hit, as :meth:`digest` does for tokens.
+
+        BLAKE2b-256, keyed with :attr:`Secret.named_digest_key`, over::
+
+            key (16 bytes) || name
+
+        The disk tier checks each block's bytes by CRC-32C on every read; this
+        digest checks that the block under a key is the one of that name.
+        """
+        h = self._named_digest.copy()
+        h.update(key)
+        h.update(name)
+        return BlockDigest(h.digest())
+
+    def named_digests(self, keys: Sequence[BlockKey], names: Sequence[bytes]) -> NamedDigests:
+        return NamedDigests(self, keys, names)
+
 
 class BlockDigests:
     """One request's block digests, each computed the first time it is asked for, then kept.
@@ -294,6 +345,29 @@ class BlockDigests:
         if digest is None:
             digest = self._done[i] = self._hasher.digest(self._keys[i], self._blocks[i])
         return digest
+
+
+class NamedDigests:
+    """Named blocks' digests, each computed the first time it is asked for (see :class:`BlockDigests`)."""
+
+    def __init__(self, hasher: KeyHasher, keys: Sequence[BlockKey], names: Sequence[bytes]) -> None:
+        self._hasher = hasher
+        self._keys = keys
+        self._names = names
+        self._done: list[BlockDigest | None] = [None] * len(keys)
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def __getitem__(self, i: int) -> BlockDigest:
+        digest = self._done[i]
+        if digest is None:
+            digest = self._done[i] = self._hasher.named_digest(self._keys[i], self._names[i])
+        return digest
+
+
+Digests = BlockDigests | NamedDigests
+"""What confirmation reads: ``digests[i]`` is the digest block ``i`` must carry."""
 
 
 def block_tokens(tokens: Sequence[int] | np.ndarray, block_size: int) -> np.ndarray:

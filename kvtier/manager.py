@@ -39,7 +39,7 @@ from kvtier.config import Config, WriteMode
 from kvtier.errors import DiskUnavailableError
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.index import LookupResult, MissReason, longest_prefix
-from kvtier.keys import BlockDigests, BlockKey, KeyHasher, Secret
+from kvtier.keys import BlockDigests, BlockKey, KeyHasher, NamedDigests, Secret
 from kvtier.layout import KVLayout
 from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.stats import TierStats
@@ -556,6 +556,107 @@ class CacheManager:
         """
         tokens = np.array(tokens, dtype=np.int32)
         return self.worker.submit(lambda: self._store_blocks(tokens, namespace, first_block, num_blocks, fill))
+
+    # -- named blocks -----------------------------------------------------------
+    # Payloads an engine names itself (a llama.cpp state in chunks, an SGLang
+    # page by its own hash): each is one block of ``layout.block_bytes`` in the
+    # same tiers, keyed by :meth:`KeyHasher.named`, confirmed by its digest, and
+    # independent of every other (no parent: a named block is never part of a chain).
+    def _named(self, names: Sequence[bytes], namespace: str) -> tuple[list[BlockKey], NamedDigests]:
+        names = [bytes(n) for n in names]
+        keys = [self.hasher.named(n, namespace) for n in names]
+        return keys, self.hasher.named_digests(keys, names)
+
+    def _record(self, key: BlockKey) -> BlockRecord | None:
+        """The record of the fastest tier that holds ``key`` (call with the lock held)."""
+        for tier in self.tiers:
+            record = tier.record(key)
+            if record is not None:
+                return record
+        return None
+
+    def named_exists(self, names: Sequence[bytes], namespace: str) -> list[bool]:
+        """Which of ``names`` some tier holds (host or disk), confirmed by digest; nothing is pinned or counted."""
+        keys, digests = self._named(names, namespace)
+        with self._lock:
+            records = [self._record(key) for key in keys]
+        return [r is not None and r.matches(digests[i]) for i, r in enumerate(records)]
+
+    def named_load(self, names: Sequence[bytes], namespace: str) -> LoadHandle:
+        """Pin the leading ``names`` that are held, promoting disk ones; the handle stops at the first absent.
+
+        Leading, like a token load: a caller's names are the chunks of one
+        object, and a run with a gap is as useless to it as KV with a hole.
+        ``blocks[i]`` is name ``i``'s payload (uint8, ``layout.block_bytes``).
+        """
+        keys, digests = self._named(names, namespace)
+        with self._lock:
+            probe = longest_prefix(keys, digests, self.tiers)
+            for key, kind in zip(keys, probe.tiers, strict=False):
+                self._policies[kind].on_access(key)
+        if probe.mismatched is not None:
+            self._stats(probe.mismatched).add(confirm_mismatch=1)
+        result = LookupResult(namespace, self.layout.block_size, 0, tuple(keys), tuple(probe.tiers), probe.reason)
+        return self.fetch(result, inline=True).take()
+
+    def prepare_named_store(self, names: Sequence[bytes], namespace: str) -> StorePlan:
+        """Reserve host slots for the ``names`` no tier holds yet, at most half the host tier at once.
+
+        ``plan.block_indices`` are positions in ``names``; ``plan.next_block``
+        is the first name the plan did not get to (host full, or the half
+        reached): reserve again from there once this plan is completed.
+        """
+        keys, digests = self._named(names, namespace)
+        stop = min(len(keys), max(1, self.host.capacity_blocks // 2))
+        return self._prepare_named(keys, digests, 0, stop)
+
+    def _prepare_named(self, keys: list[BlockKey], digests: NamedDigests, start: int, stop: int) -> StorePlan:
+        plan = StorePlan([], [], [], [], next_block=start)
+        with self._lock:
+            # Held for this name, or (a 128-bit collision) for another: either way never reserved again.
+            held = [self._record(keys[i]) is not None for i in range(start, stop)]
+            self._make_room(self.host, held.count(False))
+            for i, present in zip(range(start, stop), held, strict=True):
+                if not present:
+                    record = BlockRecord(digests[i], None)
+                    buf = self.host.reserve(keys[i], record)
+                    if buf is None:
+                        break
+                    plan.keys.append(keys[i])
+                    plan.records.append(record)
+                    plan.block_indices.append(i)
+                    plan.buffers.append(buf)
+                else:
+                    plan.already_cached += 1
+                plan.next_block = i + 1
+        return plan
+
+    def named_store_from(
+        self, names: Sequence[bytes], fill: Callable[[int, torch.Tensor], object], namespace: str
+    ) -> int:
+        """Store the ``names`` no tier holds: ``fill(i, out)`` writes name ``i``'s payload into its host slot.
+
+        Synchronous, in plans of at most half the host tier (so an object
+        larger than host memory still lands whole, its earlier chunks going
+        down to disk). Returns how many were newly stored; a name already
+        held is neither reserved nor filled.
+        """
+        keys, digests = self._named(names, namespace)
+        chunk = max(1, self.host.capacity_blocks // 2)
+        stored, i = 0, 0
+        while i < len(keys):
+            plan = self._prepare_named(keys, digests, i, min(len(keys), i + chunk))
+            try:
+                for buf, b in zip(plan.buffers, plan.block_indices, strict=True):
+                    fill(b, buf)
+            except BaseException:
+                self.complete_store(plan, success=False)
+                raise
+            stored += self.complete_store(plan, success=True)
+            if plan.next_block == i:
+                break  # host is pinned full
+            i = plan.next_block
+        return stored
 
     def poll(self, job: JobId) -> JobStatus:
         return self.worker.poll(job)

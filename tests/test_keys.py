@@ -201,3 +201,34 @@ def test_a_secret_that_exists_but_cannot_be_read_is_a_one_line_error(tmp_path: P
     with pytest.raises(KVTierError, match="cannot read the key secret") as refused:
         Secret.load_or_ephemeral(tmp_path)
     assert "\n" not in str(refused.value)
+
+
+def test_named_key_and_digest_bytes_follow_the_written_spec(secret: Secret) -> None:
+    import hashlib
+    import struct
+
+    h = hasher(secret)
+    name = b"llama-state\x00chunk-3"
+    key = h.named(name, "tenant")
+    want = xxhash.xxh3_128_digest(
+        b"kvtier-named" + bytes([1]) + h.root("tenant") + struct.pack("<I", len(name)) + name, secret.seed
+    )
+    assert key == want and len(key) == KEY_BYTES
+    subkey = hashlib.blake2b(b"kvtier-named-digest-key", key=secret.raw, digest_size=32).digest()
+    assert h.named_digest(key, name) == hashlib.blake2b(key + name, key=subkey, digest_size=32).digest()
+
+
+def test_named_keys_are_bound_like_token_keys_and_apart_from_them(tmp_path: Path, secret: Secret) -> None:
+    h = hasher(secret)
+    key = h.named(b"n", "ns")
+    assert h.named(b"n", "ns") == key  # a function of the name, not the call
+    others = [h.named(b"m", "ns"), h.named(b"n", "other"), hasher(secret, fingerprint="x").named(b"n", "ns")]
+    assert key not in others and hasher(secret, layout="L2").named(b"n", "ns") != key
+    assert hasher(Secret.load_or_create(tmp_path)).named(b"n", "ns") != key
+    # A name spelling a block's own chain input (previous key, then its tokens) still gets another key...
+    tokens = np.arange(4, dtype=np.int32)
+    (token_key,) = h.keys(tokens, "ns")
+    spelled = h.root("ns") + tokens.astype("<i4").tobytes()
+    assert h.named(spelled, "ns") != token_key
+    # ... and the same key and bytes digest differently as a name and as tokens.
+    assert h.named_digest(token_key, tokens.astype("<i4").tobytes()) != h.digest(token_key, tokens)

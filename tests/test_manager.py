@@ -361,3 +361,85 @@ def test_a_quarantined_disk_tier_shows_in_the_stats(tmp_path: Path) -> None:
         f.write(bytes(2 * os.sysconf("SC_PAGE_SIZE")))  # both meta pages
     with manager(tmp_path) as m:
         assert m.stats()["disk"]["quarantined"] == 1 and m.stats()["disk"]["blocks"] == 0
+
+
+# -- named blocks ----------------------------------------------------------------------------------
+NS = "default"
+
+
+def names(n: int, tag: str = "obj") -> list[bytes]:
+    return [f"{tag}/{i}".encode() for i in range(n)]
+
+
+def filler(blocks: list[torch.Tensor], calls: list[int] | None = None):
+    def fill(i: int, out: torch.Tensor) -> None:
+        if calls is not None:
+            calls.append(i)
+        out.copy_(as_bytes(blocks[i]))
+
+    return fill
+
+
+def test_named_blocks_round_trip_and_a_held_name_is_not_written_again(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        data = kv(3, seed=40)
+        assert m.named_exists(names(3), NS) == [False] * 3
+        assert m.named_store_from(names(3), filler(data), NS) == 3
+        calls: list[int] = []
+        assert m.named_store_from([*names(3), b"obj/new"], filler([*data, data[0]], calls), NS) == 1
+        assert calls == [3]  # only the absent name was reserved and filled
+        assert m.named_exists([b"obj/1", b"missing", b"obj/new"], NS) == [True, False, True]
+        assert m.named_exists(names(3), "other-tenant") == [False] * 3  # the namespace is in the key
+        with m.named_load(names(3), NS) as handle:
+            assert [torch.equal(b, as_bytes(d)) for b, d in zip(handle.blocks, data, strict=True)] == [True] * 3
+            assert handle.served_from == [H] * 3 and m.stats()["pinned_blocks"] == 3
+        assert m.stats()["pinned_blocks"] == 0
+        assert m.lookup(prompt(3 * BLOCK)).cached_blocks == 0  # named blocks are no token chain's
+
+
+def test_a_named_load_stops_at_the_first_absent_name(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        data = kv(4, seed=41)
+        m.named_store_from(names(4), filler(data), NS)
+        with m.named_load([b"obj/0", b"obj/1", b"gone", b"obj/3"], NS) as handle:
+            assert len(handle.blocks) == 2 and torch.equal(handle.blocks[1], as_bytes(data[1]))
+        assert m.named_load([b"gone", *names(4)], NS).blocks == []
+
+
+def test_named_blocks_larger_than_host_land_whole_and_load_back_from_disk(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=4, disk_blocks=16) as m:
+        data = kv(10, seed=42)
+        assert m.named_store_from(names(10), filler(data), NS) == 10
+        assert m.named_exists(names(10), NS) == [True] * 10
+        with m.named_load(names(10)[:3], NS) as handle:  # demoted to disk by the later ones
+            assert handle.served_from == [D, D, D]
+            assert all(torch.equal(b, as_bytes(d)) for b, d in zip(handle.blocks, data[:3], strict=True))
+
+
+def test_named_blocks_survive_a_restart(tmp_path: Path) -> None:
+    data = kv(3, seed=43)
+    with manager(tmp_path) as m:  # write-back: the clean shutdown flushes them to disk
+        m.named_store_from(names(3), filler(data), NS)
+    with manager(tmp_path) as m:
+        assert m.named_exists(names(3), NS) == [True] * 3
+        with m.named_load(names(3), NS) as handle:
+            assert handle.served_from == [D] * 3
+            assert all(torch.equal(b, as_bytes(d)) for b, d in zip(handle.blocks, data, strict=True))
+
+
+def test_a_named_block_corrupted_on_disk_is_a_counted_miss_never_wrong_bytes(tmp_path: Path) -> None:
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        data = kv(3, seed=44)
+        m.named_store_from(names(3), filler(data), NS)
+        m.clear(TierKind.HOST)
+        path, offset = m.disk.slab_path(m.disk.slot_of(m.hasher.named(b"obj/1", NS)))
+        with open(path, "r+b") as f:
+            f.seek(offset + 9)
+            byte = f.read(1)
+            f.seek(offset + 9)
+            f.write(bytes([byte[0] ^ 1]))
+        with m.named_load(names(3), NS) as handle:
+            assert handle.served_from == [D]  # obj/1 fails its checksum: the load stops there
+            assert torch.equal(handle.blocks[0], as_bytes(data[0]))
+        assert m.stats()["disk"]["checksum_failures"] == 1
+        assert m.named_exists(names(3), NS) == [True, False, True]  # the damaged record is dropped

@@ -152,15 +152,7 @@ class CacheClient:
         reserved = self._ask(p.Reserve(_raw(tokens), namespace, first_block, num_blocks))
         if not isinstance(reserved, p.Reserved):
             return 0
-        try:
-            for i, offset in zip(reserved.block_indices, reserved.offsets, strict=True):
-                fill(i, self._view(offset))
-        except BaseException:
-            self._ask(p.Commit(reserved.lease, success=False))
-            raise
-        views = [self._view(o) for o in reserved.offsets]
-        done = self._ask(p.Commit(reserved.lease, crc32c=[native.BACKEND.crc32c(v.numpy()) for v in views]))
-        return done.blocks if isinstance(done, p.Committed) else 0
+        return self._commit(reserved, fill, 0)
 
     def store(
         self,
@@ -176,6 +168,57 @@ class CacheClient:
             out.copy_(blocks[i - first_block].reshape(-1).view(torch.uint8))
 
         return self.store_from(tokens, fill, namespace, first_block=first_block, num_blocks=len(blocks))
+
+    def _commit(self, reserved: p.Reserved, fill: Callable[[int, torch.Tensor], object], base: int) -> int:
+        """Fill a reservation's slots (``fill(base + i, out)``), then commit them with their CRC-32C."""
+        try:
+            for i, offset in zip(reserved.block_indices, reserved.offsets, strict=True):
+                fill(base + i, self._view(offset))
+        except BaseException:
+            self._ask(p.Commit(reserved.lease, success=False))
+            raise
+        views = [self._view(o) for o in reserved.offsets]
+        done = self._ask(p.Commit(reserved.lease, crc32c=[native.BACKEND.crc32c(v.numpy()) for v in views]))
+        return done.blocks if isinstance(done, p.Committed) else 0
+
+    # -- named blocks ------------------------------------------------------------------------------
+    def named_exists(self, names: Sequence[bytes], namespace: str) -> list[bool]:
+        """Which of ``names`` the service holds; all False while it is unreachable."""
+        reply = self._ask(p.NamedExists([bytes(n) for n in names], namespace))
+        if not isinstance(reply, p.Present) or len(reply.flags) != len(names):
+            return [False] * len(names)
+        return reply.flags
+
+    def named_load(self, names: Sequence[bytes], namespace: str) -> ClientLoad:
+        """Pin the leading held ``names``: ``blocks[i]`` is name ``i``'s payload, a view of the shared slab."""
+        reply = self._ask(p.NamedLoad([bytes(n) for n in names], namespace))
+        if not isinstance(reply, p.Loaded):
+            return ClientLoad(0, [], [], lambda: None)
+        lease = reply.lease
+        return ClientLoad(
+            0, [self._view(o) for o in reply.offsets], list(reply.served_from), lambda: self._ask(p.Release(lease))
+        )
+
+    def named_store_from(
+        self, names: Sequence[bytes], fill: Callable[[int, torch.Tensor], object], namespace: str
+    ) -> int:
+        """Store the ``names`` the service lacks: ``fill(i, out)`` writes name ``i``'s payload into its slot.
+
+        Returns how many were newly stored (0 while the service is
+        unreachable). The service reserves at most half its host tier at a
+        time, so a large object is reserved, filled and committed in rounds,
+        each committed before the next is asked for; an exception from
+        ``fill`` gives its round's slots back and propagates.
+        """
+        raw = [bytes(n) for n in names]
+        stored = start = 0
+        while start < len(raw):
+            reserved = self._ask(p.NamedReserve(raw[start:], namespace))
+            if not isinstance(reserved, p.Reserved) or reserved.next_block == 0:
+                break  # unreachable, or no host slot free at all
+            stored += self._commit(reserved, fill, start)
+            start += reserved.next_block
+        return stored
 
     def probe(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> p.LookupReply:
         reply = self._ask(p.Probe(_raw(tokens), namespace))

@@ -9,6 +9,16 @@ byte offsets of pinned slots; a store reserves slots, the client writes its
 bytes into them, then commits. Tokens travel as little-endian int32 bytes
 (the service computes the keys: the deployment secret stays with it).
 
+Named blocks (:class:`NamedExists`, :class:`NamedLoad`, :class:`NamedReserve`)
+are payloads an engine addresses by names of its own (llama.cpp's saved
+states, SGLang's pages); they answer with :class:`Present`, :class:`Loaded`
+and :class:`Reserved` and commit with :class:`Commit`, like token blocks. The
+names travel raw and the service keys them (:meth:`kvtier.keys.KeyHasher.named`),
+as it does tokens. They came without a version bump: no message changed, so
+every older client still speaks this protocol; a newer client that asks an
+older service for a named block gets its connection closed, which it counts
+as a miss like any service failure.
+
 Frame: ``uint32 little-endian length`` then that many bytes of msgpack, one
 tagged struct. The first exchange is :class:`Hello` / :class:`Welcome` (or
 :class:`Refused`, naming both sides of whatever did not match).
@@ -109,6 +119,31 @@ class Stats(_Msg):
     pass
 
 
+class NamedExists(_Msg):
+    """Which of ``names`` a tier holds (no pin, no eviction-order change)."""
+
+    names: list[bytes]
+    namespace: str
+
+
+class NamedLoad(_Msg):
+    """Pin the leading held ``names`` (promoting disk ones); :class:`Loaded` stops at the first absent."""
+
+    names: list[bytes]
+    namespace: str
+
+
+class NamedReserve(_Msg):
+    """Reserve slots for the ``names`` no tier holds; :class:`Reserved` indexes into ``names``.
+
+    At most half the host tier is reserved at once: reserve again from
+    ``next_block`` after committing, for an object larger than that.
+    """
+
+    names: list[bytes]
+    namespace: str
+
+
 # -- service -> client ---------------------------------------------------------------------------
 class Welcome(_Msg):
     version: int
@@ -155,6 +190,10 @@ class Count(_Msg):
     n: int
 
 
+class Present(_Msg):
+    flags: list[bool]  # one per name asked, in order
+
+
 class StatsReply(_Msg):
     stats: dict[str, Any]
 
@@ -163,8 +202,10 @@ class Failure(_Msg):
     message: str
 
 
-Request = Hello | Lookup | Load | Release | Reserve | Commit | Probe | Pin | Clear | Stats
-Reply = Welcome | Refused | LookupReply | Loaded | Reserved | Committed | Done | Count | StatsReply | Failure
+Request = (Hello | Lookup | Load | Release | Reserve | Commit | Probe | Pin | Clear | Stats) | (
+    NamedExists | NamedLoad | NamedReserve
+)
+Reply = Welcome | Refused | LookupReply | Loaded | Reserved | Committed | Done | Count | Present | StatsReply | Failure
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)

@@ -132,23 +132,37 @@ class _Session:
                 return p.Count(m.clear(msg.tier))
             case p.Stats():
                 return p.StatsReply({**m.stats(), "ttl_pinned_blocks": m.ttl_pinned()})
+            case p.NamedExists():
+                return p.Present(m.named_exists(msg.names, msg.namespace))
+            case p.NamedLoad():
+                return self._hold(m.named_load(msg.names, msg.namespace), 0)
+            case p.NamedReserve():
+                return self._hold_plan(m.prepare_named_store(msg.names, msg.namespace))
         return p.Failure(f"{type(msg).__name__} is not asked again after the handshake")
 
     def _load(self, msg: p.Load) -> p.Reply:
         m = self.service.manager
         result = m.lookup(_tokens(msg.tokens), msg.namespace, first_block=msg.start)
         fetch = m.fetch(result, start=msg.start, max_blocks=msg.max_blocks, deadline_s=msg.deadline_s)
-        handle = fetch.take()
+        return self._hold(fetch.take(), msg.start)
+
+    def _hold(self, handle: LoadHandle, first_block: int) -> p.Loaded:
+        """Keep a load's pins under a new lease of this connection; say where its blocks are."""
         lease = self.service.lease()
         self.loads[lease] = handle
-        offsets = [m.host.offset(b) for b in handle.blocks]
-        return p.Loaded(lease, msg.start, offsets, list(handle.served_from))
+        offsets = [self.service.manager.host.offset(b) for b in handle.blocks]
+        return p.Loaded(lease, first_block, offsets, list(handle.served_from))
 
     def _reserve(self, msg: p.Reserve) -> p.Reply:
         m = self.service.manager
         plan = m.prepare_store(
             _tokens(msg.tokens), msg.namespace, first_block=msg.first_block, num_blocks=msg.num_blocks
         )
+        return self._hold_plan(plan)
+
+    def _hold_plan(self, plan: StorePlan) -> p.Reserved:
+        """Keep a reservation under a new lease of this connection, until its commit or its expiry."""
+        m = self.service.manager
         lease = self.service.lease()
         with self.lock:
             self.stores[lease] = (plan, self.service.clock() + self.service.reservation_ttl_s)
