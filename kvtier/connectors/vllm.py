@@ -23,9 +23,14 @@ in each worker):
   blocks to load and which newly computed full prompt blocks to save.
 - **Worker.** Loads before the forward pass: one round trip pins the blocks
   in the service's shared slab, and each is copied once, straight from that
-  mapping into vLLM's paged pool. Saves after the forward pass: reserve slots,
-  copy the pool's rows into them, commit with their checksums. Saves finish
-  inside the step, so vLLM may free a request's blocks as soon as it ends.
+  mapping into vLLM's paged pool. Saves start after the forward pass, on a
+  saver thread, while the next steps run: reserve slots, copy the pool's rows
+  into them, commit with their checksums. A running request's computed
+  blocks never change, so only its end and a preemption need care: a request
+  that has saves keeps its blocks past its end (``request_finished`` says
+  so) until the worker reports its saves done (``get_finished``), and a
+  preempted request's saves finish before vLLM reuses its blocks
+  (``handle_preemptions``).
 
 A block that fails to load (evicted since the lookup, corrupt on disk, the
 service gone) is reported through :meth:`get_block_ids_with_load_errors` and
@@ -38,7 +43,9 @@ reconnects at most every ``RECONNECT_S`` seconds.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +76,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 5.0
+SHUTDOWN_SAVE_S = 30.0  # how long a closing worker lets its pending saves finish
 
 
 # -- what the scheduler tells the workers each step -------------------------------------------------
@@ -99,6 +107,7 @@ class Transfer:
 class KVTierConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # their blocks are freed: their saves must finish first
 
 
 @dataclass
@@ -109,6 +118,7 @@ class _Request:
     namespace: str
     block_table: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # kvtier blocks of the prompt already saved (or found cached)
+    saving: bool = False  # a save was sent to the workers: the blocks outlive the request until they report
     cached_blocks: int | None = None  # the service's answer, asked once per request
     load_tokens: int = 0  # claimed by get_num_new_matched_tokens, granted by update_state_after_alloc
 
@@ -155,6 +165,7 @@ class KVTierConnector(KVConnectorBase_V1):
         )
         self._client: CacheClient | None = None
         self._retry_at = 0.0
+        self._lock = threading.Lock()  # the client and the counters: the saver thread uses them too
         self._stats = KVTierConnectorStats()
         self._stats.reset()
         # scheduler side
@@ -165,10 +176,21 @@ class KVTierConnector(KVConnectorBase_V1):
         # worker side
         self._kv: PagedKV | None = None
         self._load_errors: set[int] = set()
+        self._saver: ThreadPoolExecutor | None = None
+        self._saves: dict[str, list[Future[int]]] = {}  # request -> its saves not yet reported done
+        self._ended: set[str] = set()  # requests vLLM finished whose blocks wait on our saves
 
     # -- the service ---------------------------------------------------------------------------
     def _service(self) -> CacheClient | None:
         """The live client, reconnecting at most every RECONNECT_S; None (a miss) while the service is away."""
+        with self._lock:
+            return self._service_locked()
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            self._stats.add(**counts)
+
+    def _service_locked(self) -> CacheClient | None:
         c = self._client
         if c is not None and c.failures == 0:
             return c
@@ -215,8 +237,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._track(request).load_tokens = num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVTierConnectorMetadata()
         so = scheduler_output
+        meta = KVTierConnectorMetadata(preempted=set(so.preempted_req_ids or ()))
         for new in so.scheduled_new_reqs:
             r = self._requests.get(new.req_id)
             if r is None:
@@ -270,10 +292,12 @@ class KVTierConnector(KVConnectorBase_V1):
                 )
             )
             r.saved_blocks = done
+            r.saving = True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None  # saves complete inside their step: vLLM may free the blocks now
+        """Keep the blocks of a request with saves until the workers report them done (``get_finished``)."""
+        r = self._requests.pop(request.request_id, None)
+        return (r is not None and r.saving), None
 
     # -- worker side -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -300,7 +324,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 loaded = len(got.blocks)
         failed = {t.block_table[s.engine_block] for s in t.segments if s.kv_block >= t.first_block + loaded}
         self._load_errors |= failed
-        self._stats.add(
+        self._count(
             loaded_blocks=loaded,
             loaded_tokens=sum(s.tokens for s in t.segments if s.kv_block < t.first_block + loaded),
             load_failed_blocks=t.num_blocks - loaded,
@@ -321,35 +345,62 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> None:
         return  # a block is saved whole, all layers at once, in wait_for_save
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVTierConnectorMetadata)
+        for req_id in kv_connector_metadata.preempted:
+            wait(self._saves.get(req_id, ()))
+
     def wait_for_save(self) -> None:
+        """Hand this step's saves to the saver thread; the forward pass that computed them is over."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
-        kv = self._kv
-        client = self._service() if kv is not None and meta.saves else None
-        if client is None:
+        if not meta.saves or self._kv is None:
+            for t in meta.saves:
+                self._saves.setdefault(t.req_id, [])  # still reported done, so vLLM frees the blocks
             return
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
         for t in meta.saves:
-            by_block = t.by_block()
-            stored = client.store_from(
-                t.tokens,
-                lambda i, out, by_block=by_block, t=t: kv.read(out, by_block[i], t.block_table),
-                t.namespace,
-                first_block=t.first_block,
-                num_blocks=t.num_blocks,
-            )
-            self._stats.add(saved_blocks=stored)
+            self._saves.setdefault(t.req_id, []).append(self._saver.submit(self._save, t))
+
+    def _save(self, t: Transfer) -> int:
+        kv, client = self._kv, self._service()
+        if kv is None or client is None:
+            return 0
+        by_block = t.by_block()
+        stored = client.store_from(
+            t.tokens,
+            lambda i, out: kv.read(out, by_block[i], t.block_table),
+            t.namespace,
+            first_block=t.first_block,
+            num_blocks=t.num_blocks,
+        )
+        self._count(saved_blocks=stored)
+        return stored
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests vLLM has finished whose saves are all done: their blocks may be freed now."""
+        self._ended |= {r for r in finished_req_ids if r in self._saves}
+        done = {r for r in self._ended if all(f.done() for f in self._saves[r])}
+        for r in done:
+            self._ended.discard(r)
+            for f in self._saves.pop(r):
+                if f.exception() is not None:
+                    log.warning("kvtier: a save of %s failed: %s", r, f.exception())
+        return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._stats.is_empty():
-            return None
-        out = KVTierConnectorStats(data=dict(self._stats.data))
-        self._stats.reset()
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out = KVTierConnectorStats(data=dict(self._stats.data))
+            self._stats.reset()
         return out
 
     @classmethod
@@ -357,6 +408,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            wait([f for fs in self._saves.values() for f in fs], timeout=SHUTDOWN_SAVE_S)
+            self._saver.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
             self._client = None
