@@ -176,6 +176,7 @@ def _bench_engines(args: argparse.Namespace) -> int:
         reps=args.reps,
         only=args.only or (),
         out_dir=Path(args.out),
+        bf16=args.vllm_bf16,
     )
     if args.json:
         print(json.dumps(result))
@@ -333,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--only", nargs="*", choices=["vllm", "lmcache", "llamacpp", "sglang"], help="run just these engines"
     )
     e.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
+    e.add_argument("--vllm-bf16", action="store_true", help="also a bfloat16 hit: leading tokens that agree")
     e.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
     e.add_argument("--sglang-python", type=Path, default=Path(".venv-peer-sglang/bin/python"))
     e.add_argument("--out", default="bench/results", help="where engines-latest.json goes")

@@ -213,18 +213,56 @@ def prompts(tokens: int, reps: int) -> list[list[int]]:
 
 
 # -- vLLM ----------------------------------------------------------------------------------------
-def vllm_service(work: Path, socket: Path, block_size: int = 128) -> ServiceProcess:
+def vllm_service(work: Path, socket: Path, block_size: int = 128, dtype: str = "float32") -> ServiceProcess:
     return ServiceProcess(
-        socket, work / "data", model=HF_DIR, dtype="float32", block_size=block_size, kv_order="head_major"
+        socket, work / f"data-{dtype}", model=HF_DIR, dtype=dtype, block_size=block_size, kv_order="head_major"
     )
 
 
-def vllm_engine(work: Path, socket: Path | None, python: Path = VLLM_PYTHON, name: str = "vllm") -> EngineProcess:
-    args = ["--model", str(HF_DIR)] + (["--socket", str(socket)] if socket else [])
+def vllm_engine(
+    work: Path, socket: Path | None, python: Path = VLLM_PYTHON, name: str = "vllm", dtype: str = "float32"
+) -> EngineProcess:
+    args = ["--model", str(HF_DIR), "--dtype", dtype] + (["--socket", str(socket)] if socket else [])
     return EngineProcess(python, "vllm_runner.py", args, work / f"{name}.log")
 
 
-def run_vllm(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) -> dict[str, Any]:
+def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_vllm_bf16(python: Path, prompt: list[int], max_tokens: int, work: Path) -> dict[str, Any]:
+    """The same fresh-process hit in bfloat16: how many leading greedy tokens agree with no cache at all.
+
+    Reused bf16 KV was computed in other chunk shapes than a recompute's, so
+    token-for-token identity is not promised there; the count says how far
+    they agree.
+    """
+    socket = work / "cache-bf16.sock"
+    with vllm_engine(work, None, python, "bf16-alone", "bfloat16") as alone:
+        reference = alone.generate(prompt, max_tokens)
+    with vllm_service(work, socket, dtype="bfloat16"):
+        with vllm_engine(work, socket, python, "bf16-cold", "bfloat16") as cold:
+            cold_out = cold.generate(prompt[: -len(question_ids())], 1)
+        with vllm_engine(work, socket, python, "bf16-hit", "bfloat16") as hit_engine:
+            hit = hit_engine.generate(prompt, max_tokens)
+    return {
+        "dtype": "bfloat16",
+        "cold_s": cold_out["ttft_s"],
+        "hit_s": hit["ttft_s"],
+        "hit_tokens": hit["cached_tokens"],
+        "leading_agree": leading_agreement(hit["tokens"], reference["tokens"]),
+        "of": len(reference["tokens"]),
+    }
+
+
+def run_vllm(
+    python: Path, tokens: int, reps: int, max_tokens: int, work: Path, *, bf16: bool = False
+) -> dict[str, Any]:
     from kvtier.bench.peer.runners import ensure_hf_dir
     from kvtier.model import default_gguf_path
 
@@ -258,6 +296,8 @@ def run_vllm(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) 
     )
     out["speedup"] = round(out["cold_s"] / out["hit_s"], 2)
     out["vs_engine_hit"] = round(out["hit_s"] / out["engine_hit_s"], 2)
+    if bf16:
+        out["bfloat16"] = run_vllm_bf16(python, ps[0] + q, max_tokens, work)
     return out
 
 
@@ -308,8 +348,12 @@ def run(
     max_tokens: int = 8,
     out_dir: Path = Path("bench/results"),
     only: Sequence[str] = (),
+    bf16: bool = False,
 ) -> dict[str, Any]:
-    benches = [EngineBench("vllm", vllm_python, run_vllm), EngineBench("lmcache", LMCACHE_PYTHON, run_lmcache)]
+    def vllm(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) -> dict[str, Any]:
+        return run_vllm(python, tokens, reps, max_tokens, work, bf16=bf16)
+
+    benches = [EngineBench("vllm", vllm_python, vllm), EngineBench("lmcache", LMCACHE_PYTHON, run_lmcache)]
     result: dict[str, Any] = {
         "schema": "kvtier-bench-engines/1",
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -351,6 +395,11 @@ def table(result: dict[str, Any]) -> str:
         if "engine_hit_s" in r:
             line += f"  engine's own hit {r['engine_hit_s']:.3f} s (kvtier/own {r['vs_engine_hit']}x)"
         rows.append(line)
+        if "bfloat16" in r:
+            b = r["bfloat16"]
+            rows.append(
+                f"  {'':9} bfloat16: hit {b['hit_s']:.3f} s, {b['leading_agree']}/{b['of']} leading tokens agree"
+            )
     for name, why in result.get("skipped", {}).items():
         rows.append(f"  {name:9} skipped: {why}")
     return "\n".join(rows)

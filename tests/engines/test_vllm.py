@@ -119,7 +119,7 @@ def test_vllm_with_kvtier(
 
     # (c) the stopped service flushed its blocks to disk; damage one in the middle of the chain there
     damaged = PROMPT_TOKENS // BLOCK // 2
-    damage_block(work / "data", p, damaged)
+    damage_block(work / "data-float32", p, damaged)
     with engines.vllm_service(work, socket):
         assert service_stats(socket, work)["disk"]["blocks"] == PROMPT_TOKENS // BLOCK  # it believes them all
         with engines.vllm_engine(work, socket, vllm_python, "after-restart") as again:
