@@ -301,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
     p.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
     p.add_argument("--hf-dir", type=Path, default=Path("bench/.peer/smollm2-hf"), help="vLLM's copy of the model")
-    p.add_argument("--vllm-dtype", default="auto", help="vLLM's --dtype (auto: its own choice, recorded)")
+    p.add_argument(
+        "--vllm-dtype", default="fastest", help="vLLM's --dtype; fastest: float32 and bfloat16 probed, the faster kept"
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096], help="cached prefix lengths for TTFT")
     p.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     p.add_argument("--trace-reps", type=int, default=3, help="repetitions of each cached agent trace")

@@ -33,7 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,8 +53,65 @@ def log(message: str) -> None:
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("workload", type=Path, help="workload JSON written by `kvtier bench peer`")
-    parser.add_argument("result", type=Path, help="where the result JSON goes")
+    parser.add_argument("result", type=Path, nargs="?", help="where the result JSON goes")
+    parser.add_argument("--probe", default=None, help="time one setting (see fastest()) and print its seconds")
     return parser.parse_args()
+
+
+PROBE_PROMPT_TOKENS = 1024
+PROBE_NEW_TOKENS = 16
+
+
+def probe_prompt(workload: dict[str, Any]) -> list[int]:
+    """A prompt from the workload's own text: the first TTFT case's prefix, cut to PROBE_PROMPT_TOKENS."""
+    return workload["ttft"][0]["prefix"][:PROBE_PROMPT_TOKENS]
+
+
+def probe_time(run: Callable[[], object], reps: int = 2) -> float:
+    """Median seconds of ``run`` (a prefill plus a short decode) after one warm-up."""
+    run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_probe(seconds: float) -> None:
+    print(json.dumps({"probe_s": seconds}), flush=True)
+
+
+def fastest(script: str, workload: Path, candidates: list[str], timeout_s: float = 900.0) -> tuple[str, dict[str, Any]]:
+    """Run this runner once per candidate setting with ``--probe``, each in a fresh process; keep the fastest.
+
+    A peer is compared at its best on the machine at hand (vLLM's dtype,
+    llama.cpp's threads differ in speed from one CPU to the next), so each
+    candidate times the same prefill and short decode, and the record keeps
+    every candidate's time. A candidate that fails is recorded with its error
+    and never chosen.
+    """
+    times: dict[str, Any] = {}
+    for c in candidates:
+        log(f"probe {c}: {PROBE_PROMPT_TOKENS}-token prefill + {PROBE_NEW_TOKENS} tokens")
+        proc = subprocess.run(
+            [sys.executable, script, "--probe", c, str(workload)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"probe_s"')]
+        if proc.returncode != 0 or not lines:
+            times[c] = {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+            continue
+        times[c] = round(json.loads(lines[-1])["probe_s"], 4)
+    timed = {c: t for c, t in times.items() if isinstance(t, float)}
+    if not timed:
+        raise SystemExit(f"every probe failed: {times}")
+    best = min(timed, key=timed.__getitem__)
+    log(f"probes {times}: using {best}")
+    return best, {"candidates": times, "chosen": best, "by": "fastest probe"}
 
 
 def read_workload(path: Path) -> dict[str, Any]:

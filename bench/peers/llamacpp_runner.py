@@ -96,18 +96,35 @@ def trace_cases(llm: Llama, turns: list[list[int]], reps: int) -> dict[str, list
     return out
 
 
+def make_llama(w: dict[str, Any], threads: int) -> Llama:
+    return Llama(
+        model_path=w["gguf"], n_ctx=w["n_ctx"], n_threads=threads, n_threads_batch=threads, seed=0, verbose=False
+    )
+
+
+def probe(w: dict[str, Any], threads: int) -> float:
+    llm = make_llama(w, threads)
+    prompt = common.probe_prompt(w)
+
+    def once() -> None:
+        llm.reset()
+        decode_run(llm, prompt, common.PROBE_NEW_TOKENS)
+
+    return common.probe_time(once)
+
+
 def main() -> int:
     args = common.parse_args(__doc__.splitlines()[0])
     w = common.read_workload(args.workload)
+    if args.probe:
+        common.print_probe(probe(w, int(args.probe)))
+        return 0
+    # llama.cpp's best thread count differs by CPU (SMT siblings, memory bandwidth): try 1 .. the bench's threads
+    candidates = sorted({1, max(1, w["threads"] // 2), w["threads"]})
+    best, choice = common.fastest(__file__, args.workload, [str(t) for t in candidates])
+    threads = int(best)
     start = time.perf_counter()
-    llm = Llama(
-        model_path=w["gguf"],
-        n_ctx=w["n_ctx"],
-        n_threads=w["threads"],
-        n_threads_batch=w["threads"],
-        seed=0,
-        verbose=False,
-    )
+    llm = make_llama(w, threads)
     load_s = time.perf_counter() - start
     common.log(f"llama-cpp-python {llama_cpp.__version__}: loaded {Path(w['gguf']).name} in {load_s:.1f}s")
     ttft = []
@@ -131,8 +148,9 @@ def main() -> int:
             "weights": Path(w["gguf"]).name,
             "compute": "GGUF weights as stored (Q4_1), f16 KV cache",
             "n_ctx": w["n_ctx"],
-            "n_threads": w["threads"],
-            "n_threads_batch": w["threads"],
+            "n_threads": threads,
+            "n_threads_batch": threads,
+            "threads_choice": choice,
             "n_batch": llm.n_batch,
             "flash_attn": False,
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),

@@ -15,6 +15,10 @@ it finishes), so the time of the first output token is seen as it happens;
 TTFT is from before ``add_request`` to the step that returns the first
 token. ``miss`` resets the prefix cache before each request;
 ``prefix_hit`` runs the prefix alone first, then each prefix + tail.
+
+The dtype (``PEER_VLLM_DTYPE``, default ``fastest``): float32 and bfloat16
+are each timed on a short prefill and decode in a fresh process, and the
+faster one runs the workload; the result records both times and the choice.
 """
 
 from __future__ import annotations
@@ -108,20 +112,42 @@ def setup_facts(llm: LLM, load_s: float) -> dict[str, Any]:
     }
 
 
+DTYPES = ["float32", "bfloat16"]
+
+
+def make_llm(w: dict[str, Any], dtype: str) -> LLM:
+    return LLM(
+        model=w["hf_dir"], dtype=dtype, max_model_len=w["n_ctx"], enforce_eager=True, enable_prefix_caching=True, seed=0
+    )
+
+
+def probe(w: dict[str, Any], dtype: str) -> float:
+    llm = make_llm(w, dtype)
+    prompt = common.probe_prompt(w)
+    params = SamplingParams(max_tokens=common.PROBE_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def once() -> None:
+        llm.reset_prefix_cache()
+        run_request(llm, prompt, params)
+
+    return common.probe_time(once)
+
+
 def main() -> int:
     args = common.parse_args(__doc__.splitlines()[0])
     w = common.read_workload(args.workload)
+    if args.probe:
+        common.print_probe(probe(w, args.probe))
+        return 0
+    dtype = os.environ.get("PEER_VLLM_DTYPE", "fastest")
+    choice = None
+    if dtype == "fastest":
+        dtype, choice = common.fastest(__file__, args.workload, DTYPES)
     start = time.perf_counter()
-    llm = LLM(
-        model=w["hf_dir"],
-        dtype=os.environ.get("PEER_VLLM_DTYPE", "auto"),
-        max_model_len=w["n_ctx"],
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        seed=0,
-    )
+    llm = make_llm(w, dtype)
     load_s = time.perf_counter() - start
     facts = setup_facts(llm, load_s)
+    facts["dtype_choice"] = choice or {"chosen": dtype, "by": "PEER_VLLM_DTYPE"}
     common.log(f"vllm {vllm.__version__}: loaded {Path(w['hf_dir']).name} in {load_s:.1f}s, dtype {facts['dtype']}")
     ttft = []
     for case in w["ttft"]:

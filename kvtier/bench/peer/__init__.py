@@ -41,7 +41,7 @@ def run(
     out_dir: Path,
     hf_dir: Path,
     timeout_s: float = 3600.0,
-    vllm_dtype: str = "auto",
+    vllm_dtype: str = "fastest",
     quiet_wait_s: float = 0.0,
 ) -> dict[str, Any]:
     """Measure kvtier, then each peer, one at a time; ``quiet_wait_s``: how long to wait for idle cores before each."""
@@ -136,7 +136,20 @@ def assemble(
 def _engine_entry(raw: dict[str, Any], **fields: Any) -> dict[str, Any]:
     setup = raw["setup"]
     compute = setup.get("compute") or f"{setup.get('dtype', '?')} weights and KV"
-    return {**fields, "version": raw["version"], "compute": compute, "summary": report.summarize(raw), "raw": raw}
+    # the setting each engine ran at, and how it was chosen (every candidate's probe time): fair peers only
+    setting = {
+        "dtype": setup.get("dtype"),
+        "threads": setup.get("n_threads") or setup.get("torch_threads"),
+        "choice": setup.get("dtype_choice") or setup.get("threads_choice"),
+    }
+    return {
+        **fields,
+        "version": raw["version"],
+        "compute": compute,
+        **setting,
+        "summary": report.summarize(raw),
+        "raw": raw,
+    }
 
 
 def table(result: Mapping[str, Any]) -> str:
