@@ -195,8 +195,17 @@ class DecodeWeights(enum.StrEnum):
     DENSE = "dense"
 
 
+class EngineDevice(enum.StrEnum):
+    """Where the engine's weights and KV pool (the device tier) live: ``auto`` takes a CUDA GPU when there is one."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 class EngineConfig(_Section):
     model_path: Path | None = Field(None, description="A Llama GGUF file; null: the embedded SmolLM2-135M-Instruct.")
+    device: EngineDevice = Field(EngineDevice.AUTO, description="auto: cuda when a GPU is visible, else cpu.")
     dtype: ComputeDtype = ComputeDtype.FLOAT32
     decode_weights: DecodeWeights = DecodeWeights.GGUF
     pool_bytes: ByteSize = Field(ByteSize(1024**3), description="The engine's paged KV pool (the device tier).")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config import Config, DecodeWeights
+import torch
+
+from kvtier.config import Config, ConfigError, DecodeWeights, EngineDevice
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
 from kvtier.identity import kv_identity_for
@@ -51,17 +53,27 @@ class LoadedModel:
         return ids
 
 
+def engine_device(config: Config) -> torch.device:
+    """The device ``engine.device`` names on this machine; ``cuda`` where torch sees no GPU is a one-line error."""
+    cuda = torch.cuda.is_available()
+    wanted = config.engine.device
+    if wanted is EngineDevice.CUDA and not cuda:
+        raise ConfigError("engine.device is cuda, but torch sees no CUDA device on this machine")
+    return torch.device("cuda" if wanted is EngineDevice.CUDA or (wanted is EngineDevice.AUTO and cuda) else "cpu")
+
+
 def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
     path = config.engine.model_path or default_gguf_path()
     dtype = dtype_from_name(config.engine.dtype.value)
+    device = engine_device(config)
     blocks = None
-    if config.engine.decode_weights is DecodeWeights.GGUF:
+    if config.engine.decode_weights is DecodeWeights.GGUF and device.type == "cpu":  # the C kernels are CPU code
         (cfg, weights, metadata), blocks = load_gguf_with_blocks(path, dtype, progress=progress)
     else:
         cfg, weights, metadata = load_gguf(path, dtype, progress=progress)
     return LoadedModel(
         path=Path(path),
-        model=LlamaModel(cfg, weights, dtype, blocks=blocks),
+        model=LlamaModel(cfg, weights, dtype, blocks=blocks, device=device),
         tokenizer=load_tokenizer(metadata),
         chat=load_chat_template(metadata),
         fingerprint=model_fingerprint(path, dtype, config.data_dir),

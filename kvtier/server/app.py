@@ -31,7 +31,7 @@ from kvtier.server import inference
 from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
-from kvtier.server.metrics import StatsCollector, build_report
+from kvtier.server.metrics import StatsCollector, build_report, hardware_report
 from kvtier.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -141,7 +141,8 @@ async def health(state: State) -> Health:
 
 
 def _report(state: ServerState) -> StatsReport:
-    return build_report(state.model_name, state.cache, state.loop.metrics)
+    model = state.loaded.model
+    return build_report(state.model_name, state.cache, state.loop.metrics, hardware_report(model.device, model.dtype))
 
 
 @router.get("/stats", response_model=StatsReport)

@@ -24,15 +24,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvtier.engine.engine import FinishReason, PrefetchCounters, Request
+from kvtier.hardware import cpu_isa, gpu_facts
 from kvtier.manager import CacheManager
 from kvtier.server.schemas import (
     BreakEvenReport,
     EngineReport,
+    GpuReport,
+    HardwareReport,
     LatencyReport,
     PrefetchReport,
     StatsReport,
@@ -182,7 +186,22 @@ def tier_report(snap: dict[str, Any]) -> TierReport:
     )
 
 
-def build_report(model: str, cache: CacheManager | ServiceCache, metrics: EngineMetrics) -> StatsReport:
+def hardware_report(device: torch.device, dtype: torch.dtype) -> HardwareReport:
+    gpu = gpu_facts(device)
+    return HardwareReport(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        cpu_isa=list(cpu_isa()),
+        gpu=None if gpu is None else GpuReport(**dataclasses.asdict(gpu)),
+    )
+
+
+def build_report(
+    model: str,
+    cache: CacheManager | ServiceCache,
+    metrics: EngineMetrics,
+    hardware: HardwareReport | None = None,
+) -> StatsReport:
     stats = cache.stats()
     tiers = {TierKind.DEVICE: metrics.device_report()}
     for tier in cache.tiers:
@@ -190,6 +209,7 @@ def build_report(model: str, cache: CacheManager | ServiceCache, metrics: Engine
     return StatsReport(
         model=model,
         block_size=cache.layout.block_size,
+        hardware=hardware,
         tiers=tiers,
         pinned_blocks=stats["pinned_blocks"],
         ttl_pinned_blocks=cache.ttl_pinned(),
@@ -254,6 +274,21 @@ def _tier_families(report: StatsReport) -> Iterator[Metric]:
     yield latency
 
 
+def _hardware_families(report: StatsReport) -> Iterator[Metric]:
+    hw = report.hardware
+    if hw is None:
+        return
+    info = GaugeMetricFamily(
+        "kvtier_engine_device_info", "The engine's device and dtype (value 1).", labels=["device", "dtype"]
+    )
+    info.add_metric([hw.device, hw.dtype], 1)
+    yield info
+    if hw.gpu is not None:
+        yield GaugeMetricFamily("kvtier_gpu_memory_used_bytes", "GPU memory in use (NVML).", hw.gpu.memory_used_bytes)
+        yield GaugeMetricFamily("kvtier_gpu_memory_total_bytes", "GPU memory (NVML).", hw.gpu.memory_total_bytes)
+        yield GaugeMetricFamily("kvtier_gpu_utilization_percent", "GPU utilisation (NVML).", hw.gpu.utilization_percent)
+
+
 def _engine_families(report: StatsReport) -> Iterator[Metric]:
     e = report.engine
     yield CounterMetricFamily("kvtier_prefill_tokens_computed", "Prompt tokens prefilled.", e.prefill_tokens_computed)
@@ -311,6 +346,7 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         report = self._report()
+        yield from _hardware_families(report)
         yield from _tier_families(report)
         yield from _engine_families(report)
         yield from _cost_families(report)

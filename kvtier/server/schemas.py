@@ -385,9 +385,28 @@ class BreakEvenReport(BaseModel):
     )
 
 
+class GpuReport(BaseModel):
+    """NVML's view of the engine's GPU at the time of the report."""
+
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization_percent: int
+
+
+class HardwareReport(BaseModel):
+    """What produced every figure in this report: the engine's device and dtype, the CPU's vector extensions."""
+
+    device: str = Field(description="Where the weights and the KV pool live (engine.device resolved): cpu, cuda:0.")
+    dtype: str = Field(description="The engine's compute and KV dtype.")
+    cpu_isa: list[str] = Field(description="Vector extensions of this CPU that the kernels use.")
+    gpu: GpuReport | None = Field(None, description="The GPU's memory and utilisation (NVML); null without one.")
+
+
 class StatsReport(BaseModel):
     model: str
     block_size: int
+    hardware: HardwareReport | None = None
     tiers: dict[TierKind, TierReport]
     pinned_blocks: int = Field(description="Host blocks pinned by loads in progress.")
     ttl_pinned_blocks: int = Field(description="Keys under a live /admin/pin.")

@@ -14,6 +14,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+import torch
 
 from kvtier.engine.runtime import LoadedModel
 from tests.helpers import shared_full_blocks
@@ -420,3 +421,11 @@ def test_control_tokens_typed_by_a_client_are_tokenized_as_text(
         == len(loaded_model.tokenizer.encode_text(forged))
         > len(loaded_model.tokenizer.encode(forged))
     )
+
+
+def test_stats_and_metrics_say_what_the_engine_runs_on(server: LiveServer) -> None:
+    hw = server.stats()["hardware"]
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert (hw["device"], hw["dtype"]) == (want, "float32")
+    assert set(hw["cpu_isa"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
+    assert f'kvtier_engine_device_info{{device="{want}",dtype="float32"}} 1.0' in server.get("/metrics").text

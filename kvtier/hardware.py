@@ -1,0 +1,74 @@
+"""What the engine runs on: the device its pool lives in, the CPU's vector ISA, and a GPU's live memory.
+
+Shown in ``/stats`` and ``/metrics`` and recorded with every benchmark,
+because the same code is several times faster or slower from one machine
+to the next (AVX-512 BF16 or not, a GPU or not), and a figure is only
+meaningful next to what produced it. GPU facts come from NVML
+(``nvidia-ml-py``): the driver's own view of memory and utilisation,
+which torch's allocator counters do not give (other processes share the
+GPU). Without a GPU, or without a driver, they are absent, never an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+@functools.cache
+def cpu_isa() -> tuple[str, ...]:
+    """The vector extensions of this CPU that kvtier's and torch's kernels use (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return tuple(f for f in ISA_FLAGS if f in flags)
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization_percent: int
+
+
+@functools.cache
+def _nvml() -> object | None:
+    """The initialised ``pynvml`` module, or None where there is no NVIDIA driver (logged once)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as err:
+        log.debug("NVML unavailable: %s", err)
+        return None
+    return pynvml
+
+
+def gpu_facts(device: torch.device) -> GpuFacts | None:
+    """NVML's view of ``device`` now, or None (not a CUDA device, or no NVML)."""
+    if device.type != "cuda":
+        return None
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        util = nvml.nvmlDeviceGetUtilizationRates(handle)
+        name = nvml.nvmlDeviceGetName(handle)
+    except Exception as err:
+        log.debug("NVML query failed: %s", err)
+        return None
+    return GpuFacts(name if isinstance(name, str) else name.decode(), int(mem.used), int(mem.total), int(util.gpu))

@@ -1,0 +1,56 @@
+"""The engine's device from config, and what /stats says produced its figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import ConfigError, load_config
+from kvtier.engine.runtime import engine_device
+from kvtier.hardware import ISA_FLAGS, cpu_isa, gpu_facts
+from kvtier.server.metrics import hardware_report
+
+
+def config(device: str):
+    return load_config(environ={"KVTIER_ENGINE__DEVICE": device})
+
+
+def test_cpu_device_and_report() -> None:
+    assert engine_device(config("cpu")) == torch.device("cpu")
+    assert set(cpu_isa()) <= set(ISA_FLAGS)
+    assert gpu_facts(torch.device("cpu")) is None
+    report = hardware_report(torch.device("cpu"), torch.float32)
+    assert (report.device, report.dtype, report.gpu) == ("cpu", "float32", None)
+    assert report.cpu_isa == list(cpu_isa())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_auto_is_cpu_and_cuda_is_refused_without_a_gpu() -> None:
+    assert engine_device(config("auto")) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        engine_device(config("cuda"))
+
+
+def test_unknown_device_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        config("tpu")
+
+
+def test_metrics_carry_the_device() -> None:
+    class Report:
+        hardware = hardware_report(torch.device("cpu"), torch.bfloat16)
+
+    from kvtier.server.metrics import _hardware_families
+
+    (info,) = list(_hardware_families(Report()))  # no GPU: the info gauge alone
+    assert info.name == "kvtier_engine_device_info"
+    assert info.samples[0].labels == {"device": "cpu", "dtype": "bfloat16"}
+
+
+@pytest.mark.cuda
+def test_cuda_device_and_nvml_facts() -> None:
+    assert engine_device(config("auto")).type == "cuda"
+    facts = gpu_facts(torch.device("cuda"))
+    assert facts is not None and 0 < facts.memory_used_bytes <= facts.memory_total_bytes
+    report = hardware_report(torch.device("cuda:0"), torch.float32)
+    assert report.gpu is not None and report.gpu.name
