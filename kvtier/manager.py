@@ -37,6 +37,7 @@ import torch
 from kvtier.breakeven import BreakEvenModel
 from kvtier.config import Config, WriteMode
 from kvtier.errors import DiskUnavailableError
+from kvtier.events import BlockEventSink, ObservedPolicy
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.index import LookupResult, MissReason, longest_prefix
 from kvtier.keys import BlockDigests, BlockKey, KeyHasher, NamedDigests, Secret
@@ -704,6 +705,19 @@ class CacheManager:
         for (key, record), stored in zip(written, ok, strict=True):
             if stored and key not in policy:
                 policy.on_insert(key, record.parent)
+
+    # -- block events ----------------------------------------------------------
+    def observe(self, sink: BlockEventSink) -> None:
+        """Tell ``sink`` of every key that enters or leaves a tier from now on, after the keys held now.
+
+        The policies hear of every insert and removal already, so the sink
+        listens beside them (:class:`ObservedPolicy`); under the lock, so no
+        change slips between the keys reported now and the first event.
+        """
+        with self._lock:
+            for tier in self.tiers:
+                sink.stored(tier.kind, [k for k, _ in tier.entries()])
+                self._policies[tier.kind] = ObservedPolicy(self._policies[tier.kind], tier.kind, sink)
 
     # -- admin -------------------------------------------------------------------
     def clear(self, kind: TierKind | None = None) -> int:

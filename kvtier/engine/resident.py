@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.engine.pool import KVPool
+from kvtier.events import BlockEventSink
 from kvtier.keys import BlockKey
+from kvtier.tiers.base import TierKind
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class ResidentBlocks:
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool
         self._blocks: OrderedDict[BlockKey, _Resident] = OrderedDict()  # least recently used first
+        self.events: BlockEventSink | None = None  # told of every key kept, released or cleared (a router's view)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -62,12 +65,16 @@ class ResidentBlocks:
 
     def keep(self, keys: list[BlockKey], block_ids: list[int], blocks: np.ndarray) -> None:
         """Hold a reference to each full block of a finished request not already held."""
+        new: list[BlockKey] = []
         for key, block_id, tokens in reversed(list(zip(keys, block_ids, blocks, strict=False))):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
             self._pool.share([block_id])
             self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32))
+            new.append(key)
+        if new and self.events is not None:
+            self.events.stored(TierKind.DEVICE, new)
 
     def evictable(self) -> int:
         """Blocks that would return to the pool's free list if released now (held by nobody else)."""
@@ -75,19 +82,23 @@ class ResidentBlocks:
 
     def release(self, n: int) -> int:
         """Give up references, least recently used first, until ``n`` pool blocks became free."""
-        freed = 0
+        gone: list[BlockKey] = []
         for key in list(self._blocks):
-            if freed >= n:
+            if len(gone) >= n:
                 break
             resident = self._blocks[key]
             if self._pool.ref_count(resident.block_id) != 1:
                 continue  # a running request shares it; releasing would free nothing
             del self._blocks[key]
             self._pool.free([resident.block_id])
-            freed += 1
-        return freed
+            gone.append(key)
+        if gone and self.events is not None:
+            self.events.removed(TierKind.DEVICE, gone)
+        return len(gone)
 
     def clear(self) -> None:
         for resident in self._blocks.values():
             self._pool.free([resident.block_id])
         self._blocks.clear()
+        if self.events is not None:
+            self.events.cleared(TierKind.DEVICE)

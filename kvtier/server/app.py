@@ -156,6 +156,25 @@ async def metrics(request: Request) -> Response:
     return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@router.get("/v1/kv-events", response_class=StreamingResponse, responses=ERRORS)
+async def kv_events(
+    state: State, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_admin_key)]
+) -> Response:
+    """This instance's block events as JSON lines, for ``kvtier route`` (see :mod:`kvtier.server.kv_events`).
+
+    Behind the admin token when one is configured. Without one it is open:
+    keys are keyed hashes, which tell nothing about a prompt to anyone
+    without the deployment's secret, and the server binds loopback only.
+    """
+    if state.admin.configured and not state.admin.allows(creds.credentials if creds else None):
+        raise unauthorized("the admin token is required: Authorization: Bearer <server.admin_token>")
+    if state.events is None:
+        raise APIError(
+            404, "no block events here: the tiers live in the node's cache service", type=ErrorType.NOT_FOUND
+        )
+    return StreamingResponse(state.events.stream(), media_type="application/x-ndjson", headers=SSE_HEADERS)
+
+
 # -- admin ---------------------------------------------------------------------------------------
 def _tenant(state: ServerState, name: str | None) -> Tenant:
     tenant = state.tenants.by_name(name)

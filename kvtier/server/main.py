@@ -25,14 +25,18 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from kvtier.config import Config, ConfigError
-from kvtier.engine.runtime import load_model, make_engine, open_cache
+from kvtier.engine.engine import Engine
+from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
 from kvtier.errors import BindError
+from kvtier.manager import CacheManager
 from kvtier.server.app import create_app
 from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.kv_events import EventFeed
 from kvtier.server.limits import read_timeout_protocol
 from kvtier.server.loop import EngineLoop
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.state import ServerState
+from kvtier.service.cache import ServiceCache
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +125,27 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
     )
 
 
+def _event_feed(cache: CacheManager | ServiceCache, config: Config) -> EventFeed | None:
+    """Block events of the tiers in this process; a cache service's tiers are shared, not this instance's."""
+    if not isinstance(cache, CacheManager):
+        return None
+    feed = EventFeed(config.cache.block_size, cache.hasher.root(config.cache.namespace))
+    cache.observe(feed)
+    return feed
+
+
+def _engine(loaded: LoadedModel, config: Config, cache: CacheManager | ServiceCache, feed: EventFeed | None) -> Engine:
+    engine = make_engine(loaded, config, cache=cache)
+    if engine.resident is not None:
+        engine.resident.events = feed
+    return engine
+
+
 def build_state(config: Config) -> ServerState:
     loaded = load_model(config)
     cache = open_cache(loaded, config)
-    loop = EngineLoop(lambda: make_engine(loaded, config, cache=cache), EngineMetrics())
+    feed = _event_feed(cache, config)
+    loop = EngineLoop(lambda: _engine(loaded, config, cache, feed), EngineMetrics())
     return ServerState(
         config=config,
         model_name=config.server.model_name or loaded.path.stem,
@@ -134,6 +155,7 @@ def build_state(config: Config) -> ServerState:
         tenants=Tenants(config.server.api_keys, config.cache.namespace),
         admin=AdminToken(config.server.admin_token),
         created=int(time.time()),
+        events=feed,
     )
 
 

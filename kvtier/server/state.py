@@ -8,6 +8,7 @@ from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel
 from kvtier.manager import CacheManager
 from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
 from kvtier.service.cache import ServiceCache
 
@@ -22,3 +23,4 @@ class ServerState:
     tenants: Tenants
     admin: AdminToken
     created: int  # unix time the server started, reported as the model's ``created``
+    events: EventFeed | None = None  # block events for a router; None when the tiers live in a cache service
