@@ -40,13 +40,14 @@ an exception reaches this code with its own traceback, not as vLLM's generic
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import traceback
 from importlib import metadata
 from typing import Any
+
+from vllm_lines import reply, serve
 
 DEFAULT_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -59,10 +60,6 @@ DEFAULT_ENV = {
     # LMCache's usage telemetry posts to its own host: off (no network here).
     "LMCACHE_TRACK_USAGE": "false",
 }
-
-
-def reply(obj: dict[str, Any]) -> None:
-    print("KVTIER " + json.dumps(obj), flush=True)
 
 
 def version(dist: str) -> str | None:
@@ -136,27 +133,6 @@ def lmcache_degraded() -> dict[str, Any] | None:
             name, _, rest = ln[len('File "') :].partition('", line ')
             where = f"{site_relative(name)}:{rest.split(',')[0]}"
     return {"error": error, "where": where, "traceback_tail": "\n".join(lines[-6:])[-2000:]}
-
-
-def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.add_request(f"r{time.monotonic_ns()}", TokensPrompt(prompt_token_ids=prompt), params)
-    first = None
-    out: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if first is None and o.outputs and o.outputs[0].token_ids:
-                first = time.perf_counter() - start
-            if o.finished:
-                out = {"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
-    out["ttft_s"] = first
-    out["total_s"] = time.perf_counter() - start
-    return out
 
 
 def main() -> int:
@@ -249,24 +225,12 @@ def main() -> int:
             },
         }
     )
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd["op"]
-        if op == "generate":
-            try:
-                reply(generate(llm, cmd["prompt"], int(cmd.get("max_tokens", 8))))
-            except Exception as exc:  # a crash mid-request is data too
-                traceback.print_exc(file=sys.stderr)
-                reply({"ok": False, **failure(exc), **versions})
-                return 3
-        elif op == "reset_prefix_cache":
-            llm.reset_prefix_cache()
-            reply({})
-        elif op == "quit":
-            break
-        else:
-            reply({"error": f"unknown op {op!r}"})
-    return 0
+
+    def on_error(exc: BaseException) -> dict[str, Any]:
+        traceback.print_exc(file=sys.stderr)
+        return {**failure(exc), **versions}
+
+    return serve(llm, on_error)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,9 @@ output with and without the cache must agree token for token.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from typing import Any
 
 DEFAULT_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -41,30 +39,8 @@ for _k, _v in DEFAULT_ENV.items():
     os.environ.setdefault(_k, _v)
 
 import vllm  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
-
-
-def reply(obj: dict[str, Any]) -> None:
-    print("KVTIER " + json.dumps(obj), flush=True)
-
-
-def generate(llm: LLM, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    engine = llm.llm_engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.add_request(f"r{time.monotonic_ns()}", TokensPrompt(prompt_token_ids=prompt), params)
-    first = None
-    out: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if first is None and o.outputs and o.outputs[0].token_ids:
-                first = time.perf_counter() - start
-            if o.finished:
-                out = {"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
-    out["ttft_s"] = first
-    out["total_s"] = time.perf_counter() - start
-    return out
+from vllm import LLM  # noqa: E402
+from vllm_lines import reply, serve  # noqa: E402
 
 
 def main() -> int:
@@ -108,19 +84,7 @@ def main() -> int:
             },
         }
     )
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd["op"]
-        if op == "generate":
-            reply(generate(llm, cmd["prompt"], int(cmd.get("max_tokens", 8))))
-        elif op == "reset_prefix_cache":
-            llm.reset_prefix_cache()
-            reply({})
-        elif op == "quit":
-            break
-        else:
-            reply({"error": f"unknown op {op!r}"})
-    return 0
+    return serve(llm)
 
 
 if __name__ == "__main__":
