@@ -273,6 +273,50 @@ class ServerConfig(_Section):
         return v
 
 
+class RoutePolicy(enum.StrEnum):
+    """How ``kvtier route`` picks a backend for a request.
+
+    ``round_robin`` and ``least_loaded`` ignore the cache (the baselines);
+    ``kvtier`` predicts each backend's cost from the blocks it holds and its
+    load, keeps a session on one backend, and spills off an overloaded one.
+    """
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    KVTIER = "kvtier"
+
+
+class RouteConfig(_Section):
+    """``kvtier route``: a cache-aware front over several ``kvtier serve`` instances (the backends)."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="Bind address of the router.")
+    port: int = Field(8100, ge=1, le=65535)
+    backends: list[str] = Field(default_factory=list, description="Backend base URLs (http://host:port).")
+    policy: RoutePolicy = RoutePolicy.KVTIER
+    backend_token: SecretStr | None = Field(
+        None, description="The backends' server.admin_token, which their block event streams ask for."
+    )
+    health_interval_s: float = Field(1.0, gt=0, description="How often each backend's /health is asked.")
+    retries: int = Field(1, ge=0, description="Other backends a request is sent to when one fails before a byte.")
+    load_tokens: int = Field(
+        256, ge=0, description="Prefill tokens one running or queued request on a backend is counted as."
+    )
+    max_imbalance: int = Field(
+        2, ge=0, description="A backend this many requests above the least loaded is passed over, hot prefix or not."
+    )
+    approx_blocks: int = Field(
+        65536, ge=0, description="Block keys remembered per backend of what was routed there (used without events)."
+    )
+
+    @field_validator("backends")
+    @classmethod
+    def _check_backends(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not re.fullmatch(r"https?://[^/?#\s]+/?", url):
+                raise ValueError(f"{url!r} is not http://host:port")
+        return [url.rstrip("/") for url in v]
+
+
 def default_data_dir() -> Path:
     """Under the user's cache directory (XDG on Linux), never the source tree."""
     return Path(platformdirs.user_cache_dir("kvtier"))
@@ -309,6 +353,7 @@ class Config(_Section):
     transfer: TransferConfig = TransferConfig()
     engine: EngineConfig = EngineConfig()
     server: ServerConfig = ServerConfig()
+    route: RouteConfig = RouteConfig()
     service: ServiceConfig = ServiceConfig()
 
     @field_validator("data_dir")
