@@ -187,6 +187,8 @@ class KVTierLlamaCache(BaseLlamaCache):
             token_bytes=self.layout.block_bytes // BLOCK_SIZE,
             flavour=self._flavour,
             mark_every=self._mark_every,
+            # a quarter of the host tier per load, as kvtier's own engine asks: others' loads still fit beside it
+            max_pinned=max(1, client.welcome.slab_bytes // client.welcome.slot_bytes // 4),
         )
 
     # -- llama-cpp-python's cache interface -----------------------------------------------------------

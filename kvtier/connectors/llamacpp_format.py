@@ -40,6 +40,7 @@ FORMAT_VERSION = 1
 STATE_MAGIC = b"KVLS"
 MARKER_MAGIC = b"KVLM"
 CHUNK_HEAD = struct.Struct("<16sIII")  # tag, index, count, payload bytes in this chunk
+MAX_CHUNKS = 1 << 20  # a count above this is a damaged head, not a state
 _LEN = struct.Struct("<I")
 
 
@@ -130,30 +131,63 @@ def chunk_head(chunk: np.ndarray) -> tuple[bytes, int, int, int]:
     return CHUNK_HEAD.unpack(chunk[: CHUNK_HEAD.size].tobytes())
 
 
-def join(chunks: Sequence[np.ndarray]) -> bytearray:
-    """The payload the chunks carry, or :class:`StateFormatError` unless they are every chunk of one write.
+class Assembly:
+    """One payload put back together from its chunks, fed in order (a piece at a time, so few are pinned at once).
 
-    Every chunk must carry the first chunk's tag and count and its own index,
-    lengths must fit, and the tag must hash the joined bytes.
+    Every chunk must carry the first chunk's tag and count and its own
+    index, lengths must fit, and :meth:`finish` checks that the tag hashes
+    the joined bytes: anything else is :class:`StateFormatError`.
     """
+
+    def __init__(self, first: np.ndarray) -> None:
+        self.tag, index, self.count, _ = chunk_head(first)
+        self.room = len(first) - CHUNK_HEAD.size
+        if index != 0 or not 0 < self.count <= MAX_CHUNKS:
+            raise StateFormatError(f"a first chunk with index {index} of {self.count}")
+        self._out = bytearray(self.count * self.room)
+        self._view = np.frombuffer(self._out, dtype=np.uint8)
+        self._next = 0
+        self._length = 0
+
+    def add(self, chunk: np.ndarray) -> None:
+        """Copy the next chunk's bytes out (the caller may release its slot right after)."""
+        tag, index, count, length = chunk_head(chunk)
+        i = self._next
+        last = i == self.count - 1
+        if (
+            tag != self.tag
+            or index != i
+            or count != self.count
+            or length > self.room
+            or (length < self.room and not last)
+        ):
+            raise StateFormatError(f"chunk {i} is not chunk {i} of the write its first chunk belongs to")
+        self._view[self._length : self._length + length] = chunk[CHUNK_HEAD.size : CHUNK_HEAD.size + length]
+        self._length += length
+        self._next += 1
+
+    @property
+    def missing(self) -> int:
+        return self.count - self._next
+
+    def finish(self) -> bytearray:
+        if self.missing:
+            raise StateFormatError(f"{self._next} chunks of {self.count}")
+        self._view = np.empty(0, dtype=np.uint8)  # release the export before resizing
+        del self._out[self._length :]
+        if xxhash.xxh3_128_digest(self._out) != self.tag:
+            raise StateFormatError("the joined bytes do not hash to their tag")
+        return self._out
+
+
+def join(chunks: Sequence[np.ndarray]) -> bytearray:
+    """The payload ``chunks`` carry, all at once (see :class:`Assembly`)."""
     if not chunks:
         raise StateFormatError("no chunks")
-    tag, _, count, _ = chunk_head(chunks[0])
-    if len(chunks) != count:
-        raise StateFormatError(f"{len(chunks)} chunks of {count}")
-    heads = [chunk_head(c) for c in chunks]
-    room = len(chunks[0]) - CHUNK_HEAD.size
-    for i, (t, index, n, length) in enumerate(heads):
-        if t != tag or index != i or n != count or length > room or (length != room and i != count - 1):
-            raise StateFormatError(f"chunk {i} is not chunk {i} of the write its first chunk belongs to")
-    out = bytearray(sum(h[3] for h in heads))
-    view, at = np.frombuffer(out, dtype=np.uint8), 0
-    for chunk, (_, _, _, length) in zip(chunks, heads, strict=True):
-        view[at : at + length] = chunk[CHUNK_HEAD.size : CHUNK_HEAD.size + length]
-        at += length
-    if xxhash.xxh3_128_digest(out) != tag:
-        raise StateFormatError("the joined bytes do not hash to their tag")
-    return out
+    assembly = Assembly(chunks[0])
+    for chunk in chunks:
+        assembly.add(chunk)
+    return assembly.finish()
 
 
 # -- states ---------------------------------------------------------------------------------------

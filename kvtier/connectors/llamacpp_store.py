@@ -51,6 +51,8 @@ import torch
 from kvtier.connectors.llamacpp_format import (
     CHUNK_HEAD,
     FORMAT_VERSION,
+    MAX_CHUNKS,
+    Assembly,
     Marker,
     Payload,
     SavedState,
@@ -68,7 +70,6 @@ GENERATIONS = 3
 MARK_EVERY = 32  # blocks between markers: a block's worth of marker per this many blocks of state
 MAX_TRIES = 3  # candidates read before a find gives up: each may cost a state's worth of reads
 STATE_SLACK_BYTES = 1 << 20  # what a state holds beyond its tokens' KV (headers, llama.cpp's own fields)
-MAX_CHUNKS = 1 << 20  # a chunk count above this is a damaged head, not a state
 _NAME = b"kvtier-llamacpp-1"
 _GEN_INDEX = struct.Struct("<BI")
 
@@ -149,10 +150,13 @@ class StateStore:
         token_bytes: int,
         flavour: str = "",
         mark_every: int = MARK_EVERY,
+        max_pinned: int | None = None,
     ) -> None:
         """``hasher`` chains the tokens into positions; ``flavour`` names whatever else makes two states
         incompatible (llama.cpp's KV types, flash attention), so that they never share a position.
         ``token_bytes``: KV bytes one token takes in a state (sizes the first load).
+        ``max_pinned``: chunks one load may pin (None: a whole state), so that a
+        state larger than the host tier still loads, a piece at a time.
         """
         if mark_every <= 0:
             raise ValueError("mark_every must be positive")
@@ -162,6 +166,7 @@ class StateStore:
         self.chunk_bytes = chunk_bytes
         self.token_bytes = token_bytes
         self.mark_every = mark_every
+        self.max_pinned = max_pinned or MAX_CHUNKS
         self._chain_namespace = f"{namespace}\0llama.cpp\0{flavour}"
 
     @property
@@ -212,28 +217,32 @@ class StateStore:
         return -(-most // (self.chunk_bytes - CHUNK_HEAD.size))
 
     def _read_state(self, position: bytes, generation: int, ask: int, tag: bytes | None) -> SavedState:
-        names = [state_name(position, generation, i) for i in range(ask)]
-        with self.blocks.named_load(names, self.namespace) as first:
-            chunks = [b.numpy() for b in first.blocks]
-            if not chunks:
-                raise StateFormatError("its first chunk is gone")
-            count = chunk_head(chunks[0])[2]
-            if not 0 < count <= MAX_CHUNKS:
-                raise StateFormatError(f"a chunk count of {count}")
-            if count <= len(chunks):
-                return self._whole(chunks[:count], tag)
-            if len(chunks) < ask:
-                raise StateFormatError(f"chunk {len(chunks)} of {count} is gone")
-            rest = [state_name(position, generation, i) for i in range(ask, count)]
-            with self.blocks.named_load(rest, self.namespace) as more:
-                return self._whole(chunks + [b.numpy() for b in more.blocks], tag)
+        """Load a state's chunks a piece at a time (``max_pinned``), copying each piece out before the next.
 
-    @staticmethod
-    def _whole(chunks: list[np.ndarray], tag: bytes | None) -> SavedState:
-        payload = join(chunks)  # a copy out of the slab: the state outlives the pins
-        if tag is not None and chunk_head(chunks[0])[0] != tag:
-            raise StateFormatError("the marker's state was replaced")
-        return unpack_state(payload)
+        The first piece asks for ``ask`` chunks (the count is in chunk 0,
+        unknown until it is read); a state with more costs more pieces.
+        """
+        names = [state_name(position, generation, i) for i in range(min(ask, self.max_pinned))]
+        assembly: Assembly | None = None
+        while names:
+            with self.blocks.named_load(names, self.namespace) as piece:
+                chunks = [b.numpy() for b in piece.blocks]
+                if assembly is None:
+                    if not chunks:
+                        raise StateFormatError("its first chunk is gone")
+                    assembly = Assembly(chunks[0])
+                    if tag is not None and assembly.tag != tag:
+                        raise StateFormatError("the marker's state was replaced")
+                for chunk in chunks[: assembly.missing]:
+                    assembly.add(chunk)
+            if len(chunks) < len(names) and assembly.missing:
+                raise StateFormatError(f"chunk {assembly.count - assembly.missing} of {assembly.count} is gone")
+            done = assembly.count - assembly.missing
+            names = [
+                state_name(position, generation, i) for i in range(done, min(assembly.count, done + self.max_pinned))
+            ]
+        assert assembly is not None
+        return unpack_state(assembly.finish())
 
     def _load_whole(self, names: list[bytes]) -> bytearray:
         with self.blocks.named_load(names, self.namespace) as load:
@@ -274,7 +283,8 @@ class StateStore:
                 return Saved(SaveOutcome.FAILED)
             target = Marker(FORMAT_VERSION, position, free, n, payload.tag)
             outcome = SaveOutcome.STORED
-        self._mark([positions[p] for p in marks], flags[len(state_names) :], target, repair=target.generation > 0)
+        repair = outcome is SaveOutcome.STORED and target.generation > 0
+        self._mark([positions[p] for p in marks], flags[len(state_names) :], target, repair=repair)
         return Saved(outcome, target)
 
     def _whole_at(self, position: bytes, generation: int) -> Marker | None:

@@ -182,3 +182,15 @@ def test_states_come_back_after_a_restart_and_a_corrupt_chunk_is_a_miss(tmp_path
         assert m.stats()["disk"]["checksum_failures"] == 1
         assert save(store, ids, seed=7) is SaveOutcome.STORED
         assert found_seed(store, ids) == (7, 8, Kind.STATE)
+
+
+def test_a_state_larger_than_the_host_tier_loads_a_piece_at_a_time(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, host={"capacity_bytes": 16 * 4096}, disk={"capacity_bytes": 256 * 4096})
+    with CacheManager(cfg, LAYOUT, model_fingerprint="toy-model") as m:
+        ids = tokens(40 * BLOCK)  # 41 chunks: more than the host tier holds at once
+        assert save(store_over(m, mark_every=100), ids, seed=8) is SaveOutcome.STORED
+        assert found_seed(store_over(m, mark_every=100), ids) is None  # all pinned at once: it cannot fit
+        store = store_over(m, mark_every=100)
+        store.max_pinned = m.load_chunk
+        assert found_seed(store, ids) == (8, 40, Kind.STATE)
+        assert m.stats()["pinned_blocks"] == 0
