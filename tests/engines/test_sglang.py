@@ -36,6 +36,12 @@ PAGES = 6
 TOKENS = list(range(1000, 1000 + PAGES * PAGE))
 
 
+@pytest.fixture(autouse=True)
+def _no_venv_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read above, then kept from the children: kvtier's config takes every ``KVTIER_*`` variable as a key."""
+    monkeypatch.delenv("KVTIER_SGLANG_PYTHON", raising=False)
+
+
 @pytest.fixture(scope="module")
 def sglang_python() -> Path:
     if not SGLANG_PYTHON.exists():
