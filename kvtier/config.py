@@ -148,6 +148,14 @@ class CacheConfig(_Section):
         "embedded",
         description="embedded: the tiers live in this process; unix:///path: in the node's cache service there.",
     )
+    secret_file: Path | None = Field(
+        None, description="The key secret (32 bytes), shared by every node of a deployment; default <data_dir>/secret."
+    )
+
+    @field_validator("secret_file")
+    @classmethod
+    def _expand_secret(cls, v: Path | None) -> Path | None:
+        return None if v is None else v.expanduser()
 
     @field_validator("service")
     @classmethod
@@ -345,6 +353,59 @@ class ServiceConfig(_Section):
         return None if v is None else v.expanduser()
 
 
+class RemoteWriteOn(enum.StrEnum):
+    """When blocks go out to the remote tier (always behind the request, on the remote's writer thread).
+
+    ``store``: every newly stored block, as soon as host memory holds it:
+    another node can hit it at once, at the cost of network bytes for every
+    block. ``host_eviction``: only blocks host memory evicts (beside their
+    demotion to disk): fewer bytes out, but a block reaches other nodes only
+    once this one has no room for it.
+    """
+
+    STORE = "store"
+    HOST_EVICTION = "host_eviction"
+
+
+REMOTE_URL = r"^(redis|rediss)://[^/?#]+(/\d+)?$|^unix:///.+$"
+
+
+class RemoteConfig(_Section):
+    """The shared remote tier: a Redis or Valkey (standalone or cluster) below the local tiers, shared by nodes."""
+
+    enabled: bool = False
+    urls: list[str] = Field(
+        default_factory=lambda: ["redis://127.0.0.1:6379"],
+        description="redis://host:port[/db], rediss://host:port (TLS), unix:///path.sock; a cluster: any of its nodes.",
+    )
+    cluster: bool = Field(False, description="Redis Cluster: keys spread over the masters by hash slot.")
+    username: str | None = Field(None, description="ACL user (prefer KVTIER_REMOTE__USERNAME).")
+    password: SecretStr | None = Field(None, description="Password (prefer KVTIER_REMOTE__PASSWORD).")
+    key_prefix: str = Field("kvtier:", min_length=1, description="Prefix of every key kvtier writes.")
+    ttl_s: float = Field(3600.0, gt=0, description="A block expires this long after its last store or hit.")
+    timeout_ms: float = Field(100.0, gt=0, description="Longest wait for one connect, send or receive.")
+    write_on: RemoteWriteOn = RemoteWriteOn.STORE
+    write_queue_blocks: int = Field(64, ge=1, description="Blocks waiting to be written; more are dropped, counted.")
+    breaker_failures: int = Field(3, ge=1, description="Consecutive failures that open a node's circuit breaker.")
+    breaker_retry_s: float = Field(5.0, gt=0, description="An open breaker lets one trial call through this often.")
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _split_urls(cls, v: object) -> object:
+        """The environment gives one string: ``KVTIER_REMOTE__URLS=redis://a:6379,redis://b:6379``."""
+        return [u.strip() for u in v.split(",") if u.strip()] if isinstance(v, str) else v
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("remote.urls needs at least one URL")
+        for url in v:
+            if not re.fullmatch(REMOTE_URL, url):
+                raise ValueError(f"{url!r} is not redis://host:port[/db], rediss://host:port or unix:///path")
+        return v
+
+
 class Config(_Section):
     data_dir: Path = Field(default_factory=default_data_dir)
     cache: CacheConfig = CacheConfig()
@@ -355,6 +416,7 @@ class Config(_Section):
     server: ServerConfig = ServerConfig()
     route: RouteConfig = RouteConfig()
     service: ServiceConfig = ServiceConfig()
+    remote: RemoteConfig = RemoteConfig()
 
     @field_validator("data_dir")
     @classmethod

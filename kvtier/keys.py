@@ -40,6 +40,7 @@ SECRET_FILE = "secret"
 _DIGEST_KEY_LABEL = b"kvtier-token-digest-key"
 _NAMED_LABEL = b"kvtier-named"
 _NAMED_DIGEST_KEY_LABEL = b"kvtier-named-digest-key"
+_REMOTE_MAC_KEY_LABEL = b"kvtier-remote-mac-key"
 
 Hash128 = Callable[[bytes, int], bytes]
 """``(data, seed) -> 16-byte digest``. Only tests replace the default (to force collisions)."""
@@ -104,18 +105,36 @@ class Secret:
         """
         return hashlib.blake2b(_NAMED_DIGEST_KEY_LABEL, key=self.raw, digest_size=DIGEST_BYTES).digest()
 
-    @classmethod
-    def load_or_create(cls, data_dir: Path) -> Secret:
-        """Read ``data_dir/secret``, creating it (mode 0600, its directory 0700) on first use.
+    @property
+    def remote_mac_key(self) -> bytes:
+        """The key of remote values' MACs: BLAKE2b-256, keyed with the secret, of ``b"kvtier-remote-mac-key"``.
 
+        Every node of a deployment derives the same key from the shared
+        secret file (``cache.secret_file``); nobody without it can write a
+        value the remote tier accepts (:mod:`kvtier.tiers.remote_frame`).
+        """
+        return hashlib.blake2b(_REMOTE_MAC_KEY_LABEL, key=self.raw, digest_size=DIGEST_BYTES).digest()
+
+    @classmethod
+    def load_or_create(cls, data_dir: Path, path: Path | None = None) -> Secret:
+        """Read ``path`` (default ``data_dir/secret``), creating it (mode 0600) on first use.
+
+        A ``path`` of its own is how several nodes share one secret (and so
+        one key space and one remote MAC key): copy the file to each, or
+        point them all at one. The default location's directory is made
+        private (0700), as is a missing one this makes; an existing directory
+        chosen by the operator is left as it is.
         Creation uses ``O_EXCL`` on a temporary name and a hard link, so two
         processes starting at once agree on one secret and nobody ever reads a
         half-written file.
         """
-        private_dir(data_dir)
-        path = data_dir / SECRET_FILE
+        if path is None:
+            private_dir(data_dir)
+            path = data_dir / SECRET_FILE
+        elif not path.parent.exists():
+            private_dir(path.parent)
         if not path.exists():
-            tmp = data_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+            tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.write(fd, secrets.token_bytes(SECRET_BYTES))
@@ -134,7 +153,7 @@ class Secret:
         return cls(raw)
 
     @classmethod
-    def load_or_ephemeral(cls, data_dir: Path) -> Secret:
+    def load_or_ephemeral(cls, data_dir: Path, path: Path | None = None) -> Secret:
         """:meth:`load_or_create`, or a process-local secret where ``data_dir`` has none and can hold none.
 
         A read-only or unwritable data directory must not stop the service:
@@ -144,17 +163,17 @@ class Secret:
         cannot be read is another matter (blocks on disk are keyed by it): a
         one-line error.
         """
-        path = data_dir / SECRET_FILE
+        where = path if path is not None else data_dir / SECRET_FILE
         try:
-            return cls.load_or_create(data_dir)
+            return cls.load_or_create(data_dir, path)
         except OSError as err:
-            if path.exists():
-                raise KVTierError(f"cannot read the key secret {path}: {err.strerror or err}") from err
+            if where.exists():
+                raise KVTierError(f"cannot read the key secret {where}: {err.strerror or err}") from err
             warn_once(
                 "secret-ephemeral",
-                "cannot create the key secret in %s (%s); using a process-local one: block keys will not "
+                "cannot create the key secret %s (%s); using a process-local one: block keys will not "
                 "survive a restart",
-                data_dir,
+                where,
                 err.strerror or err,
             )
             return cls(secrets.token_bytes(SECRET_BYTES), persistent=False)
@@ -192,6 +211,11 @@ class KeyHasher:
         self._roots: dict[str, bytes] = {}
         self._digest = hashlib.blake2b(key=secret.digest_key, digest_size=DIGEST_BYTES)  # copied per block
         self._named_digest = hashlib.blake2b(key=secret.named_digest_key, digest_size=DIGEST_BYTES)
+
+    @property
+    def secret(self) -> Secret:
+        """The deployment secret these keys are made with (the remote tier derives its MAC key from it)."""
+        return self._secret
 
     def root(self, namespace: str) -> BlockKey:
         """The chain's origin for ``namespace``.

@@ -18,6 +18,11 @@ Invariants:
   (write-back) unless disk already holds it; a disk victim is dropped.
 * The tier list is ordered fastest first, so an engine's own pool (the device
   tier) can be put in front of host without changing any of this.
+* The remote tier (``self.remote``, shared with other nodes) is consulted
+  last, only for the blocks after the local run, and never holds the lock
+  while it talks to the network. It has no policy of ours: Redis expires its
+  blocks by TTL. Blocks go out to it behind the request (its own writer
+  thread), on store or on host eviction (``remote.write_on``).
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ import numpy as np
 import torch
 
 from kvtier.breakeven import BreakEvenModel
-from kvtier.config import Config, WriteMode
+from kvtier.config import Config, RemoteWriteOn, WriteMode
 from kvtier.errors import DiskUnavailableError
 from kvtier.events import BlockEventSink, ObservedPolicy
 from kvtier.fetch import Fetch, LoadHandle
-from kvtier.index import LookupResult, MissReason, longest_prefix
+from kvtier.index import LookupResult, MissReason, Probe, longest_prefix
 from kvtier.keys import BlockDigests, BlockKey, KeyHasher, NamedDigests, Secret
 from kvtier.layout import KVLayout
 from kvtier.policy import EvictionPolicy, make_policy
@@ -47,6 +52,7 @@ from kvtier.stats import TierStats
 from kvtier.tiers.base import BlockRecord, Tier, TierKind
 from kvtier.tiers.disk import DiskTier, io_mode_for
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer import JobId, JobStatus, TransferWorker
 
 
@@ -64,11 +70,12 @@ class StorePlan:
 
 
 PROMOTE_BATCH = 32  # disk blocks per batched read: large enough to stream, small enough to stop on time
-HITS_AT_READ = frozenset({TierKind.DISK})
+HITS_AT_READ = frozenset({TierKind.DISK, TierKind.REMOTE})
 """Tiers whose ``hit_tokens`` count blocks read back and verified, not index hits at lookup.
 
 A disk index hit can still fail its checksum, end short, or never be
-fetched (deadline, host full); host memory cannot fail a read, so its
+fetched (deadline, host full); a remote header can be followed by a value
+that expired or fails its check; host memory cannot fail a read, so its
 lookup-time hits are what it serves.
 """
 
@@ -95,7 +102,7 @@ class CacheManager:
         self.config = config
         self.layout = layout
         self.hasher = hasher or KeyHasher(
-            Secret.load_or_ephemeral(config.data_dir),
+            Secret.load_or_ephemeral(config.data_dir, config.cache.secret_file),
             model_fingerprint=model_fingerprint,
             layout_descriptor=layout.descriptor,
             block_size=layout.block_size,
@@ -103,6 +110,7 @@ class CacheManager:
         self.host = HostTier(layout, int(config.host.capacity_bytes), shared_file=host_file)
         self.disk = self._open_disk(model_fingerprint) if config.disk.enabled else None
         self.tiers: list[Tier] = [t for t in (self.host, self.disk) if t is not None]
+        self.remote = self._open_remote(model_fingerprint) if config.remote.enabled else None
         self._policies: dict[TierKind, EvictionPolicy] = {
             TierKind.HOST: make_policy(config.host.policy),
             TierKind.DISK: make_policy(config.disk.policy),
@@ -145,6 +153,17 @@ class CacheManager:
             log.warning("%s; running without the disk tier (host memory only)", err)
             return None
 
+    def _open_remote(self, model_fingerprint: str) -> RemoteTier:
+        """The shared tier; a Redis that is down at start costs misses (and a breaker), never the start."""
+        if not self.hasher.secret.persistent:
+            log.warning("the remote tier needs a key secret every node shares; this one is process-local")
+        return RemoteTier.open(self.config.remote, self.layout, self.hasher.secret, model_fingerprint)
+
+    @property
+    def _every_tier(self) -> list[Tier]:
+        """The local tiers, fastest first, then the remote one."""
+        return self.tiers if self.remote is None else [*self.tiers, self.remote]
+
     # -- ② lookup ------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> list[BlockKey]:
         return self.hasher.keys(tokens, namespace or self.config.cache.namespace)
@@ -163,18 +182,38 @@ class CacheManager:
         bs = self.layout.block_size
         with self._lock:
             probe = longest_prefix(keys, digests, self.tiers, start=first_block)
+        if self.remote is not None and probe.reason is MissReason.ABSENT:
+            probe = self._probe_remote(self.remote, keys, digests, probe, first_block)
+        with self._lock:
             served = Counter(probe.tiers)
             for key, kind in zip(keys[first_block:], probe.tiers, strict=False):
-                self._policies[kind].on_access(key)
+                if kind in self._policies:
+                    self._policies[kind].on_access(key)
         remaining = len(keys) - first_block  # blocks that reached this tier: not served by a faster one
-        for tier in self.tiers:
+        for tier in self._every_tier:
             hit = served[tier.kind]
             counted = 0 if tier.kind in HITS_AT_READ else hit
             tier.stats.add(lookups=1, hit_tokens=counted * bs, miss_tokens=max(0, remaining - hit) * bs)
             remaining -= hit
         if probe.mismatched is not None:
             self._stats(probe.mismatched).add(confirm_mismatch=1)
+            if probe.mismatched is TierKind.REMOTE:
+                self._stats(TierKind.REMOTE).add(foreign_tokens=1)
         return LookupResult(ns, bs, len(tokens), tuple(keys), tuple(probe.tiers), probe.reason, first_block)
+
+    def _probe_remote(
+        self, remote: RemoteTier, keys: list[BlockKey], digests: BlockDigests, local: Probe, first_block: int
+    ) -> Probe:
+        """Extend the local run with blocks the remote holds: headers read (no lock held), then confirmed.
+
+        The remote's records are confirmed against the request's digests
+        like any tier's, so a value of other tokens ends the run here.
+        """
+        at = first_block + len(local.tiers)
+        remote.probe_run(keys[at:])
+        with self._lock:
+            rest = longest_prefix(keys, digests, self._every_tier, start=at)
+        return Probe([*local.tiers, *rest.tiers], rest.reason, rest.mismatched)
 
     def probe(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> LookupResult:
         """What :meth:`lookup` would answer, without touching policies or stats.
@@ -226,12 +265,12 @@ class CacheManager:
         fetch = Fetch(result.namespace, result.block_size, first, len(keys), deadline, self.complete_load)
         landed = self._pin_host_run(keys, fetch)
         rest = keys[landed:]
-        if not rest or self.disk is None:
+        if not rest or (self.disk is None and self.remote is None):
             fetch.finish()
         elif inline:
             self._promote_into(fetch, rest)
         else:
-            self.worker.spawn(lambda: self._promote_into(fetch, rest), "promoting disk blocks to host")
+            self.worker.spawn(lambda: self._promote_into(fetch, rest), "promoting lower-tier blocks to host")
         return fetch
 
     def _pin_host_run(self, keys: list[BlockKey], fetch: Fetch) -> int:
@@ -268,12 +307,10 @@ class CacheManager:
             fetch.finish()
 
     def _promote_many(self, keys: list[BlockKey]) -> tuple[list[torch.Tensor], list[TierKind]]:
-        """Pin the leading ``keys`` that can be served, copying disk blocks to host in one batched read."""
-        disk = self.disk
-        assert disk is not None
+        """Pin the leading ``keys`` that can be served, copying lower-tier blocks to host in one batch per tier."""
         views: list[torch.Tensor] = []
         kinds: list[TierKind] = []
-        reads: list[tuple[int, BlockKey, BlockRecord]] = []  # (position in views, key, record)
+        reads: list[tuple[int, BlockKey, BlockRecord, Tier]] = []  # (position in views, key, record, from)
         with self._lock:
             self._make_room(self.host, sum(not self.host.contains(k) for k in keys))
             for key in keys:
@@ -283,41 +320,75 @@ class CacheManager:
                     views.append(view)
                     kinds.append(TierKind.HOST)
                     continue
-                record = disk.record(key)
-                if record is None:
-                    break  # gone from disk since the lookup
+                found = self._below_host(key)
+                if found is None:
+                    break  # gone since the lookup
+                tier, record = found
                 slot = self.host.reserve(key, record)
                 if slot is None and self._make_room(self.host, 1):  # an eviction above made this one a miss
                     slot = self.host.reserve(key, record)
                 if slot is None:
                     break  # host is pinned full
-                reads.append((len(views), key, record))
+                reads.append((len(views), key, record, tier))
                 views.append(slot)
-                kinds.append(TierKind.DISK)
+                kinds.append(tier.kind)
         if not reads:
             return views, kinds
-        started = time.perf_counter()
-        ok = disk.get_many([k for _, k, _ in reads], [views[i] for i, _, _ in reads])
-        seconds = time.perf_counter() - started
-        disk.stats.observe_load(seconds)
-        self.costs.observe_fetch(TierKind.DISK, sum(ok) * self.layout.block_bytes, seconds)
-        bad = next((i for (i, _, _), good in zip(reads, ok, strict=True) if not good), len(views))
-        served = sum(i < bad for i, _, _ in reads)  # read, verified, and before any gap: what the engine gets
-        bs = self.layout.block_size
-        disk.stats.add(hit_tokens=served * bs, miss_tokens=(len(ok) - sum(ok)) * bs)
+        good = self._read_below(reads, views)
+        bad = next((i for i, _, _, _ in reads if not good[i]), len(views))
+        self._count_served(reads, good, bad)
         with self._lock:
-            for (i, key, record), good in zip(reads, ok, strict=True):
-                if i >= bad or not good:
+            for i, key, record, tier in reads:
+                if i >= bad or not good[i]:
                     self.host.abort(key)
                     continue
                 self.host.commit(key)
                 self._policies[TierKind.HOST].on_insert(key, record.parent)
-                self._policies[TierKind.DISK].on_access(key)
+                if tier.kind in self._policies:
+                    self._policies[tier.kind].on_access(key)
                 self._pins[key] += 1
             for key, kind in zip(keys[bad : len(views)], kinds[bad:], strict=True):
                 if kind is TierKind.HOST:  # pinned above, but after the failed block: useless
                     self._unpin_locked(key)
         return views[:bad], kinds[:bad]
+
+    def _below_host(self, key: BlockKey) -> tuple[Tier, BlockRecord] | None:
+        """The fastest tier under host that holds ``key`` (disk, then what the remote's probe saw), with its record."""
+        for tier in (self.disk, self.remote):
+            record = None if tier is None else tier.record(key)
+            if record is not None:
+                return tier, record  # type: ignore[return-value]
+        return None
+
+    def _read_below(
+        self, reads: list[tuple[int, BlockKey, BlockRecord, Tier]], views: list[torch.Tensor]
+    ) -> dict[int, bool]:
+        """One batched read per lower tier into the reserved slots; which positions came back verified."""
+        good: dict[int, bool] = {}
+        for tier in (self.disk, self.remote):
+            mine = [(i, key) for i, key, _, t in reads if t is tier]
+            if tier is None or not mine:
+                continue
+            started = time.perf_counter()
+            ok = tier.get_many([k for _, k in mine], [views[i] for i, _ in mine])
+            seconds = time.perf_counter() - started
+            tier.stats.observe_load(seconds)
+            self.costs.observe_fetch(tier.kind, sum(ok) * self.layout.block_bytes, seconds)
+            good.update((i, o) for (i, _), o in zip(mine, ok, strict=True))
+        return good
+
+    def _count_served(
+        self, reads: list[tuple[int, BlockKey, BlockRecord, Tier]], good: dict[int, bool], bad: int
+    ) -> None:
+        """Hits: blocks read, verified and before any gap (what the engine gets); misses: failed reads."""
+        bs = self.layout.block_size
+        for tier in (self.disk, self.remote):
+            mine = [i for i, _, _, t in reads if t is tier]
+            if tier is None or not mine:
+                continue
+            served = sum(i < bad and good[i] for i in mine)
+            failed = sum(not good[i] for i in mine)
+            tier.stats.add(hit_tokens=served * bs, miss_tokens=failed * bs)
 
     @property
     def load_chunk(self) -> int:
@@ -442,6 +513,9 @@ class CacheManager:
             for key, record in zip(plan.keys, plan.records, strict=True):
                 self.host.commit(key)
                 self._policies[TierKind.HOST].on_insert(key, record.parent)
+            if self.remote is not None and self.remote.write_on is RemoteWriteOn.STORE and plan.keys:
+                views = [self.host.view(k) for k in plan.keys]  # copied onto the remote's queue here, under the lock
+                self.remote.put_many(plan.keys, views, plan.records)  # type: ignore[arg-type]
             through = self.write_mode is WriteMode.WRITE_THROUGH and self.disk is not None and plan.keys
             if through:
                 self._pins.update(plan.keys)  # keep the slots alive while disk reads them, lock released
@@ -683,12 +757,17 @@ class CacheManager:
         return len(victims) == short
 
     def _demote(self, victims: list[BlockKey]) -> None:
-        """Write-back: host victims go down to disk unless disk already has them.
+        """Write-back: host victims go down to disk unless disk already has them (and to the remote, by config).
 
         This runs under the lock (the victims' slots are about to be freed, so
         they cannot be pinned and written later); it is the one place where
-        disk I/O holds the lock, and only when host memory is full.
+        disk I/O holds the lock, and only when host memory is full. The
+        remote gets copies on its queue, never a network call here.
         """
+        remote = self.remote
+        if remote is not None and remote.write_on is RemoteWriteOn.HOST_EVICTION and victims:
+            out = [(k, r) for k in victims if (r := self.host.record(k)) is not None]
+            remote.put_many([k for k, _ in out], [self.host.view(k) for k, _ in out], [r for _, r in out])  # type: ignore[misc]
         disk = self.disk
         if disk is None or self.write_mode is not WriteMode.WRITE_BACK:
             return
@@ -734,7 +813,7 @@ class CacheManager:
         return dropped
 
     def _stats(self, kind: TierKind) -> TierStats:
-        return next(t.stats for t in self.tiers if t.kind is kind)
+        return next(t.stats for t in self._every_tier if t.kind is kind)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -747,6 +826,9 @@ class CacheManager:
                 capacity_blocks=tier.capacity_blocks,
             )
             out[tier.kind.value] = snap
+        if self.remote is not None:
+            sizes = {"capacity_bytes": 0, "used_bytes": 0, "capacity_blocks": 0, "blocks": 0}  # a shared store's
+            out["remote"] = {**self.remote.snapshot(), **sizes}
         with self._lock:
             out["pinned_blocks"] = len(self._pins)
         out["break_even"] = self.costs.snapshot()
@@ -797,7 +879,7 @@ class CacheManager:
         self._closed = True
         self.worker.shutdown()
         self.flush(flush_s)
-        for tier in self.tiers:
+        for tier in self._every_tier:
             tier.close()
 
     def __enter__(self) -> CacheManager:

@@ -113,3 +113,25 @@ class DiskStats(TierStats):
 
     quarantined: int = 0  # damaged indexes moved aside at open (with their slabs); the tier started empty
     lost_blocks: int = 0  # records dropped because their bytes are gone (slab file missing, short or truncated)
+
+
+@dataclass
+class RemoteStats(TierStats):
+    """The remote tier's counters, plus what only a shared, fallible, asynchronous tier has.
+
+    Every rejected value is also a miss (``miss_tokens``); the reason
+    counters say why (see :class:`kvtier.tiers.remote_frame.Rejection`).
+    """
+
+    probes: int = 0  # header reads at lookup (one per key asked)
+    timeouts: int = 0  # calls that hit remote.timeout_ms (also counted in errors)
+    skipped: int = 0  # calls not made because a circuit breaker was open
+    writes: int = 0  # blocks written
+    dropped_writes: int = 0  # blocks not written: the write queue was full, or the write failed
+    bad_length: int = 0
+    bad_header: int = 0
+    bad_mac: int = 0
+    wrong_key: int = 0
+    wrong_layout: int = 0
+    foreign_tokens: int = 0
+    bad_payload: int = 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.remote import redis_cluster, redis_server, redis_session  # noqa: F401  (real redis-server fixtures)
+
 MODEL_FIXTURES = {"loaded_model", "hf_model"}
 
 

@@ -160,4 +160,4 @@ def test_a_thousand_fetches_leave_no_job_behind_and_a_failed_promotion_is_counte
             assert handle.served_from == [H, H, H]  # the disk half became a miss
         m.worker.drain()
         assert m.worker.held() == 0 and m.worker.spawn_failures == 1
-        assert any("promoting disk blocks to host" in r.getMessage() for r in caplog.records)
+        assert any("promoting lower-tier blocks to host" in r.getMessage() for r in caplog.records)

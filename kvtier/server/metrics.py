@@ -39,12 +39,15 @@ from kvtier.server.schemas import (
     HardwareReport,
     LatencyReport,
     PrefetchReport,
+    RemoteReport,
     StatsReport,
     TierReport,
 )
 from kvtier.service.cache import ServiceCache
 from kvtier.stats import LATENCY_BUCKETS_S, Histogram
 from kvtier.tiers.base import TierKind
+from kvtier.tiers.breaker import BreakerState
+from kvtier.tiers.remote_frame import Rejection
 
 # Time to first token spans milliseconds (a cached prefix) to tens of seconds (a long cold prompt on a CPU).
 TTFT_BUCKETS_S: tuple[float, ...] = (*(m * 10.0**e for e in range(-3, 2) for m in (1.0, 2.5, 5.0)), 100.0)
@@ -196,6 +199,21 @@ def hardware_report(device: torch.device, dtype: torch.dtype) -> HardwareReport:
     )
 
 
+def remote_report(snap: dict[str, Any]) -> RemoteReport:
+    """The remote tier's own figures out of its stats snapshot (its tier counters go through :func:`tier_report`)."""
+    return RemoteReport(
+        breakers=snap["breakers"],
+        breaker_opens=snap["breaker_opens"],
+        skipped=snap["skipped"],
+        timeouts=snap["timeouts"],
+        probes=snap["probes"],
+        writes=snap["writes"],
+        dropped_writes=snap["dropped_writes"],
+        write_queue=snap["write_queue"],
+        rejected={r.value: snap[r.value] for r in Rejection},
+    )
+
+
 def build_report(
     model: str,
     cache: CacheManager | ServiceCache,
@@ -206,7 +224,11 @@ def build_report(
     tiers = {TierKind.DEVICE: metrics.device_report()}
     for tier in cache.tiers:
         tiers[tier.kind] = tier_report(stats[tier.kind.value])
+    remote = stats.get(TierKind.REMOTE.value)
+    if remote is not None:
+        tiers[TierKind.REMOTE] = tier_report(remote)
     return StatsReport(
+        remote=remote_report(remote) if remote is not None else None,
         model=model,
         block_size=cache.layout.block_size,
         hardware=hardware,
@@ -338,6 +360,36 @@ def _cost_families(report: StatsReport) -> Iterator[Metric]:
         yield CounterMetricFamily(f"kvtier_prefetch_{name}", field.description or name, getattr(prefetch, name))
 
 
+def _remote_families(report: StatsReport) -> Iterator[Metric]:
+    """The remote tier's breakers, writes and rejections (its hits, bytes and latency are tier metrics)."""
+    r = report.remote
+    if r is None:
+        return
+    state = GaugeMetricFamily(
+        "kvtier_remote_breaker_open", "1 while the node's circuit breaker is open.", labels=["node"]
+    )
+    for node, s in r.breakers.items():
+        state.add_metric([node], float(s is BreakerState.OPEN))
+    yield state
+    counters = {
+        "breaker_opens": "Times a node's circuit breaker opened.",
+        "skipped": "Remote calls skipped while a breaker was open (each a miss).",
+        "timeouts": "Remote calls that ran into remote.timeout_ms.",
+        "probes": "Remote headers read at lookup.",
+        "writes": "Blocks written to the remote.",
+        "dropped_writes": "Blocks not written to the remote (queue full, or the write failed).",
+    }
+    for name, doc in counters.items():
+        yield CounterMetricFamily(f"kvtier_remote_{name}", doc, getattr(r, name))
+    yield GaugeMetricFamily("kvtier_remote_write_queue", "Blocks waiting to be written to the remote.", r.write_queue)
+    rejected = CounterMetricFamily(
+        "kvtier_remote_rejected_values", "Remote values refused (never served), by reason.", labels=["reason"]
+    )
+    for reason, n in r.rejected.items():
+        rejected.add_metric([reason], n)
+    yield rejected
+
+
 class StatsCollector(Collector):
     """Reads a fresh :class:`StatsReport` at every scrape; nothing is double-booked in prometheus_client."""
 
@@ -350,6 +402,7 @@ class StatsCollector(Collector):
         yield from _tier_families(report)
         yield from _engine_families(report)
         yield from _cost_families(report)
+        yield from _remote_families(report)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

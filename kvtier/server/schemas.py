@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from kvtier.engine.engine import FinishReason
 from kvtier.index import MissReason
 from kvtier.tiers.base import TierKind
+from kvtier.tiers.breaker import BreakerState
 
 # The schema's bound for max_tokens; the served schema shows server.max_tokens_limit instead (see app.py).
 MAX_TOKENS_CAP = 8192
@@ -311,6 +312,22 @@ class TierReport(BaseModel):
     load_latency: LatencyReport
 
 
+class RemoteReport(BaseModel):
+    """The shared remote tier beyond its tier counters (those are under ``tiers.remote``)."""
+
+    breakers: dict[str, BreakerState] = Field(description="Each Redis node's circuit breaker, by host:port.")
+    breaker_opens: int = Field(description="Times a breaker opened (a node failed breaker_failures calls in a row).")
+    skipped: int = Field(description="Calls not made because a breaker was open (each a miss).")
+    timeouts: int = Field(description="Calls that ran into remote.timeout_ms (also counted in errors).")
+    probes: int = Field(description="Headers read at lookup.")
+    writes: int = Field(description="Blocks written.")
+    dropped_writes: int = Field(description="Blocks not written: the write queue was full, or the write failed.")
+    write_queue: int = Field(description="Blocks waiting to be written now.")
+    rejected: dict[str, int] = Field(
+        description="Values read and refused, by reason (bad_mac, foreign_tokens, ...); each a miss, never served."
+    )
+
+
 class PrefetchReport(BaseModel):
     """The arrival-time fetches (:class:`kvtier.engine.engine.PrefetchCounters`), since the server started."""
 
@@ -412,3 +429,4 @@ class StatsReport(BaseModel):
     ttl_pinned_blocks: int = Field(description="Keys under a live /admin/pin.")
     engine: EngineReport
     break_even: BreakEvenReport
+    remote: RemoteReport | None = Field(None, description="The remote tier's own figures; null when it is off.")

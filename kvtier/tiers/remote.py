@@ -1,0 +1,387 @@
+"""The remote tier: blocks in a Redis or Valkey (standalone or cluster) that every node of a deployment shares.
+
+One key per block: ``remote.key_prefix`` + the block key in hex. A block key
+is already a keyed hash of the model, layout, namespace and tokens
+(:mod:`kvtier.keys`), so a key name reveals no token, and two namespaces
+never meet under one name. Values are framed and authenticated
+(:mod:`kvtier.tiers.remote_frame`) and treated as hostile until checked.
+
+Shape of the calls, each bounded by ``remote.timeout_ms`` and behind a
+per-node circuit breaker (:mod:`kvtier.tiers.remote_nodes`):
+
+* :meth:`RemoteTier.probe` (at lookup): one pipelined ``GETRANGE`` of the
+  header per key and node. An authentic header is remembered as the block's
+  :class:`BlockRecord`, so the manager confirms it against the request's
+  tokens like any other tier's record, before a payload byte moves.
+* :meth:`RemoteTier.get_many` (on a fetch): one pipelined ``GET`` per node;
+  each value is checked end to end and copied into its host slot. Hits have
+  their TTL refreshed behind the request.
+* :meth:`RemoteTier.put_many`: never on the caller's time. Payloads are
+  copied onto a bounded queue and framed and written (``SET .. PX ttl``) by
+  the tier's writer thread; a full queue drops the block, counted.
+
+A failure of any kind is a miss, counted in :attr:`RemoteTier.stats`; nothing
+here raises into a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.config import RemoteConfig
+from kvtier.keys import BlockKey, Secret
+from kvtier.layout import KVLayout
+from kvtier.stats import RemoteStats
+from kvtier.tiers.base import BlockRecord, TierKind
+from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, layout_id
+from kvtier.tiers.remote_nodes import Nodes, is_error
+
+log = logging.getLogger("kvtier")
+
+PROBE_FIRST = 4  # keys in the first probe of a run; each next probe asks for 4x more
+SEEN_MAX = 65_536  # authentic headers remembered from probes (~100 B each)
+WRITE_BATCH = 8  # blocks one writer round trip carries at most
+STOP_WAIT_S = 5.0  # how long close() lets queued writes drain
+
+
+@dataclass(frozen=True)
+class _Write:
+    key: BlockKey
+    record: BlockRecord
+    payload: bytes  # a copy: the host slot it came from may be reused at once
+
+
+@dataclass(frozen=True)
+class _Touch:
+    names: list[bytes]  # keys just read: their TTL starts again
+
+
+@dataclass(frozen=True)
+class _Marker:
+    done: threading.Event  # set by the writer once everything queued before it went out
+
+
+_Item = _Write | _Touch | _Marker
+
+
+class RemoteTier:
+    kind = TierKind.REMOTE
+
+    def __init__(
+        self, config: RemoteConfig, layout: KVLayout, framer: Framer, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.layout = layout
+        self.stats = RemoteStats()
+        self.write_on = config.write_on
+        self._framer = framer
+        self._prefix = config.key_prefix.encode()
+        self._ttl_ms = max(1, round(config.ttl_s * 1000))
+        self._nodes = Nodes(config, self.stats, clock)
+        self._seen: OrderedDict[BlockKey, BlockRecord] = OrderedDict()
+        self._seen_lock = threading.Lock()
+        self._queue: queue.Queue[_Item | None] = queue.Queue(config.write_queue_blocks)
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def open(
+        cls,
+        config: RemoteConfig,
+        layout: KVLayout,
+        secret: Secret,
+        model_fingerprint: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RemoteTier:
+        """The tier for one deployment (``secret``: its MAC key) and one model and KV layout."""
+        lid = layout_id(model_fingerprint, layout.descriptor, layout.block_bytes)
+        return cls(config, layout, Framer(secret.remote_mac_key, lid, layout.block_bytes), clock=clock)
+
+    def name(self, key: BlockKey) -> bytes:
+        """The Redis key of block ``key``: the prefix and the key's hex (a keyed hash: it reveals no token)."""
+        return self._prefix + key.hex().encode()
+
+    # -- sizes: a shared store has no capacity of ours to report ---------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._framer.value_bytes
+
+    def __len__(self) -> int:
+        with self._seen_lock:
+            return len(self._seen)
+
+    def free_blocks(self) -> int:
+        return 0
+
+    # -- what the last probes saw ------------------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        with self._seen_lock:
+            return key in self._seen
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._seen_lock:
+            return [k in self._seen for k in keys]
+
+    def record(self, key: BlockKey) -> BlockRecord | None:
+        """The authentic header a probe saw for ``key`` (a hint: the value may have expired since)."""
+        with self._seen_lock:
+            return self._seen.get(key)
+
+    def _remember(self, key: BlockKey, record: BlockRecord | None) -> None:
+        with self._seen_lock:
+            if record is None:
+                self._seen.pop(key, None)
+                return
+            self._seen[key] = record
+            self._seen.move_to_end(key)
+            while len(self._seen) > SEEN_MAX:
+                self._seen.popitem(last=False)
+
+    # -- probe (lookup) ----------------------------------------------------------------
+    def probe(self, keys: Sequence[BlockKey]) -> list[BlockRecord | None]:
+        """Read the headers of ``keys`` (one round trip per node): the authentic records, None where absent or bad."""
+        names = [self.name(k) for k in keys]
+        out: list[BlockRecord | None] = [None] * len(keys)
+        for node, at in self._nodes.route(names).items():
+            replies = self._nodes.pipeline(
+                node, lambda p, at=at: [p.getrange(names[i], 0, HEADER_BYTES - 1) for i in at]
+            )
+            for j, i in enumerate(at):
+                reply = None if replies is None else replies[j]
+                out[i] = self._header(keys[i], reply)
+        self.stats.add(probes=len(keys))
+        for key, record in zip(keys, out, strict=True):
+            self._remember(key, record)
+        return out
+
+    def probe_run(self, keys: Sequence[BlockKey]) -> int:
+        """Probe ``keys`` in order, in chunks of 4, 16, 64 ... keys, until one is absent; how many lead.
+
+        A prompt the remote has never seen (the common case) costs one round
+        trip of four small reads, while a long cached prefix still needs only
+        a few round trips.
+        """
+        at, size = 0, PROBE_FIRST
+        while at < len(keys):
+            found = self.probe(keys[at : at + size])
+            lead = next((i for i, r in enumerate(found) if r is None), len(found))
+            at += lead
+            if lead < len(found):
+                break
+            size *= 4
+        return at
+
+    def _header(self, key: BlockKey, reply: object) -> BlockRecord | None:
+        if reply is None or is_error(reply) or not reply:  # absent, failed, or another type under our name
+            return None
+        try:
+            return self._framer.header(key, reply).record  # type: ignore[arg-type]
+        except FrameError as err:
+            self.stats.add(**{err.why.value: 1})
+            return None
+
+    # -- reads -------------------------------------------------------------------------
+    def get(self, key: BlockKey, out: torch.Tensor) -> bool:
+        return self.get_many([key], [out])[0]
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Read, check and copy each block into its ``out``; False (counted) for any that cannot be served.
+
+        A block is served only if a probe saw its authentic header (whose
+        digest the manager confirmed against the request's tokens) and the
+        value read now carries the same digest and a payload that hashes to
+        its header.
+        """
+        expect = [self.record(k) for k in keys]
+        names = [self.name(k) for k in keys]
+        ok = [False] * len(keys)
+        want = [i for i, r in enumerate(expect) if r is not None]
+        for node, at in self._nodes.route([names[i] for i in want]).items():
+            idx = [want[j] for j in at]
+            replies = self._nodes.pipeline(node, lambda p, idx=idx: [p.get(names[i]) for i in idx])
+            if replies is None:
+                continue
+            for i, reply in zip(idx, replies, strict=True):
+                ok[i] = self._serve(keys[i], reply, expect[i], outs[i])
+        hits = [names[i] for i in range(len(keys)) if ok[i]]
+        self.stats.add(bytes_read=len(hits) * self.layout.block_bytes)
+        if hits:
+            self._enqueue(_Touch(hits))
+        return ok
+
+    def _serve(self, key: BlockKey, reply: object, record: BlockRecord | None, out: torch.Tensor) -> bool:
+        """Check ``reply``'s header, copy its payload into ``out``, then check the copy: False if any check fails.
+
+        On False ``out`` may hold the refused bytes: the manager reads into a
+        reserved host slot and aborts it, so they are never served.
+        """
+        if record is None or reply is None or is_error(reply):
+            self._remember(key, None)
+            return False
+        dst = out.numpy()
+        try:
+            header, body = self._framer.open(key, reply, record.digest)  # type: ignore[arg-type]
+            np.copyto(dst, np.frombuffer(body, dtype=np.uint8))
+            self._framer.verify(header, dst)
+        except FrameError as err:
+            self.stats.add(**{err.why.value: 1})
+            self._remember(key, None)
+            return False
+        return True
+
+    def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
+        """One layer of a block: the whole value is read (one key per block), then the layer is copied out."""
+        whole = torch.empty(self.layout.block_bytes, dtype=torch.uint8)
+        if not self.get(key, whole):
+            return False
+        off = self.layout.layer_offset(layer)
+        out.copy_(whole[off : off + self.layout.layer_bytes])
+        return True
+
+    # -- writes (behind the request) -------------------------------------------------------
+    def put(self, key: BlockKey, payload: torch.Tensor, record: BlockRecord) -> bool:
+        return self.put_many([key], [payload], [record])[0]
+
+    def put_many(
+        self, keys: Sequence[BlockKey], payloads: Sequence[torch.Tensor], records: Sequence[BlockRecord]
+    ) -> list[bool]:
+        """Queue copies of the blocks for the writer thread; False (counted as dropped) where the queue is full.
+
+        True means queued, not written: a write that fails later is counted
+        in ``dropped_writes`` too. A block a probe just saw there with the same
+        tokens is not written again (its TTL is refreshed on hit instead).
+        """
+        out = []
+        for key, payload, record in zip(keys, payloads, records, strict=True):
+            seen = self.record(key)
+            if seen is not None and seen.matches(record.digest):
+                out.append(True)
+                continue
+            data = payload.reshape(-1).view(torch.uint8).numpy().tobytes()
+            queued = self._enqueue(_Write(key, record, data))
+            if not queued:
+                self.stats.add(dropped_writes=1)
+            out.append(queued)
+        return out
+
+    def _enqueue(self, item: _Item) -> bool:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            return False
+        return True
+
+    def _write_loop(self) -> None:
+        """The writer thread: up to :data:`WRITE_BATCH` queued items per round trip per node, until closed."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < WRITE_BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._write(batch)
+                    return
+                batch.append(more)
+            self._write(batch)
+
+    def _write(self, batch: list[_Item]) -> None:
+        writes = [w for w in batch if isinstance(w, _Write)]
+        values = [self._framer.encode(w.key, w.record, memoryview(w.payload)) for w in writes]
+        names = [self.name(w.key) for w in writes]
+        touched = [n for t in batch if isinstance(t, _Touch) for n in t.names]
+        ttl = self._ttl_ms
+        for node, at in self._nodes.route(names + touched).items():
+            sets = [i for i in at if i < len(names)]
+            touches = [touched[i - len(names)] for i in at if i >= len(names)]
+
+            def commands(p, sets=sets, touches=touches) -> None:  # type: ignore[no-untyped-def]
+                for i in sets:
+                    p.set(names[i], values[i], px=ttl)
+                for n in touches:
+                    p.pexpire(n, ttl)
+
+            replies = self._nodes.pipeline(node, commands)
+            done = 0 if replies is None else sum(r is True for r in replies[: len(sets)])
+            self.stats.add(writes=done, dropped_writes=len(sets) - done, bytes_written=done * self.layout.block_bytes)
+        for item in batch:
+            if isinstance(item, _Marker):
+                item.done.set()
+
+    def flush(self, timeout_s: float = STOP_WAIT_S) -> bool:
+        """Wait until everything queued so far went out (or failed, counted); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        done = threading.Event()
+        try:
+            self._queue.put(_Marker(done), timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(max(0.0, deadline - time.monotonic()))
+
+    # -- removal -----------------------------------------------------------------------
+    def remove(self, key: BlockKey) -> bool:
+        return self.remove_many([key]) == 1
+
+    def remove_many(self, keys: Sequence[BlockKey]) -> int:
+        names = [self.name(k) for k in keys]
+        for k in keys:
+            self._remember(k, None)
+        removed = 0
+        for node, at in self._nodes.route(names).items():
+            replies = self._nodes.pipeline(node, lambda p, at=at: [p.delete(names[i]) for i in at])
+            removed += 0 if replies is None else sum(r == 1 for r in replies)
+        return removed
+
+    def entries(self) -> Iterator[tuple[BlockKey, BlockRecord]]:
+        """None: a shared store is never enumerated (it holds other nodes' blocks, and may hold millions)."""
+        return iter(())
+
+    def breakers(self) -> dict[str, str]:
+        """Each node's circuit breaker state, by node name."""
+        return self._nodes.breakers()
+
+    def snapshot(self) -> dict[str, object]:
+        snap = self.stats.snapshot()
+        snap["breakers"] = self.breakers()
+        snap["breaker_opens"] = sum(n.breaker.opened for n in self._nodes.all)
+        snap["write_queue"] = self._queue.qsize()
+        return snap
+
+    def close(self) -> None:
+        """Let queued writes drain for a bounded time, stop the writer, close the connections."""
+        try:
+            self._queue.put(None, timeout=STOP_WAIT_S)
+        except queue.Full:
+            log.warning("remote tier: the write queue did not drain in %.0f s; dropping what is left", STOP_WAIT_S)
+            self._drain_queue()
+            self._queue.put_nowait(None)
+        self._writer.join(STOP_WAIT_S)
+        self._nodes.close()
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Write):
+                self.stats.add(dropped_writes=1)
+            elif isinstance(item, _Marker):
+                item.done.set()

@@ -1,0 +1,209 @@
+"""The remote tier's connections: which node holds a key, and calling it without ever waiting long on it.
+
+Standalone, there is one node. In a Redis Cluster every key lives on the
+master that owns its hash slot (CRC16 of the key, mod 16384), so a batch is
+split into one pipeline per node: a dead master costs exactly the blocks
+whose slots it owns, while the others still hit. The slot map comes from
+``CLUSTER SLOTS`` on any reachable node and is read again after a ``MOVED``
+reply (resharding, failover), at most once per :data:`REFRESH_EVERY_S`.
+
+Every node has its own circuit breaker (:class:`~kvtier.tiers.breaker.Breaker`)
+and every socket operation a bounded timeout (``remote.timeout_ms``), with
+redis-py's own retries off: one failed call is one counted miss, never
+several waits in a row. This module is mechanism only; it never decides what
+to read or write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import AskError, MovedError, RedisError, ResponseError
+from redis.retry import Retry
+
+from kvtier.config import RemoteConfig
+from kvtier.stats import RemoteStats
+from kvtier.tiers.breaker import Breaker
+
+log = logging.getLogger("kvtier")
+
+SLOTS = 16384
+REFRESH_EVERY_S = 1.0
+NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+"""What a call to a down, hung or unreachable node raises: a miss, and a strike against its breaker."""
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Node:
+    name: str  # host:port or the socket path: for logs and /stats
+    client: redis.Redis
+    breaker: Breaker
+
+
+class Nodes:
+    """One Redis (standalone) or every master of a cluster, each behind its breaker."""
+
+    def __init__(self, config: RemoteConfig, stats: RemoteStats, clock: Callable[[], float] = time.monotonic) -> None:
+        if not config.cluster and len(config.urls) > 1:
+            raise ValueError("remote.urls lists several servers: set remote.cluster (they are seeds of one cluster)")
+        self._config = config
+        self._stats = stats
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_addr: dict[str, Node] = {}
+        self._slots: list[Node | None] = [None] * SLOTS
+        self._refreshed_at = -REFRESH_EVERY_S
+        self._tls = any(u.startswith("rediss://") for u in config.urls)
+        if config.cluster:
+            self._seeds = [self._node_for(_address(u)) for u in config.urls]
+            self.refresh()
+        else:
+            self._single = self._make(config.urls[0], _address(config.urls[0]))
+
+    # -- connections ----------------------------------------------------------------
+    def _kwargs(self) -> dict[str, Any]:
+        c = self._config
+        timeout = c.timeout_ms / 1000
+        return {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": Retry(NoBackoff(), 0),
+            "retry_on_timeout": False,
+            "health_check_interval": 0,
+            "username": c.username,
+            "password": c.password.get_secret_value() if c.password is not None else None,
+            "client_name": "kvtier",
+        }
+
+    def _make(self, url: str, name: str) -> Node:
+        client = redis.Redis.from_url(url, **self._kwargs())
+        c = self._config
+        breaker = Breaker(name, failures=c.breaker_failures, retry_s=c.breaker_retry_s, clock=self._clock)
+        node = Node(name, client, breaker)
+        self._by_addr[name] = node
+        return node
+
+    def _node_for(self, addr: str) -> Node:
+        node = self._by_addr.get(addr)
+        if node is None:
+            scheme = "rediss" if self._tls else "redis"
+            node = self._make(f"{scheme}://{addr}", addr)
+        return node
+
+    @property
+    def all(self) -> list[Node]:
+        with self._lock:
+            return list(self._by_addr.values())
+
+    # -- routing --------------------------------------------------------------------
+    def route(self, names: Sequence[bytes]) -> dict[Node, list[int]]:
+        """The positions of ``names`` each node holds; names whose slot has no known owner are left out."""
+        if not self._config.cluster:
+            return {self._single: list(range(len(names)))} if names else {}
+        out: dict[Node, list[int]] = {}
+        with self._lock:
+            for i, name in enumerate(names):
+                node = self._slots[key_slot(name)]
+                if node is not None:
+                    out.setdefault(node, []).append(i)
+        return out
+
+    def refresh(self) -> None:
+        """Read the slot map from the first node that answers ``CLUSTER SLOTS`` (at most once a second)."""
+        with self._lock:
+            now = self._clock()
+            if now - self._refreshed_at < REFRESH_EVERY_S:
+                return
+            self._refreshed_at = now
+            candidates = list(dict.fromkeys([*self._seeds, *self._by_addr.values()]))
+        for node in candidates:
+            if not node.breaker.allow():
+                continue
+            try:
+                spans = node.client.execute_command("CLUSTER SLOTS")
+            except (*NETWORK_ERRORS, ResponseError) as err:
+                node.breaker.failure(err)
+                continue
+            node.breaker.success()
+            self._install(spans)
+            return
+        log.warning("remote cluster: no node answered CLUSTER SLOTS; keeping the slot map as it was")
+
+    def _install(self, spans: list[Any]) -> None:
+        slots: list[Node | None] = [None] * SLOTS
+        with self._lock:
+            for span in spans:
+                start, end, master = int(span[0]), int(span[1]), span[2]
+                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+                node = self._node_for(f"{host}:{int(master[1])}")
+                slots[start : end + 1] = [node] * (end - start + 1)
+            self._slots = slots
+
+    # -- calling --------------------------------------------------------------------
+    def call(self, node: Node, fn: Callable[[redis.Redis], T]) -> T | None:
+        """``fn(node's client)``, or None (counted) when the breaker is open or the call failed on the network."""
+        if not node.breaker.allow():
+            self._stats.add(skipped=1)
+            return None
+        try:
+            result = fn(node.client)
+        except NETWORK_ERRORS as err:
+            node.breaker.failure(err)
+            self._stats.add(errors=1, timeouts=int(isinstance(err, redis.TimeoutError)))
+            return None
+        except ResponseError as err:  # NOAUTH, a wrong password, OOM, CLUSTERDOWN: the node answers, but no
+            node.breaker.failure(err)
+            self._stats.add(errors=1)
+            return None
+        node.breaker.success()
+        return result
+
+    def pipeline(self, node: Node, commands: Callable[[redis.client.Pipeline], object]) -> list[Any] | None:
+        """One round trip of ``commands`` to ``node`` (not a transaction); per-command errors come back as values.
+
+        A ``MOVED``/``ASK`` among them means the slot map is stale: it is
+        read again, and those commands count as misses this time.
+        """
+
+        def run(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            commands(pipe)
+            return pipe.execute(raise_on_error=False)
+
+        replies = self.call(node, run)
+        if replies is not None and self._config.cluster and any(isinstance(r, MovedError | AskError) for r in replies):
+            self.refresh()
+        return replies
+
+    def breakers(self) -> dict[str, str]:
+        return {node.name: node.breaker.state.value for node in self.all}
+
+    def close(self) -> None:
+        for node in self.all:
+            with contextlib.suppress(RedisError):
+                node.client.close()
+
+
+def _address(url: str) -> str:
+    parsed = urlparse(url)
+    return parsed.path if parsed.scheme == "unix" else parsed.netloc.rpartition("@")[2]
+
+
+def is_error(reply: object) -> bool:
+    """A per-command error inside a pipeline's replies (``execute(raise_on_error=False)``)."""
+    return isinstance(reply, Exception)
+
+
+__all__ = ["NETWORK_ERRORS", "Node", "Nodes", "is_error"]

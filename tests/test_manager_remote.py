@@ -1,0 +1,149 @@
+"""Two cache managers (two nodes: separate data dirs, one shared secret file) sharing one real redis-server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+
+from kvtier.config import RemoteWriteOn
+from kvtier.index import MissReason
+from kvtier.manager import CacheManager
+from kvtier.tiers.base import TierKind
+from tests.helpers import BLOCK, as_bytes, make_config, payload, prompt, toy_layout
+from tests.remote import remote_section
+
+H, D, R = TierKind.HOST, TierKind.DISK, TierKind.REMOTE
+
+
+def node(
+    tmp: Path, name: str, url: str | list[str], host_blocks: int = 16, disk: bool = False, **remote
+) -> CacheManager:
+    """A node of one deployment: its own data dir, the deployment's secret file, the shared Redis."""
+    cfg = make_config(
+        tmp / name,
+        host={"capacity_bytes": host_blocks * 4096},
+        disk={"enabled": disk, "capacity_bytes": 16 * 4096},
+        cache={"secret_file": str(tmp / "deployment.secret")},
+        remote=remote_section(url, **remote),
+    )
+    return CacheManager(cfg, toy_layout(), model_fingerprint="toy-model")
+
+
+def kv(n: int, seed: int) -> list[torch.Tensor]:
+    return [payload(toy_layout(), seed * 1000 + i) for i in range(n)]
+
+
+def load(m: CacheManager, tokens: np.ndarray, namespace: str | None = None) -> list[torch.Tensor]:
+    with m.load(m.lookup(tokens, namespace)) as handle:
+        return [b.clone() for b in handle.blocks]
+
+
+def test_a_second_node_hits_what_the_first_stored(tmp_path: Path, redis_server) -> None:
+    tokens, blocks = prompt(6 * BLOCK + 1), kv(6, seed=1)
+    with node(tmp_path, "a", redis_server.url) as a, node(tmp_path, "b", redis_server.url) as b:
+        assert a.store_now(tokens, blocks) == 6
+        assert a.remote is not None and a.remote.flush()
+        result = b.lookup(tokens)
+        assert (result.cached_blocks, result.tiers, result.miss_reason) == (6, (R,) * 6, MissReason.NONE)
+        got = load(b, tokens)
+        assert all(torch.equal(g, as_bytes(w)) for g, w in zip(got, blocks, strict=True))
+        assert b.lookup(tokens).tiers == (H,) * 6  # promoted into b's host memory
+        stats = b.stats()["remote"]
+        assert stats["hit_tokens"] == 6 * BLOCK and stats["bytes_read"] == 6 * toy_layout().block_bytes
+
+
+def test_namespaces_never_hit_each_other(tmp_path: Path, redis_server) -> None:
+    tokens = prompt(4 * BLOCK + 1)
+    with node(tmp_path, "a", redis_server.url) as a, node(tmp_path, "b", redis_server.url) as b:
+        a.store_now(tokens, kv(4, seed=2), namespace="tenant-a")
+        assert a.remote is not None and a.remote.flush()
+        assert b.lookup(tokens, "tenant-b").cached_blocks == 0
+        assert load(b, tokens, "tenant-b") == []
+        assert b.lookup(tokens, "tenant-a").cached_blocks == 4
+        assert b.stats()["remote"]["hit_tokens"] == 0  # the lookups above loaded nothing
+
+
+def test_another_deployment_secret_is_a_counted_miss(tmp_path: Path, redis_server) -> None:
+    """Same Redis, same prefix, same tokens, another deployment: its keys differ, and a copied value is refused."""
+    tokens = prompt(3 * BLOCK + 1)
+    with node(tmp_path / "one", "a", redis_server.url) as a, node(tmp_path / "two", "b", redis_server.url) as b:
+        a.store_now(tokens, kv(3, seed=3))
+        assert a.remote is not None and a.remote.flush()
+        assert b.lookup(tokens).cached_blocks == 0
+        client = redis.Redis(port=redis_server.port)
+        for ka, kb in zip(a.keys(tokens), b.keys(tokens), strict=True):  # a hostile copy under b's names
+            client.set(b.remote.name(kb), client.get(a.remote.name(ka)))  # type: ignore[union-attr]
+        client.close()
+        assert b.lookup(tokens).cached_blocks == 0
+        assert b.stats()["remote"]["bad_mac"] == 3  # every copied value refused at its header
+
+
+def test_foreign_tokens_under_a_key_are_a_confirm_mismatch(tmp_path: Path, redis_server) -> None:
+    tokens, other = prompt(2 * BLOCK + 1, seed=1), prompt(2 * BLOCK + 1, seed=2)
+    with node(tmp_path, "a", redis_server.url) as a, node(tmp_path, "b", redis_server.url) as b:
+        a.store_now(other, kv(2, seed=4))
+        assert a.remote is not None and a.remote.flush()
+        client = redis.Redis(port=redis_server.port)
+        k_other, k_tokens = a.keys(other)[0], a.keys(tokens)[0]
+        client.set(a.remote.name(k_tokens), client.get(a.remote.name(k_other)))  # authentic, but another key
+        client.close()
+        result = b.lookup(tokens)
+        assert (result.cached_blocks, result.miss_reason) == (0, MissReason.ABSENT)
+        assert b.stats()["remote"]["wrong_key"] == 1
+
+
+def test_write_on_host_eviction_sends_only_victims(tmp_path: Path, redis_server) -> None:
+    tokens, blocks = prompt(6 * BLOCK + 1), kv(6, seed=5)
+    url = redis_server.url
+    with (
+        node(tmp_path, "a", url, host_blocks=4, write_on=RemoteWriteOn.HOST_EVICTION) as a,
+        node(tmp_path, "b", url) as b,
+    ):
+        a.store_now(tokens, blocks)
+        assert a.remote is not None and a.remote.flush()
+        written = a.stats()["remote"]["writes"]
+        assert 0 < written < 6  # the blocks host memory had to let go, not all of them
+        assert b.lookup(tokens).cached_blocks == 0 or b.lookup(tokens).tiers[0] is R
+
+
+def test_redis_down_is_a_miss_and_the_breaker_opens(tmp_path: Path, redis_server) -> None:
+    tokens = prompt(3 * BLOCK + 1)
+    with node(tmp_path, "a", redis_server.url, breaker_failures=2, breaker_retry_s=600) as a:
+        a.store_now(tokens, kv(3, seed=6))
+        assert a.remote is not None and a.remote.flush()
+        redis_server.kill()
+        other = prompt(3 * BLOCK + 1, seed=9)
+        for _ in range(3):
+            assert a.lookup(other).cached_blocks == 0
+        assert a.lookup(tokens).tiers == (H,) * 3  # local hits are untouched
+        stats = a.stats()["remote"]
+        assert stats["breaker_opens"] == 1 and stats["skipped"] >= 1
+        assert list(stats["breakers"].values()) == ["open"]
+
+
+def test_cluster_dead_master_loses_only_its_blocks(tmp_path: Path, redis_cluster) -> None:
+    """Independent one-block prompts spread over three masters; one master dies: its blocks miss, the rest hit."""
+    prompts = [prompt(BLOCK + 1, seed=100 + i) for i in range(24)]
+    with node(tmp_path, "a", redis_cluster.urls, cluster=True) as a:
+        for i, p in enumerate(prompts):
+            a.store_now(p, kv(1, seed=200 + i))
+        assert a.remote is not None and a.remote.flush()
+        assert a.stats()["remote"]["writes"] == 24
+        names = [a.remote.name(a.keys(p)[0]) for p in prompts]
+    victim = redis_cluster.node_of(names[0])
+    on_victim = [redis_cluster.node_of(n) is victim for n in names]
+    assert 0 < sum(on_victim) < 24
+    victim.kill()
+    try:
+        with node(tmp_path, "b", redis_cluster.urls, cluster=True, breaker_failures=1, breaker_retry_s=600) as b:
+            hits = [b.lookup(p).cached_blocks for p in prompts]
+            assert hits == [0 if dead else 1 for dead in on_victim]
+            got = [load(b, p) for p, dead in zip(prompts, on_victim, strict=True) if not dead]
+            assert all(len(g) == 1 for g in got)
+            assert b.stats()["remote"]["breakers"][f"127.0.0.1:{victim.port}"] == "open"
+    finally:
+        victim.restart()
+        redis_cluster.wait_ok()
