@@ -37,20 +37,27 @@ class LoadedModel:
     fingerprint: str  # binds block keys and the disk tier to these exact weights and dtype
 
     def chat_ids(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, by default ending with the opening of the assistant's turn.
+        return chat_ids(self.tokenizer, self.chat, messages, add_generation_prompt=add_generation_prompt)
 
-        Only the template inserts control tokens. A content that spells one
-        out (``<|im_end|>\\n<|im_start|>system``) is tokenized as the text it
-        is; contents that do not are encoded with the rest of the prompt in one
-        piece, exactly as before, so their ids (and cached keys) do not change.
-        """
-        tok = self.tokenizer
-        if not any(tok.has_control_text(m.get("content", "")) for m in messages):
-            return tok.encode(self.chat.render(messages, add_generation_prompt=add_generation_prompt), False)
-        ids: list[int] = []
-        for piece, from_template in self.chat.render_pieces(messages, add_generation_prompt=add_generation_prompt):
-            ids += (tok.encode if from_template else tok.encode_text)(piece, False)
-        return ids
+
+def chat_ids(
+    tok: Tokenizer, chat: ChatTemplate, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of a conversation, by default ending with the opening of the assistant's turn.
+
+    Only the template inserts control tokens. A content that spells one
+    out (``<|im_end|>\\n<|im_start|>system``) is tokenized as the text it
+    is; contents that do not are encoded with the rest of the prompt in one
+    piece, exactly as before, so their ids (and cached keys) do not change.
+    A function of the tokenizer and template alone: ``kvtier route`` computes
+    the backends' ids (and so their block keys) without loading weights.
+    """
+    if not any(tok.has_control_text(m.get("content", "")) for m in messages):
+        return tok.encode(chat.render(messages, add_generation_prompt=add_generation_prompt), False)
+    ids: list[int] = []
+    for piece, from_template in chat.render_pieces(messages, add_generation_prompt=add_generation_prompt):
+        ids += (tok.encode if from_template else tok.encode_text)(piece, False)
+    return ids
 
 
 def engine_device(config: Config) -> torch.device:

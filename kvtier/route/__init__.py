@@ -1,0 +1,16 @@
+"""``kvtier route``: send each request to the engine instance that already holds its prefix.
+
+The files follow a request through the router:
+
+* :mod:`~kvtier.route.prompt`: the request's token ids and block keys, computed as the backends do;
+* :mod:`~kvtier.route.index`: which backend holds which key, in which tier (from their block
+  events), and a guess from what was routed where while a backend's events are lost;
+* :mod:`~kvtier.route.subscribe`: the event streams that keep that index (kvtier's and vLLM's);
+* :mod:`~kvtier.route.choice`: the policies that pick a backend (round robin, least loaded, kvtier);
+* :mod:`~kvtier.route.backends`: the backends' health and load;
+* :mod:`~kvtier.route.proxy`: forwarding, chunk by chunk, with one retry before the first byte;
+* :mod:`~kvtier.route.app`: the OpenAI-compatible front, ``/stats`` and ``/metrics``.
+
+The router decides from events and load; it never holds a request's bytes
+longer than the stream, and never touches KV.
+"""

@@ -1,0 +1,191 @@
+"""The router's HTTP surface: the two OpenAI inference routes, forwarded; ``/health``, ``/stats``, ``/metrics``.
+
+Each inference request is read (tokens, block keys, session) on a worker
+thread, ranked by the policy on the event loop, and forwarded
+(:mod:`kvtier.route.proxy`). Everything else the router knows lives in one
+:class:`RouterState`, touched only on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2 as httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.config import Config
+from kvtier.route.backends import Backend, Fleet, health_loop
+from kvtier.route.choice import make_policy
+from kvtier.route.index import RoutedPrefixes
+from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts
+from kvtier.route.proxy import Counts, forward, unavailable
+from kvtier.route.subscribe import follow
+from kvtier.server.main import listen_sockets
+
+
+@dataclass
+class RouterState:
+    config: Config
+    prompts: Prompts
+    fleet: Fleet
+    counts: Counts
+    client: httpx.AsyncClient | None = None
+
+
+def build_state(config: Config, backends: list[str]) -> RouterState:
+    prompts = Prompts(config)
+    fleet = Fleet(
+        {url: Backend(url) for url in backends},
+        make_policy(config.route, prompts.block_size),
+        guesses=RoutedPrefixes(config.route.approx_blocks),
+    )
+    return RouterState(config, prompts, fleet, Counts())
+
+
+def _body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None  # forwarded as is: the backend answers it with its own 4xx
+
+
+async def _infer(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
+    raw = await request.body()
+    headers = request.headers
+    prompt = await asyncio.to_thread(
+        state.prompts.read, endpoint, _body(raw), headers.get("authorization"), headers.get(SESSION_HEADER)
+    )
+    ranking = state.fleet.rank(prompt)
+    if ranking is None:
+        state.counts.requests += 1
+        state.counts.failed += 1
+        return unavailable("no backend is up")
+    assert state.client is not None
+    retries = state.config.route.retries
+    return await forward(
+        state.fleet, state.client, ranking, prompt, (endpoint.value, raw, headers), retries, state.counts
+    )
+
+
+def stats(state: RouterState) -> dict[str, Any]:
+    fleet = state.fleet
+    return {
+        "policy": state.config.route.policy.value,
+        "requests": state.counts.requests,
+        "retried": state.counts.retried,
+        "failed": state.counts.failed,
+        "reasons": dict(fleet.reasons),
+        "backends": [
+            {
+                "url": b.url,
+                "up": b.up,
+                "events_live": b.events_live,
+                "load": b.load,
+                "open_requests": b.open_requests,
+                "requests": b.requests,
+                "failures": b.failures,
+                "indexed_blocks": fleet.index.blocks(b.url),
+                "indexed_by_tier": fleet.index.counts(b.url),
+            }
+            for b in fleet.backends.values()
+        ],
+    }
+
+
+class RouterCollector(Collector):
+    def __init__(self, state: RouterState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        s = stats(self._state)
+        yield CounterMetricFamily("kvtier_route_requests", "Requests received.", s["requests"])
+        yield CounterMetricFamily("kvtier_route_retried", "Attempts moved to another backend.", s["retried"])
+        yield CounterMetricFamily("kvtier_route_failed", "Requests no backend answered.", s["failed"])
+        per = {
+            "kvtier_route_backend_up": ("1 while the backend answers its health checks.", "up"),
+            "kvtier_route_backend_events_live": ("1 while its block events keep the index.", "events_live"),
+            "kvtier_route_backend_load": ("Requests running or queued there.", "load"),
+            "kvtier_route_backend_indexed_blocks": ("Block keys the index holds for it.", "indexed_blocks"),
+        }
+        for name, (doc, field) in per.items():
+            g = GaugeMetricFamily(name, doc, labels=["backend"])
+            for b in s["backends"]:
+                g.add_metric([b["url"]], float(b[field]))
+            yield g
+        c = CounterMetricFamily("kvtier_route_backend_requests", "Requests sent to the backend.", labels=["backend"])
+        for b in s["backends"]:
+            c.add_metric([b["url"]], b["requests"])
+        yield c
+
+
+def create_app(state: RouterState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), limits=limits) as client:
+            state.client = client
+            token = state.config.route.backend_token
+            secret = token.get_secret_value() if token is not None else None
+            tasks = [asyncio.create_task(health_loop(state.fleet, client, state.config.route.health_interval_s))]
+            tasks += [
+                asyncio.create_task(follow(state.fleet, b, state.prompts, client, secret))
+                for b in state.fleet.backends.values()
+            ]
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    app = FastAPI(title="kvtier route", version="0.1.0", lifespan=lifespan, description=__doc__)
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(state))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _infer(state, request, Endpoint.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _infer(state, request, Endpoint.COMPLETIONS)
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = len(state.fleet.up())
+        return JSONResponse({"status": "ok" if up else "no_backend", "backends_up": up}, status_code=200 if up else 503)
+
+    @app.get("/stats")
+    async def get_stats() -> dict[str, Any]:
+        return stats(state)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(config: Config, backends: list[str]) -> int:
+    """``kvtier route``: bind first (a taken port is a one-line error), then read the model's tokenizer, then serve."""
+    route = config.route
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(s) for s in listen_sockets(route.host, route.port)]
+        state = build_state(config, backends)
+        uv = uvicorn.Config(create_app(state), host=route.host, port=route.port, log_level="info", server_header=False)
+        server = uvicorn.Server(uv)
+        for sock in sockets:
+            host, port = sock.getsockname()[:2]
+            print(f"kvtier route on http://{host}:{port} over {len(backends)} backends ({route.policy})", flush=True)
+        server.run(sockets=sockets)
+    return 0 if server.started else 1

@@ -1,0 +1,116 @@
+"""The backends: which are up, how loaded each is, and what each is known (or believed) to hold.
+
+A backend is up while its ``/health`` answers 200. One that stops answering,
+or refuses a connection, is taken out at once: requests go elsewhere, its
+index entries and sessions are dropped (it may come back empty), and the
+health loop lets it back in when it answers again.
+
+Load is the requests this router has open there, known at once, plus those
+others sent: the backend's own ``engine.in_flight`` at its last ``/stats``
+less what this router had open there then. Only that difference is taken
+from the poll, since a poll is up to a health interval old and this
+router's own count never is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx2 as httpx
+
+from kvtier.route.choice import Ask, CacheAware, Candidate, Policy, Ranking
+from kvtier.route.index import BlockIndex, RoutedPrefixes
+from kvtier.route.prompt import RoutedPrompt
+
+log = logging.getLogger("kvtier.route")
+
+
+@dataclass
+class Backend:
+    url: str
+    up: bool = False
+    events_live: bool = False  # its event stream is open and agrees on keys: the index is exact for it
+    open_requests: int = 0  # sent by this router and not finished
+    others: int = 0  # requests other clients had running there at the last /stats
+    requests: int = 0
+    failures: int = 0
+    epoch: int = 0  # bumped when taken out: an event stream opened before then is stale
+
+    @property
+    def load(self) -> int:
+        return self.open_requests + self.others
+
+
+@dataclass
+class Fleet:
+    """Every backend, the index of their blocks, and the policy that ranks them; one per router."""
+
+    backends: dict[str, Backend]
+    policy: Policy
+    index: BlockIndex = field(default_factory=BlockIndex)
+    guesses: RoutedPrefixes = field(default_factory=lambda: RoutedPrefixes(65536))
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def up(self) -> list[Backend]:
+        return [b for b in self.backends.values() if b.up]
+
+    def candidate(self, backend: Backend, prompt: RoutedPrompt) -> Candidate:
+        if backend.events_live:
+            cached: tuple = tuple(self.index.match(backend.url, prompt.keys))
+        else:
+            cached = (None,) * self.guesses.match(backend.url, prompt.keys)
+        return Candidate(backend.url, backend.load, cached)
+
+    def rank(self, prompt: RoutedPrompt) -> Ranking | None:
+        """Live backends, preferred first; None when none is up."""
+        live = self.up()
+        if not live:
+            return None
+        ranking = self.policy.rank(Ask(prompt.tokens, prompt.session), [self.candidate(b, prompt) for b in live])
+        self.reasons[ranking.reason] += 1
+        return ranking
+
+    def routed(self, backend: Backend, prompt: RoutedPrompt) -> None:
+        self.guesses.routed(backend.url, prompt.keys)
+
+    def take_out(self, backend: Backend, why: str) -> None:
+        if backend.up:
+            log.warning("backend %s is out: %s", backend.url, why)
+        backend.up = False
+        backend.events_live = False
+        backend.epoch += 1
+        backend.others = 0
+        self.index.drop(backend.url)
+        self.guesses.drop(backend.url)
+        if isinstance(self.policy, CacheAware):
+            self.policy.forget(backend.url)
+
+    def bring_in(self, backend: Backend) -> None:
+        if not backend.up:
+            log.info("backend %s is up", backend.url)
+        backend.up = True
+
+
+async def check(fleet: Fleet, backend: Backend, client: httpx.AsyncClient) -> None:
+    """One health check: ``/health``, then its load from ``/stats``."""
+    try:
+        health = await client.get(backend.url + "/health")
+        if health.status_code != 200:
+            fleet.take_out(backend, f"/health answered {health.status_code}")
+            return
+        fleet.bring_in(backend)
+        open_now = backend.open_requests
+        stats = await client.get(backend.url + "/stats")
+        in_flight = int(stats.json().get("engine", {}).get("in_flight", 0))
+        backend.others = max(0, in_flight - max(open_now, backend.open_requests))
+    except (httpx.HTTPError, ValueError, TypeError) as err:
+        fleet.take_out(backend, f"/health: {type(err).__name__}: {err}")
+
+
+async def health_loop(fleet: Fleet, client: httpx.AsyncClient, interval_s: float) -> None:
+    while True:
+        await asyncio.gather(*(check(fleet, b, client) for b in fleet.backends.values()))
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,95 @@
+"""Keeping the index: one subscription per backend to its block event stream (``GET /v1/kv-events``).
+
+Every subscription opens with the backend's hello and a snapshot of all it
+holds, so losing a stream costs nothing but the time to subscribe again:
+while it is down, the backend's index entries are dropped (they may be
+stale) and the router falls back on what it routed there itself
+(:class:`~kvtier.route.index.RoutedPrefixes`); the new snapshot replaces
+both. A stream that says nothing, not even its ping, for a while is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx2 as httpx
+import msgspec
+
+from kvtier.events import DECODER, Cleared, Hello, Removed, Snapshot, Stored
+from kvtier.keys import BlockKey
+from kvtier.route.backends import Backend, Fleet
+from kvtier.route.prompt import Prompts
+from kvtier.server.kv_events import PING_S
+
+log = logging.getLogger("kvtier.route")
+
+SILENT_S = 4 * PING_S  # no line for this long: the stream is lost
+RETRY_S = 0.5
+
+
+def _keys(hexes: list[str]) -> list[BlockKey]:
+    return [BlockKey(bytes.fromhex(h)) for h in hexes]
+
+
+class KeyMismatch(Exception):
+    """The backend keys blocks differently (another secret, model, dtype or block size)."""
+
+
+def apply(fleet: Fleet, backend: Backend, prompts: Prompts, line: bytes) -> None:
+    """One line of a backend's stream into the index."""
+    event = DECODER.decode(line)
+    url = backend.url
+    if isinstance(event, Hello):
+        if not prompts.agrees(event.root, event.block_size):
+            raise KeyMismatch(f"{url} keys blocks differently (check the secret file, model, dtype and block size)")
+    elif isinstance(event, Snapshot):
+        fleet.index.replace(url, {tier: _keys(keys) for tier, keys in event.tiers.items()})
+        backend.events_live = True
+    elif isinstance(event, Stored):
+        fleet.index.stored(url, event.tier, _keys(event.keys))
+    elif isinstance(event, Removed):
+        fleet.index.removed(url, event.tier, _keys(event.keys))
+    elif isinstance(event, Cleared):
+        fleet.index.cleared(url, event.tier)
+
+
+async def _read(fleet: Fleet, backend: Backend, prompts: Prompts, client: httpx.AsyncClient, token: str | None) -> None:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    epoch = backend.epoch
+    async with client.stream("GET", backend.url + "/v1/kv-events", headers=headers, timeout=SILENT_S) as response:
+        if response.status_code != 200:
+            raise httpx.HTTPStatusError(f"{response.status_code}", request=response.request, response=response)
+        async for line in response.aiter_lines():
+            if backend.epoch != epoch:
+                return  # taken out meanwhile, its index dropped: start again from a snapshot
+            if line:
+                apply(fleet, backend, prompts, line.encode())
+
+
+def lost(fleet: Fleet, backend: Backend) -> None:
+    """The index of ``backend`` may be stale now: drop it; routing falls back on the routed guesses."""
+    backend.events_live = False
+    fleet.index.drop(backend.url)
+
+
+async def follow(
+    fleet: Fleet, backend: Backend, prompts: Prompts, client: httpx.AsyncClient, token: str | None
+) -> None:
+    """Subscribe to ``backend``'s events for as long as the router runs, again after every loss."""
+    warned = False
+    while True:
+        try:
+            await _read(fleet, backend, prompts, client, token)
+        except KeyMismatch as err:
+            lost(fleet, backend)
+            if not warned:
+                log.error("%s; routing to it by load only", err)
+                warned = True
+            await asyncio.sleep(30 * RETRY_S)
+            continue
+        except (httpx.HTTPError, msgspec.DecodeError, ValueError) as err:
+            if backend.events_live:
+                log.warning("lost the block events of %s (%s); resubscribing", backend.url, type(err).__name__)
+        lost(fleet, backend)
+        await asyncio.sleep(RETRY_S)

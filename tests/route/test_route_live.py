@@ -1,0 +1,162 @@
+"""``kvtier route`` over two real ``kvtier serve`` backends: turns find their prefix, streams pass through
+unchanged, the index follows evictions, and a backend killed mid-run loses no request."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import requests
+
+from tests.route.live import Fleet, Proc, fleet
+from tests.server.live import ADMIN, BLOCK_BYTES
+
+pytestmark = pytest.mark.slow  # starts three processes, two of them load the model
+
+BACKEND = "X-Kvtier-Backend"
+SYSTEM = "You are a terse assistant. Answer in one short sentence. "
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    # A host tier of 12 blocks: a few conversations overflow it, so blocks are evicted (demoted to disk).
+    sizes = {"host": {"capacity_bytes": 12 * BLOCK_BYTES}}
+    with fleet(tmp_path_factory.mktemp("route"), 2, sizes=sizes) as f:
+        yield f
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": f"Conversation {i}. {SYSTEM * 3}"},  # no two share a block
+        {"role": "user", "content": f"Name {i + 2} colours of the rainbow."},
+    ]
+
+
+def chat(proc: Proc, messages: list[dict[str, str]], **kw: Any) -> requests.Response:
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, **kw}
+    response = proc.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_second_turn_lands_on_the_backend_holding_its_prefix(two: Fleet) -> None:
+    first: dict[int, str] = {}
+    turns = {i: conversation(i) for i in range(4)}
+    for i, messages in turns.items():
+        answer = chat(two.router, messages)
+        first[i] = answer.headers[BACKEND]
+        messages += [
+            {"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And one more?"},
+        ]
+    assert len(set(first.values())) == 2  # new prompts spread over both backends
+    for backend in two.backends:  # the first turns' stored events reached the router
+        _agree(two, backend)
+    for i, messages in turns.items():
+        answer = chat(two.router, messages)
+        assert answer.headers[BACKEND] == first[i]
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    stats = two.stats()
+    assert stats["reasons"]["cheapest"] == 8 and stats["failed"] == 0
+
+
+def test_session_sticks_to_its_backend(two: Fleet) -> None:
+    seen = set()
+    for i in range(3):
+        messages = [{"role": "user", "content": f"Unrelated question number {i}: what is {i} plus {i}?"}]
+        seen.add(chat(two.router, messages, user="agent-7").headers[BACKEND])
+    assert len(seen) == 1
+    (sticky,) = seen
+    header = requests.post(
+        two.router.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Another one."}], "max_tokens": 2},
+        headers={"X-Session-ID": "agent-7"},
+        timeout=120,
+    )
+    assert header.headers[BACKEND] == sticky
+
+
+def sse_events(response: requests.Response) -> list[dict[str, Any]]:
+    lines = [line for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+def _without_ids(event: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k not in ("id", "created")}
+
+
+def test_stream_passes_through_unchanged(two: Fleet) -> None:
+    messages = conversation(9)
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
+    routed = two.router.post("/v1/chat/completions", json=body)
+    backend = next(b for b in two.backends if b.url == routed.headers[BACKEND])
+    direct = backend.post("/v1/chat/completions", json=body)
+    assert routed.headers["content-type"].startswith("text/event-stream")
+    via_router, straight = sse_events(routed), sse_events(direct)
+    assert len(via_router) > 2
+    assert [_without_ids(e) for e in via_router] == [_without_ids(e) for e in straight]
+
+
+def _backend_counts(backend: Proc) -> dict[str, int]:
+    """Keys per tier from a fresh subscription's snapshot: what the backend holds now."""
+    with requests.get(
+        backend.url + "/v1/kv-events", headers={"Authorization": f"Bearer {ADMIN}"}, stream=True, timeout=30
+    ) as response:
+        lines = response.iter_lines()
+        next(lines)  # hello
+        snapshot = json.loads(next(lines))
+    return {tier: len(keys) for tier, keys in snapshot["tiers"].items() if keys}
+
+
+def _router_counts(two: Fleet, backend: Proc) -> dict[str, int]:
+    return next(b["indexed_by_tier"] for b in two.stats()["backends"] if b["url"] == backend.url)
+
+
+def _agree(two: Fleet, backend: Proc, timeout_s: float = 10) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        want, got = _backend_counts(backend), _router_counts(two, backend)
+        if want == got or time.monotonic() > deadline:
+            assert got == want
+            return got
+        time.sleep(0.1)
+
+
+def test_events_keep_the_index_right_through_evictions_and_clears(two: Fleet) -> None:
+    for i in range(10, 16):  # more than the 12-block host tiers hold: host evicts, demoting to disk
+        chat(two.router, conversation(i))
+    for backend in two.backends:
+        counts = _agree(two, backend)
+        assert counts.get("disk", 0) > 0 and counts.get("host", 0) <= 12
+    backend = two.backends[0]
+    cleared = backend.post("/admin/clear", json={"tier": "host"}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert cleared.status_code == 200
+    assert "host" not in _agree(two, backend)
+
+
+def test_backend_killed_mid_run_loses_no_request(two: Fleet) -> None:
+    """Last in this module: it kills one of the module's backends."""
+    victim = two.backends[1]
+
+    def ask(i: int) -> int:
+        response = two.router.post(
+            "/v1/chat/completions", json={"messages": conversation(100 + i), "max_tokens": 6, "temperature": 0}
+        )
+        return response.status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, i) for i in range(12)]
+        time.sleep(1.0)
+        victim.process.send_signal(signal.SIGKILL)
+        codes = [f.result() for f in futures]
+    assert codes == [200] * 12
+    stats = two.stats()
+    assert stats["failed"] == 0
+    assert not next(b for b in stats["backends"] if b["url"] == victim.url)["up"]
+    assert chat(two.router, conversation(200)).headers[BACKEND] == two.backends[0].url
