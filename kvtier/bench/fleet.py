@@ -1,0 +1,164 @@
+"""Several ``kvtier serve`` backends and a ``kvtier route`` in front, as subprocesses on free loopback ports.
+
+Each backend gets its own data directory; every process gets the same key
+secret (written into each data directory before it starts), as a deployment
+shares one. Processes stop by PID: SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from kvtier.keys import SECRET_BYTES, SECRET_FILE
+
+READY_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return requests.get(self.url + path, timeout=120, **kw)
+
+    def post(self, path: str, **kw: Any) -> requests.Response:
+        return requests.post(self.url + path, timeout=120, **kw)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def data_dir(where: Path, secret: bytes) -> Path:
+    data = where / "data"
+    data.mkdir(parents=True, mode=0o700, exist_ok=True)
+    fd = os.open(data / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secret)
+    finally:
+        os.close(fd)
+    return data
+
+
+def start(where: Path, tree: dict[str, Any], args: list[str], env: dict[str, str] | None = None) -> Proc:
+    """``kvtier --config <tree> <args> --port <free>`` in ``where``, its output in ``where/process.log``."""
+    where.mkdir(parents=True, exist_ok=True)
+    config = where / "kvtier.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    port = free_port()
+    log = where / "process.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "--config", str(config), *args, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    return Proc(f"http://127.0.0.1:{port}", process, log)
+
+
+def wait_until(proc: Proc, ready: Callable[[Proc], bool], timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Poll ``ready`` until true; a process that exits meanwhile is an error carrying its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.process.poll() is not None:
+            raise RuntimeError(f"{proc.url} exited with {proc.process.returncode}:\n{proc.log.read_text()[-4000:]}")
+        try:
+            if ready(proc):
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)  # a process loading its model: there is nothing to wait on but its port
+    raise RuntimeError(f"{proc.url} not ready after {timeout_s}s:\n{proc.log.read_text()[-4000:]}")
+
+
+def healthy(proc: Proc) -> bool:
+    return proc.get("/health").status_code == 200
+
+
+def all_live(n: int) -> Callable[[Proc], bool]:
+    """A router is ready once ``n`` backends are up and their block events keep its index."""
+
+    def ready(router: Proc) -> bool:
+        backends = router.get("/stats").json()["backends"]
+        return sum(b["up"] and b["events_live"] for b in backends) == n
+
+    return ready
+
+
+@dataclass
+class Backends:
+    procs: list[Proc]
+    secret: bytes
+    admin: str
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.procs]
+
+    def clear(self) -> None:
+        """Every tier of every backend emptied: each policy starts from cold caches."""
+        for proc in self.procs:
+            if proc.process.poll() is None:
+                proc.post("/admin/clear", headers={"Authorization": f"Bearer {self.admin}"}).raise_for_status()
+
+
+@contextmanager
+def backends(
+    tmp: Path, n: int, tiers: dict[str, Any], admin: str, env: dict[str, str] | None = None
+) -> Iterator[Backends]:
+    """``n`` backends with the config sections ``tiers``, started together (their model loads overlap)."""
+    secret = secrets.token_bytes(SECRET_BYTES)
+    with ExitStack() as stack:
+        procs = []
+        for i in range(n):
+            where = tmp / f"backend{i}"
+            tree = {"data_dir": str(data_dir(where, secret)), **tiers, "server": {"admin_token": admin}}
+            procs.append(start(where, tree, ["serve"], env))
+            stack.callback(procs[-1].stop)
+        for proc in procs:
+            wait_until(proc, healthy)
+        yield Backends(procs, secret, admin)
+
+
+@contextmanager
+def router(tmp: Path, fleet: Backends, engine: dict[str, Any], route: dict[str, Any]) -> Iterator[Proc]:
+    """A ``kvtier route`` over ``fleet`` with the ``route`` section, ready once every backend's events are live."""
+    tree = {
+        "data_dir": str(data_dir(tmp, fleet.secret)),
+        "engine": engine,
+        "route": {"backend_token": fleet.admin, **route},
+    }
+    args = ["route", *(a for url in fleet.urls for a in ("--backend", url))]
+    proc = start(tmp, tree, args)
+    try:
+        wait_until(proc, all_live(len(fleet.urls)))
+        yield proc
+    finally:
+        proc.stop()

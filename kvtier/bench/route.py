@@ -1,0 +1,320 @@
+"""`kvtier bench route`: one request stream of interleaved agent sessions through ``kvtier route``, per policy.
+
+Three ``kvtier serve`` backends, a dozen agent sessions (the demo's
+transcript, each session starting at another turn and tagged with its own
+name, so no two share a block), replayed turn by turn: every turn resends
+the whole transcript so far. A few clients send the stream's requests in
+order, a session's turn never before its previous one ended. The same
+stream goes through a router with each policy in turn (``round_robin``,
+``least_loaded``, ``kvtier``), every backend's tiers emptied in between.
+
+Measured at the client: time to first token (request sent → first
+server-sent event), and the backends' own ``cached_tokens`` over prompt
+tokens (the hit rate). The ideal hit rate is every turn served where its
+previous turn was: the full blocks each prompt shares with that turn.
+
+Then the faults and the guard, with the ``kvtier`` policy:
+
+* ``killed``: the stream again, with one backend killed (SIGKILL) a third
+  of the way in: how many requests failed (the target is none);
+* ``skewed``: one hot session (a long shared prefix, many requests at
+  once, as sub-agents of one agent) interleaved with the others, with the
+  balance guard and without it (``route.max_imbalance`` huge): the share
+  of the busiest backend and the TTFTs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+from kvtier.bench import fleet as processes
+from kvtier.bench.results import write
+from kvtier.demo.session import load_session, user_message
+from kvtier.engine.runtime import chat_ids
+from kvtier.model import default_gguf_path, load_chat_template, load_tokenizer, read_gguf_metadata
+from kvtier.route.proxy import BACKEND_HEADER
+
+ADMIN = "bench-route-admin-token-0123456789"
+POLICIES = ("round_robin", "least_loaded", "kvtier")
+BLOCK = 16
+NO_GUARD = 1_000_000
+REPLY = "Noted; reading on."  # every assistant turn: the stream is the same whichever backend answered
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    backends: int = 3
+    sessions: int = 12
+    turns: int = 4
+    tool_chars: int = 600  # each tool result cut to this: short turns keep the bench to minutes on 2 cores
+    max_tokens: int = 2
+    clients: int = 3  # requests in flight at once
+    hot_requests: int = 12
+    threads: int = 1  # OMP_NUM_THREADS of each backend: three backends share the machine's cores
+    tiers: dict[str, Any] = field(
+        default_factory=lambda: {"engine": {"pool_bytes": "256MiB"}, "host": {"capacity_bytes": "512MiB"}}
+    )
+
+
+@dataclass(frozen=True)
+class Request:
+    session: str
+    turn: int
+    messages: list[dict[str, str]]
+
+
+def session_turns(spec: RouteSpec, s: int) -> list[Request]:
+    """Session ``s``: the demo's turns from turn ``s`` on (wrapping), its own name first in the system prompt."""
+    demo = load_session()
+    turns = demo["turns"]
+    messages = [{"role": "system", "content": f"[agent session {s}] {demo['system']}"}]
+    out = []
+    for k in range(spec.turns):
+        turn = turns[(s + k) % len(turns)]
+        tool = {**turn["tool"], "content": turn["tool"]["content"][: spec.tool_chars]}
+        messages = [*messages, {"role": "user", "content": user_message({**turn, "tool": tool})}]
+        out.append(Request(f"session-{s}", k, messages))
+        messages = [*messages, {"role": "assistant", "content": REPLY}]
+    return out
+
+
+def interleaved(spec: RouteSpec) -> list[Request]:
+    """Turn by turn across sessions: every session's turn 1, then every session's turn 2, ..."""
+    sessions = [session_turns(spec, s) for s in range(spec.sessions)]
+    return [sessions[s][k] for k in range(spec.turns) for s in range(spec.sessions)]
+
+
+def skewed(spec: RouteSpec) -> list[Request]:
+    """The interleaved stream with a hot session's requests between: one long prefix, each its own question."""
+    hot_prefix = session_turns(spec, spec.sessions)[-1].messages
+    hot = [
+        Request(f"hot-{i}", 0, [*hot_prefix[:-1], {**hot_prefix[-1], "content": hot_prefix[-1]["content"] + f" ({i})"}])
+        for i in range(spec.hot_requests)
+    ]
+    base = interleaved(spec)[: spec.sessions * 2]
+    out: list[Request] = []
+    for i, request in enumerate(base):
+        out.append(request)
+        if i % 2 == 0 and hot:
+            out.append(hot.pop())
+    return out + hot
+
+
+def ideal_hit_rate(stream: list[Request]) -> float:
+    """Cached over prompt tokens if every turn ran where its previous turn did: the full blocks the two share."""
+    meta = read_gguf_metadata(default_gguf_path())
+    tok, chat = load_tokenizer(meta), load_chat_template(meta)
+    previous: dict[str, list[int]] = {}
+    cached = total = 0
+    for request in stream:
+        ids = chat_ids(tok, chat, request.messages)
+        before = previous.get(request.session, [])
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(ids, before, strict=False)) if a != b), min(len(ids), len(before))
+        )
+        cached += shared // BLOCK * BLOCK
+        total += len(ids)
+        previous[request.session] = ids
+    return cached / total
+
+
+# -- the client ---------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    ttft_s: float | None  # None: failed
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    backend: str | None = None
+
+
+async def ask(client: httpx.AsyncClient, url: str, request: Request, spec: RouteSpec) -> Outcome:
+    body = {
+        "messages": request.messages,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": request.session,
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                return Outcome(None)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                first = first if first is not None else time.perf_counter() - started
+                if line != "data: [DONE]":
+                    usage = json.loads(line[6:]).get("usage") or usage
+            backend = response.headers.get(BACKEND_HEADER)
+    except httpx.HTTPError:
+        return Outcome(None)
+    if first is None or not usage:
+        return Outcome(None)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Outcome(first, usage["prompt_tokens"], cached, backend)
+
+
+async def replay(
+    url: str, stream: list[Request], spec: RouteSpec, clients: int, midway: Callable[[], None] | None = None
+) -> list[Outcome]:
+    """``clients`` workers send ``stream`` in order; a session's turn waits for its previous turn's answer."""
+    done: dict[tuple[str, int], asyncio.Event] = {(r.session, r.turn): asyncio.Event() for r in stream}
+    outcomes: list[Outcome | None] = [None] * len(stream)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(stream)):
+        queue.put_nowait(i)
+    finished = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal finished
+        while not queue.empty():
+            i = queue.get_nowait()
+            request = stream[i]
+            before = done.get((request.session, request.turn - 1))
+            if before is not None:
+                await before.wait()
+            outcomes[i] = await ask(client, url, request, spec)
+            done[(request.session, request.turn)].set()
+            finished += 1
+            if midway is not None and finished == len(stream) // 3:
+                await asyncio.to_thread(midway)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+    return [o for o in outcomes if o is not None]
+
+
+def summary(outcomes: list[Outcome], urls: list[str]) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ttft_s is not None]
+    ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+    per = Counter(o.backend for o in ok)
+    prompt = sum(o.prompt_tokens for o in ok)
+    return {
+        "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
+        "p95_ttft_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))] if ttfts else None,
+        "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+        "failed": len(outcomes) - len(ok),
+        "requests": len(outcomes),
+        "requests_per_backend": [per.get(u, 0) for u in urls],
+    }
+
+
+# -- the runs ---------------------------------------------------------------------------------------
+def _through(
+    tmp: Path,
+    fleet: processes.Backends,
+    spec: RouteSpec,
+    route: dict[str, Any],
+    stream: list[Request],
+    clients: int,
+    midway: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    fleet.clear()
+    name = f"router-{route['policy']}-{int(time.monotonic() * 1000)}"
+    with processes.router(tmp / name, fleet, spec.tiers.get("engine", {}), route) as router:
+        outcomes = asyncio.run(replay(router.url, stream, spec, clients, midway))
+        result = summary(outcomes, fleet.urls)
+        result["router"] = router.get("/stats").json()
+    return result
+
+
+def _warm(fleet: processes.Backends, spec: RouteSpec) -> None:
+    """One request per backend before timing: first forward, allocator, threads."""
+    warm = session_turns(spec, 99)[0]
+    for url in fleet.urls:
+        asyncio.run(replay(url, [warm], spec, 1))
+
+
+def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    stream = interleaved(spec)
+    env = {"OMP_NUM_THREADS": str(spec.threads)}
+    with tempfile.TemporaryDirectory(prefix="kvtier-route-") as tmp_name:
+        tmp = Path(tmp_name)
+        progress(f"starting {spec.backends} backends")
+        with processes.backends(tmp, spec.backends, spec.tiers, ADMIN, env) as fleet:
+            _warm(fleet, spec)
+            policies = {}
+            for policy in POLICIES:
+                progress(f"policy {policy}: {len(stream)} requests")
+                policies[policy] = _through(tmp, fleet, spec, {"policy": policy}, stream, spec.clients)
+            hot = skewed(spec)
+            progress(f"skewed stream: {len(hot)} requests, with and without the balance guard")
+            guard = _through(tmp, fleet, spec, {"policy": "kvtier"}, hot, spec.clients + 1)
+            no_guard = _through(
+                tmp, fleet, spec, {"policy": "kvtier", "max_imbalance": NO_GUARD}, hot, spec.clients + 1
+            )
+            progress("killed: one backend killed a third of the way in")
+            victim = fleet.procs[-1]
+            killed = _through(
+                tmp, fleet, spec, {"policy": "kvtier"}, stream, spec.clients, lambda: victim.process.kill()
+            )
+    return {
+        "setup": {
+            "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "backends": spec.backends,
+            "sessions": spec.sessions,
+            "turns": spec.turns,
+            "tool_chars": spec.tool_chars,
+            "max_tokens": spec.max_tokens,
+            "clients": spec.clients,
+            "backend_threads": spec.threads,
+        },
+        "policies": policies,
+        "ideal_hit_rate": ideal_hit_rate(stream),
+        "skewed": {"guard": guard, "no_guard": no_guard},
+        "killed": killed,
+    }
+
+
+def checks(result: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
+    """(what, measured, target, met) for the issue's targets."""
+    p = result["policies"]
+    kv, rr, ll = p["kvtier"], p["round_robin"], p["least_loaded"]
+    speedup = rr["mean_ttft_s"] / kv["mean_ttft_s"] if kv["mean_ttft_s"] else 0.0
+    of_ideal = kv["hit_rate"] / result["ideal_hit_rate"] if result["ideal_hit_rate"] else 0.0
+    return [
+        ("mean TTFT round_robin / kvtier", speedup, 3.0, speedup >= 3.0),
+        (
+            "p95 TTFT kvtier / least_loaded",
+            kv["p95_ttft_s"] / ll["p95_ttft_s"],
+            1.0,
+            kv["p95_ttft_s"] <= ll["p95_ttft_s"],
+        ),
+        ("kvtier hit rate / ideal", of_ideal, 0.9, of_ideal >= 0.9),
+        ("failed with a backend killed", result["killed"]["failed"], 0, result["killed"]["failed"] == 0),
+    ]
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{'policy':<14}{'mean TTFT':>11}{'p95 TTFT':>11}{'hit rate':>10}{'failed':>8}  per backend"]
+    rows = [*result["policies"].items(), ("skewed guard", result["skewed"]["guard"])]
+    rows += [("skewed no guard", result["skewed"]["no_guard"]), ("killed", result["killed"])]
+    for name, r in rows:
+        lines.append(
+            f"{name:<14}{r['mean_ttft_s']:>10.3f}s{r['p95_ttft_s']:>10.3f}s{r['hit_rate']:>10.1%}{r['failed']:>8}"
+            f"  {r['requests_per_backend']}"
+        )
+    lines.append(f"ideal hit rate {result['ideal_hit_rate']:.1%}")
+    for what, got, target, met in checks(result):
+        lines.append(f"  {'ok ' if met else 'MISS'} {what}: {got:.2f} (target {target})")
+    return "\n".join(lines)
+
+
+def save(result: dict[str, Any], out_dir: Path) -> Path:
+    return write(result, out_dir, "route")
