@@ -11,6 +11,9 @@
 * ``kvtier bench tiers [--json]``: host and disk tier bandwidth next to a raw
   memcpy / raw disk read of the same bytes, and block-key cost next to one raw
   xxh3 pass (:mod:`kvtier.bench.tiers`).
+* ``kvtier bench remote [--json]``: the remote tier's get/put next to raw Redis
+  GET/SET of the same bytes, and a second instance's hit from Redis against
+  its recompute (:mod:`kvtier.bench.remote`).
 * ``kvtier bench route [--json]``: the router's policies on interleaved agent
   sessions over three backends, a killed backend, a hot session (:mod:`kvtier.bench.route`).
 * ``kvtier bench engines [--json]``: vLLM, llama-cpp-python and SGLang with
@@ -51,6 +54,23 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     else:
         print(tiers.table(result))
         print(f"  wrote {path}" + (f" and {png}" if png else " (no plot: pip install matplotlib)"))
+    return 0
+
+
+def _bench_remote(args: argparse.Namespace) -> int:
+    from kvtier.bench import remote
+
+    config = load_config(args.config)
+    spec = remote.RemoteSpec(
+        url=args.url, blocks=args.blocks, reps=args.reps, tokens=args.tokens, cross_node=not args.no_cross_node
+    )
+    result = remote.run(config, spec)
+    path = remote.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(remote.table(result))
+        print(f"  wrote {path}")
     return 0
 
 
@@ -330,6 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     t.set_defaults(run=_bench_tiers)
+
+    rm = which.add_parser(
+        "remote", parents=[common], help="remote tier get/put vs raw Redis GET/SET; cross-node TTFT hit vs recompute"
+    )
+    rm.add_argument("--json", action="store_true", help="print one JSON object")
+    rm.add_argument("--url", default=None, help="a Redis to use (default: start a throwaway redis-server)")
+    rm.add_argument("--blocks", type=int, default=64, help="blocks moved per repetition")
+    rm.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
+    rm.add_argument("--tokens", type=int, default=4096, help="prompt length of the cross-node TTFT")
+    rm.add_argument("--no-cross-node", action="store_true", help="skip the cross-node TTFT (no model load)")
+    rm.add_argument("--out", default="bench/results", help="where the JSON goes")
+    rm.set_defaults(run=_bench_remote)
     rt = which.add_parser(
         "route", parents=[common], help="kvtier route's policies on interleaved agent sessions over three backends"
     )

@@ -32,9 +32,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvtier.config import RemoteConfig
@@ -42,13 +42,14 @@ from kvtier.keys import BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.stats import RemoteStats
 from kvtier.tiers.base import BlockRecord, TierKind
-from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, layout_id
-from kvtier.tiers.remote_nodes import Nodes, is_error
+from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Header, Rejection, layout_id
+from kvtier.tiers.remote_nodes import Nodes, RespReader, is_error
 
 log = logging.getLogger("kvtier")
 
 PROBE_FIRST = 4  # keys in the first probe of a run; each next probe asks for 4x more
 SEEN_MAX = 65_536  # authentic headers remembered from probes (~100 B each)
+READ_CHUNK = 8  # blocks per round trip of a read: Redis streams a few large replies faster than many
 WRITE_BATCH = 8  # blocks one writer round trip carries at most
 STOP_WAIT_S = 5.0  # how long close() lets queued writes drain
 
@@ -89,6 +90,7 @@ class RemoteTier:
         self._seen: OrderedDict[BlockKey, BlockRecord] = OrderedDict()
         self._seen_lock = threading.Lock()
         self._queue: queue.Queue[_Item | None] = queue.Queue(config.write_queue_blocks)
+        self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-remote-check")
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer", daemon=True)
         self._writer.start()
 
@@ -203,42 +205,74 @@ class RemoteTier:
         A block is served only if a probe saw its authentic header (whose
         digest the manager confirmed against the request's tokens) and the
         value read now carries the same digest and a payload that hashes to
-        its header.
+        its header. Payloads go from the socket straight into ``outs``
+        (:meth:`Nodes.get_into`), and each one's hash is checked on the
+        tier's checker thread while the next arrives (hashing releases the GIL).
         """
         expect = [self.record(k) for k in keys]
         names = [self.name(k) for k in keys]
         ok = [False] * len(keys)
         want = [i for i, r in enumerate(expect) if r is not None]
+        checks: list[tuple[int, Future[bool]]] = []
         for node, at in self._nodes.route([names[i] for i in want]).items():
-            idx = [want[j] for j in at]
-            replies = self._nodes.pipeline(node, lambda p, idx=idx: [p.get(names[i]) for i in idx])
-            if replies is None:
-                continue
-            for i, reply in zip(idx, replies, strict=True):
-                ok[i] = self._serve(keys[i], reply, expect[i], outs[i])
+            idx = [want[a] for a in at]
+
+            def sink_at(part: list[int]) -> Callable[[int, int, RespReader], object]:
+                def sink(pos: int, length: int, reader: RespReader) -> object:
+                    i = part[pos]
+                    header = self._receive(keys[i], length, reader, expect[i], outs[i])
+                    if header is not None:
+                        checks.append((i, self._checker.submit(self._check_payload, header, outs[i])))
+                    return header
+
+                return sink
+
+            for c in range(0, len(idx), READ_CHUNK):
+                part = idx[c : c + READ_CHUNK]
+                if self._nodes.get_into(node, [names[i] for i in part], sink_at(part)) is None:
+                    break  # the node failed (counted): its later chunks would too
+        for i, check in checks:
+            ok[i] = check.result()
+        for i in want:
+            if not ok[i]:
+                self._remember(keys[i], None)
         hits = [names[i] for i in range(len(keys)) if ok[i]]
         self.stats.add(bytes_read=len(hits) * self.layout.block_bytes)
         if hits:
             self._enqueue(_Touch(hits))
         return ok
 
-    def _serve(self, key: BlockKey, reply: object, record: BlockRecord | None, out: torch.Tensor) -> bool:
-        """Check ``reply``'s header, copy its payload into ``out``, then check the copy: False if any check fails.
+    def _receive(
+        self, key: BlockKey, length: int, reader: RespReader, record: BlockRecord | None, out: torch.Tensor
+    ) -> Header | None:
+        """Read one value off the socket: its header checked (or the value skipped, counted), its payload into ``out``.
 
-        On False ``out`` may hold the refused bytes: the manager reads into a
-        reserved host slot and aborts it, so they are never served.
+        On a refusal after the payload landed, ``out`` holds refused bytes:
+        the manager reads into a reserved host slot and aborts it, so they
+        are never served.
         """
-        if record is None or reply is None or is_error(reply):
-            self._remember(key, None)
-            return False
-        dst = out.numpy()
+        if length != self._framer.value_bytes or record is None:
+            reader.skip(length)
+            if record is not None:
+                self.stats.add(bad_length=1)
+            return None
+        head = bytearray(HEADER_BYTES)
+        reader.read_into(memoryview(head))
+        reader.read_into(memoryview(out.numpy()))
         try:
-            header, body = self._framer.open(key, reply, record.digest)  # type: ignore[arg-type]
-            np.copyto(dst, np.frombuffer(body, dtype=np.uint8))
-            self._framer.verify(header, dst)
+            header = self._framer.header(key, head)
+            if not header.record.matches(record.digest):
+                raise FrameError(Rejection.FOREIGN_TOKENS)
         except FrameError as err:
             self.stats.add(**{err.why.value: 1})
-            self._remember(key, None)
+            return None
+        return header
+
+    def _check_payload(self, header: Header, out: torch.Tensor) -> bool:
+        try:
+            self._framer.verify(header, out.numpy())
+        except FrameError as err:
+            self.stats.add(**{err.why.value: 1})
             return False
         return True
 
@@ -373,6 +407,7 @@ class RemoteTier:
             self._drain_queue()
             self._queue.put_nowait(None)
         self._writer.join(STOP_WAIT_S)
+        self._checker.shutdown()
         self._nodes.close()
 
     def _drain_queue(self) -> None:

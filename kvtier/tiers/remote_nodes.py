@@ -5,7 +5,8 @@ master that owns its hash slot (CRC16 of the key, mod 16384), so a batch is
 split into one pipeline per node: a dead master costs exactly the blocks
 whose slots it owns, while the others still hit. The slot map comes from
 ``CLUSTER SLOTS`` on any reachable node and is read again after a ``MOVED``
-reply (resharding, failover), at most once per :data:`REFRESH_EVERY_S`.
+reply (resharding) or a node's network failure (a failover promotes its
+replica elsewhere), at most once per :data:`REFRESH_EVERY_S`.
 
 Every node has its own circuit breaker (:class:`~kvtier.tiers.breaker.Breaker`)
 and every socket operation a bounded timeout (``remote.timeout_ms``), with
@@ -162,6 +163,8 @@ class Nodes:
         except NETWORK_ERRORS as err:
             node.breaker.failure(err)
             self._stats.add(errors=1, timeouts=int(isinstance(err, redis.TimeoutError)))
+            if self._config.cluster:
+                self.refresh()  # a failover may have moved this node's slots to a promoted replica
             return None
         except ResponseError as err:  # NOAUTH, a wrong password, OOM, CLUSTERDOWN: the node answers, but no
             node.breaker.failure(err)
@@ -187,6 +190,36 @@ class Nodes:
             self.refresh()
         return replies
 
+    def get_into(self, node: Node, names: Sequence[bytes], sink: Sink) -> list[object] | None:
+        """``GET`` of ``names`` in one round trip, each value handed to ``sink`` straight off the socket.
+
+        Why not redis-py's reply parser: it copies every value into a new
+        ``bytes`` (and large pipelined replies into a growing buffer first),
+        which costs as much as the network read itself for KV blocks. Here
+        ``sink(i, length, reader)`` reads value ``i``'s bytes where they are
+        to land (a host slot). Connections, auth, TLS and timeouts are still
+        redis-py's. Per name: the sink's result, None when absent, or the
+        server's error reply; None for the whole call when it failed (counted).
+        """
+
+        def run(client: redis.Redis) -> list[object]:
+            pool = client.connection_pool
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
+                reader = RespReader(conn._sock)  # type: ignore[attr-defined]
+                return [reader.reply(lambda length, i=i: sink(i, length, reader)) for i in range(len(names))]
+            except BaseException:
+                conn.disconnect()  # whatever was left unread would desynchronise the next caller
+                raise
+            finally:
+                pool.release(conn)
+
+        replies = self.call(node, run)
+        if replies is not None and self._config.cluster and any(_redirect(r) for r in replies):
+            self.refresh()
+        return replies
+
     def breakers(self) -> dict[str, str]:
         return {node.name: node.breaker.state.value for node in self.all}
 
@@ -194,6 +227,72 @@ class Nodes:
         for node in self.all:
             with contextlib.suppress(RedisError):
                 node.client.close()
+
+
+Sink = Callable[[int, int, "RespReader"], object]
+"""``(position, value length, reader) -> result``: must consume exactly ``length`` bytes from the reader."""
+
+
+class ProtocolError(redis.ConnectionError):
+    """A reply that is not RESP: the connection is dropped (a network error, for the breaker)."""
+
+
+class RespReader:
+    """RESP replies read off a socket: lines through a small buffer, bulk bodies into the caller's memory."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(65536)
+        if not chunk:
+            raise redis.ConnectionError("connection closed by the server")
+        self._buf += chunk
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        return line
+
+    def read_into(self, view: memoryview) -> None:
+        """Exactly ``len(view)`` bytes into ``view``: what is buffered, then straight from the socket."""
+        take = min(len(view), len(self._buf))
+        view[:take] = self._buf[:take]
+        del self._buf[:take]
+        while take < len(view):
+            got = self._sock.recv_into(view[take:])
+            if not got:
+                raise redis.ConnectionError("connection closed by the server")
+            take += got
+
+    def skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n > 0:
+            step = min(n, len(scratch))
+            self.read_into(scratch[:step])
+            n -= step
+
+    def reply(self, bulk: Callable[[int], object]) -> object:
+        """One reply: ``bulk(length)`` for a bulk string (then its CRLF), None for nil, an error reply as a value."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            length = int(rest)
+            if length < 0:
+                return None
+            result = bulk(length)
+            self.skip(2)
+            return result
+        if kind == b"-":
+            return ResponseError(rest.decode(errors="replace"))
+        raise ProtocolError(f"unexpected reply to GET: {line[:40]!r}")
+
+
+def _redirect(reply: object) -> bool:
+    return isinstance(reply, ResponseError) and str(reply).startswith(("MOVED ", "ASK "))
 
 
 def _address(url: str) -> str:
