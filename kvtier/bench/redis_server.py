@@ -110,7 +110,8 @@ class RedisServer:
         args += ["--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log"), *self.extra]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for _ in range(READY_TRIES):
-            if _ping(self.port) == b"+PONG":
+            reply = _ping(self.port)
+            if reply is not None and reply[:1] in (b"+", b"-"):  # PONG, or NOAUTH from a server with a password
                 return
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(TRY_WAIT_S)
