@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.config import RemoteConfig
@@ -58,7 +59,7 @@ STOP_WAIT_S = 5.0  # how long close() lets queued writes drain
 class _Write:
     key: BlockKey
     record: BlockRecord
-    payload: bytes  # a copy: the host slot it came from may be reused at once
+    value: bytearray  # the payload copied in (the host slot it came from may be reused at once); header to seal
 
 
 @dataclass(frozen=True)
@@ -304,8 +305,9 @@ class RemoteTier:
             if seen is not None and seen.matches(record.digest):
                 out.append(True)
                 continue
-            data = payload.reshape(-1).view(torch.uint8).numpy().tobytes()
-            queued = self._enqueue(_Write(key, record, data))
+            value = self._framer.blank()  # the payload's one copy, already where the value will have it
+            np.copyto(self._framer.payload_of(value), payload.reshape(-1).view(torch.uint8).numpy())
+            queued = self._enqueue(_Write(key, record, value))
             if not queued:
                 self.stats.add(dropped_writes=1)
             out.append(queued)
@@ -338,7 +340,7 @@ class RemoteTier:
 
     def _write(self, batch: list[_Item]) -> None:
         writes = [w for w in batch if isinstance(w, _Write)]
-        values = [self._framer.encode(w.key, w.record, memoryview(w.payload)) for w in writes]
+        values = [self._framer.seal(w.key, w.record, w.value) for w in writes]
         names = [self.name(w.key) for w in writes]
         touched = [n for t in batch if isinstance(t, _Touch) for n in t.names]
         ttl = self._ttl_ms

@@ -108,8 +108,12 @@ class Framer:
         """One value: header, MAC, payload (one copy of the payload, into the returned bytes)."""
         if len(payload) != self.payload_bytes:
             raise ValueError(f"payload of {len(payload)} B, the layout's block is {self.payload_bytes} B")
+        head = self._head(key, record, payload)
+        return b"".join((head, self._mac(head), payload))
+
+    def _head(self, key: BlockKey, record: BlockRecord, payload: memoryview) -> bytes:
         parent = record.parent
-        head = _HEADER.pack(
+        return _HEADER.pack(
             MAGIC,
             FORMAT_VERSION,
             _HAS_PARENT if parent is not None else 0,
@@ -120,7 +124,21 @@ class Framer:
             self._layout,
             blake3.blake3(payload).digest(),
         )
-        return b"".join((head, self._mac(head), payload))
+
+    def blank(self) -> bytearray:
+        """A value's buffer: fill :meth:`payload_of` it, then :meth:`seal` it (one payload copy in all)."""
+        return bytearray(self.value_bytes)
+
+    @staticmethod
+    def payload_of(value: bytearray) -> np.ndarray:
+        return np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES)
+
+    def seal(self, key: BlockKey, record: BlockRecord, value: bytearray) -> bytearray:
+        """Write the header and MAC of the payload already in ``value`` (what :meth:`encode` builds, in place)."""
+        head = self._head(key, record, memoryview(value)[HEADER_BYTES:])
+        value[: _HEADER.size] = head
+        value[_HEADER.size : HEADER_BYTES] = self._mac(head)
+        return value
 
     def header(self, key: BlockKey, value: bytes | memoryview) -> Header:
         """The authenticated header of ``value`` stored under ``key``; :class:`FrameError` if it is not one."""
