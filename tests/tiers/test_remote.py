@@ -11,6 +11,7 @@ import torch
 
 from kvtier.config import RemoteConfig
 from kvtier.keys import BlockKey, Secret
+from kvtier.tiers.base import Tier
 from kvtier.tiers.breaker import BreakerState
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Rejection, layout_id
@@ -107,6 +108,7 @@ def test_foreign_tokens_are_rejected() -> None:
 def test_store_probe_get_round_trip(redis_server) -> None:
     tier = open_tier(redis_server.url)
     try:
+        assert isinstance(tier, Tier)  # the one tier protocol
         blocks = store(tier, 3)
         assert tier.probe([key(0), key(1), key(2), key(7)]) == [record(0), record(1), record(2), None]
         ok, outs = read(tier, [key(0), key(1), key(2)])
