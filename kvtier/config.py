@@ -19,7 +19,16 @@ from typing import Any
 
 import platformdirs
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.policy.base import PolicyName
 
@@ -404,6 +413,15 @@ class RemoteConfig(_Section):
             if not re.fullmatch(REMOTE_URL, url):
                 raise ValueError(f"{url!r} is not redis://host:port[/db], rediss://host:port or unix:///path")
         return v
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> RemoteConfig:
+        """A cluster is reached over TCP (its nodes announce host:port); one standalone server has one URL."""
+        if self.cluster and any(u.startswith("unix://") for u in self.urls):
+            raise ValueError("remote.cluster: Redis Cluster nodes are reached over TCP, not unix:// sockets")
+        if not self.cluster and len(self.urls) > 1:
+            raise ValueError("remote.urls lists several servers: set remote cluster: true (they seed one cluster)")
+        return self
 
 
 class Config(_Section):

@@ -57,8 +57,6 @@ class Nodes:
     """One Redis (standalone) or every master of a cluster, each behind its breaker."""
 
     def __init__(self, config: RemoteConfig, stats: RemoteStats, clock: Callable[[], float] = time.monotonic) -> None:
-        if not config.cluster and len(config.urls) > 1:
-            raise ValueError("remote.urls lists several servers: set remote.cluster (they are seeds of one cluster)")
         self._config = config
         self._stats = stats
         self._clock = clock

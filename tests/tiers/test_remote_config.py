@@ -6,6 +6,9 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
 from kvtier.bench.redis_server import RedisServer
 from kvtier.config import RemoteConfig, load_config
 from kvtier.keys import Secret
@@ -70,3 +73,10 @@ def test_a_hung_server_costs_bounded_timeouts_then_the_breaker_skips_it(redis_se
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
         tier.close()
+
+
+def test_a_cluster_over_unix_sockets_or_several_standalone_urls_are_config_errors() -> None:
+    with pytest.raises(ValidationError, match="not unix"):
+        RemoteConfig(cluster=True, urls=["unix:///run/redis.sock"])
+    with pytest.raises(ValidationError, match="set remote cluster"):
+        RemoteConfig(urls=["redis://a:6379", "redis://b:6379"])
