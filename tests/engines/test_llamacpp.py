@@ -132,7 +132,7 @@ def test_a_fresh_process_continues_from_the_state_another_one_saved(
         out = first.generate(p, MAX_TOKENS)
     assert out["tokens"] == ref_p and out["cached_tokens"] == 0
     assert out["counters"]["saves"] == {"stored": 1} and out["saved"]["generation"] == 0
-    saved_by_first.update(out["saved"])
+    saved_by_first.update(out["saved"], namespace=first.ready["namespace"])
     with llama(llama_python, work, "second", service.socket) as second:
         asked = second.generate(pq, MAX_TOKENS)  # the same document, a new question
         again = second.generate(p, MAX_TOKENS)  # the same prompt
@@ -163,9 +163,7 @@ def test_a_chunk_corrupted_on_disk_is_a_miss_and_is_stored_again(
     svc = service.start()  # everything is on disk now; host memory is empty
     m = svc.manager
     position, generation = bytes.fromhex(str(saved_by_first["position"])), int(saved_by_first["generation"])
-    with llama(llama_python, work, "ready", service.socket) as probe:
-        namespace = probe.ready["namespace"]
-    key = m.hasher.named(state_name(position, generation, 100), namespace)
+    key = m.hasher.named(state_name(position, generation, 100), str(saved_by_first["namespace"]))
     assert m.disk is not None and m.disk.slot_of(key) is not None
     path, offset = m.disk.slab_path(m.disk.slot_of(key))
     with open(path, "r+b") as f:
