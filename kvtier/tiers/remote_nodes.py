@@ -278,6 +278,8 @@ class RespReader:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
+            if not rest.lstrip(b"-").isdigit():
+                raise ProtocolError(f"bad bulk length in reply to GET: {line[:40]!r}")
             length = int(rest)
             if length < 0:
                 return None

@@ -255,3 +255,23 @@ def test_a_full_write_queue_drops_and_counts(redis_server) -> None:
         assert snap["writes"] == queued.count(True)
     finally:
         tier.close()
+
+
+def test_the_reply_reader_lands_bulk_bodies_where_asked_and_refuses_garbage() -> None:
+    """The tier's own RESP reading of GET replies (values straight into host slots), over a socket pair."""
+    import socket
+
+    from redis.exceptions import ResponseError
+
+    from kvtier.tiers.remote_nodes import ProtocolError, RespReader
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"$5\r\nhello\r\n$-1\r\n-WRONGTYPE not a string\r\n$zz\r\n")
+        reader = RespReader(ours)
+        slot = bytearray(5)
+        assert reader.reply(lambda n: reader.read_into(memoryview(slot)[:n])) is None and slot == b"hello"
+        assert reader.reply(lambda n: pytest.fail("nil has no body")) is None
+        assert isinstance(reader.reply(lambda n: pytest.fail("an error has no body")), ResponseError)
+        with pytest.raises(ProtocolError):
+            reader.reply(lambda n: pytest.fail("garbage has no body"))
