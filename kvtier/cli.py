@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rt.add_argument("--json", action="store_true", help="print one JSON object")
     rt.add_argument("--sessions", type=int, default=12, help="agent sessions, interleaved turn by turn")
-    rt.add_argument("--turns", type=int, default=4, help="turns per session")
+    rt.add_argument("--turns", type=int, default=6, help="turns per session")
     rt.add_argument("--clients", type=int, default=3, help="requests in flight at once")
     rt.add_argument("--out", default="bench/results", help="where route-latest.json goes")
     rt.set_defaults(run=_bench_route)

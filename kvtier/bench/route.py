@@ -19,14 +19,16 @@ Then the faults and the guard, with the ``kvtier`` policy:
   of the way in: how many requests failed (the target is none);
 * ``skewed``: one hot session (a long shared prefix, many requests at
   once, as sub-agents of one agent) interleaved with the others, with the
-  balance guard and without it (``route.max_imbalance`` huge): the share
-  of the busiest backend and the TTFTs.
+  load term and the balance guard, and without either (the prefix alone
+  decides: ``route.load_tokens: 0``, ``route.max_imbalance`` huge): the
+  share of the busiest backend and the TTFTs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -50,6 +52,7 @@ ADMIN = "bench-route-admin-token-0123456789"
 POLICIES = ("round_robin", "least_loaded", "kvtier")
 BLOCK = 16
 NO_GUARD = 1_000_000
+SEED = 16
 REPLY = "Noted; reading on."  # every assistant turn: the stream is the same whichever backend answered
 
 
@@ -57,11 +60,12 @@ REPLY = "Noted; reading on."  # every assistant turn: the stream is the same whi
 class RouteSpec:
     backends: int = 3
     sessions: int = 12
-    turns: int = 4
-    tool_chars: int = 600  # each tool result cut to this: short turns keep the bench to minutes on 2 cores
+    turns: int = 6
+    tool_chars: int = 300  # each turn's tool result cut to this: short turns keep the bench to minutes on 2 cores
     max_tokens: int = 2
     clients: int = 3  # requests in flight at once
     hot_requests: int = 12
+    hot_clients: int = 8  # requests in flight at once in the skewed stream: enough to pile up on one backend
     threads: int = 1  # OMP_NUM_THREADS of each backend: three backends share the machine's cores
     tiers: dict[str, Any] = field(
         default_factory=lambda: {"engine": {"pool_bytes": "256MiB"}, "host": {"capacity_bytes": "512MiB"}}
@@ -76,13 +80,21 @@ class Request:
 
 
 def session_turns(spec: RouteSpec, s: int) -> list[Request]:
-    """Session ``s``: the demo's turns from turn ``s`` on (wrapping), its own name first in the system prompt."""
+    """Session ``s``: its name, the demo's system prompt and one whole file as context, then the demo's turns
+    from turn ``s + 1`` on (wrapping), each tool result cut short.
+
+    The long opening stands for what agents open with (instructions, tool
+    schemas, the task's files); each turn then adds a little: the shape where
+    a turn on the wrong backend recomputes everything.
+    """
     demo = load_session()
     turns = demo["turns"]
-    messages = [{"role": "system", "content": f"[agent session {s}] {demo['system']}"}]
+    context = turns[s % len(turns)]["tool"]
+    system = f"[agent session {s}] {demo['system']}\n\nContext, {context['path']}:\n{context['content']}"
+    messages = [{"role": "system", "content": system}]
     out = []
     for k in range(spec.turns):
-        turn = turns[(s + k) % len(turns)]
+        turn = turns[(s + 1 + k) % len(turns)]
         tool = {**turn["tool"], "content": turn["tool"]["content"][: spec.tool_chars]}
         messages = [*messages, {"role": "user", "content": user_message({**turn, "tool": tool})}]
         out.append(Request(f"session-{s}", k, messages))
@@ -91,9 +103,19 @@ def session_turns(spec: RouteSpec, s: int) -> list[Request]:
 
 
 def interleaved(spec: RouteSpec) -> list[Request]:
-    """Turn by turn across sessions: every session's turn 1, then every session's turn 2, ..."""
+    """Turn by turn across sessions, each round in another (seeded) order, as agents never keep step.
+
+    A fixed order would hand round robin every session's turns on one
+    backend whenever the backends divide the sessions evenly.
+    """
     sessions = [session_turns(spec, s) for s in range(spec.sessions)]
-    return [sessions[s][k] for k in range(spec.turns) for s in range(spec.sessions)]
+    rng = random.Random(SEED)
+    stream = []
+    for k in range(spec.turns):
+        order = list(range(spec.sessions))
+        rng.shuffle(order)
+        stream += [sessions[s][k] for s in order]
+    return stream
 
 
 def skewed(spec: RouteSpec) -> list[Request]:
@@ -134,9 +156,15 @@ def ideal_hit_rate(stream: list[Request]) -> float:
 @dataclass
 class Outcome:
     ttft_s: float | None  # None: failed
+    cut: bool = False  # a stream broken after its output began (its backend died): no router can retry that
     prompt_tokens: int = 0
     cached_tokens: int = 0
     backend: str | None = None
+
+
+def _carries_token(chunk: dict[str, Any]) -> bool:
+    """A chunk with generated text (or the end of it): the chat stream's first chunk only names the role."""
+    return any(c.get("delta", {}).get("content") or c.get("finish_reason") for c in chunk.get("choices", []))
 
 
 async def ask(client: httpx.AsyncClient, url: str, request: Request, spec: RouteSpec) -> Outcome:
@@ -156,14 +184,15 @@ async def ask(client: httpx.AsyncClient, url: str, request: Request, spec: Route
             if response.status_code != 200:
                 return Outcome(None)
             async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+                if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                first = first if first is not None else time.perf_counter() - started
-                if line != "data: [DONE]":
-                    usage = json.loads(line[6:]).get("usage") or usage
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                if first is None and _carries_token(chunk):
+                    first = time.perf_counter() - started
             backend = response.headers.get(BACKEND_HEADER)
     except httpx.HTTPError:
-        return Outcome(None)
+        return Outcome(None, cut=first is not None)
     if first is None or not usage:
         return Outcome(None)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -209,7 +238,8 @@ def summary(outcomes: list[Outcome], urls: list[str]) -> dict[str, Any]:
         "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
         "p95_ttft_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))] if ttfts else None,
         "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
-        "failed": len(outcomes) - len(ok),
+        "failed": sum(o.ttft_s is None and not o.cut for o in outcomes),  # no output at all
+        "cut": sum(o.cut for o in outcomes),
         "requests": len(outcomes),
         "requests_per_backend": [per.get(u, 0) for u in urls],
     }
@@ -255,9 +285,14 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
                 policies[policy] = _through(tmp, fleet, spec, {"policy": policy}, stream, spec.clients)
             hot = skewed(spec)
             progress(f"skewed stream: {len(hot)} requests, with and without the balance guard")
-            guard = _through(tmp, fleet, spec, {"policy": "kvtier"}, hot, spec.clients + 1)
+            guard = _through(tmp, fleet, spec, {"policy": "kvtier"}, hot, spec.hot_clients)
             no_guard = _through(
-                tmp, fleet, spec, {"policy": "kvtier", "max_imbalance": NO_GUARD}, hot, spec.clients + 1
+                tmp,
+                fleet,
+                spec,
+                {"policy": "kvtier", "max_imbalance": NO_GUARD, "load_tokens": 0},
+                hot,
+                spec.hot_clients,
             )
             progress("killed: one backend killed a third of the way in")
             victim = fleet.procs[-1]
@@ -302,12 +337,13 @@ def checks(result: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'policy':<14}{'mean TTFT':>11}{'p95 TTFT':>11}{'hit rate':>10}{'failed':>8}  per backend"]
+    lines = [f"{'policy':<16}{'mean TTFT':>11}{'p95 TTFT':>11}{'hit rate':>10}{'failed':>8}{'cut':>5}  per backend"]
     rows = [*result["policies"].items(), ("skewed guard", result["skewed"]["guard"])]
     rows += [("skewed no guard", result["skewed"]["no_guard"]), ("killed", result["killed"])]
     for name, r in rows:
         lines.append(
-            f"{name:<14}{r['mean_ttft_s']:>10.3f}s{r['p95_ttft_s']:>10.3f}s{r['hit_rate']:>10.1%}{r['failed']:>8}"
+            f"{name:<16}{r['mean_ttft_s']:>10.3f}s{r['p95_ttft_s']:>10.3f}s{r['hit_rate']:>10.1%}{r['failed']:>8}"
+            f"{r.get('cut', 0):>5}"
             f"  {r['requests_per_backend']}"
         )
     lines.append(f"ideal hit rate {result['ideal_hit_rate']:.1%}")

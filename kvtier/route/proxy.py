@@ -3,7 +3,9 @@
 "Answers" means its first byte arrived: a refused connection, a 5xx, or a
 stream that ends before its first chunk is retried on the next backend in
 the ranking (up to ``route.retries`` more), since nothing has reached the
-client yet. After the first byte the answer is committed: its chunks go to
+client yet. In an event stream the first byte that counts is the first
+event with output: the opening chunk a chat stream sends before prefill is
+held back until then (:func:`_carries_output`). After the first byte the answer is committed: its chunks go to
 the client as they arrive, unchanged (the router never re-encodes an SSE
 stream), and the router holds no more of it than the chunk in hand.
 
@@ -52,12 +54,45 @@ class Failed(enum.Enum):
     REFUSED = "refused"  # a 5xx (shutting down, full): tried elsewhere, the backend stays in
 
 
-async def _first_byte(stream: AsyncIterator[bytes]) -> bytes:
-    """The answer's first chunk (b"" for an empty body); raises if the backend fails before it."""
+def _carries_output(events: bytes) -> bool:
+    """Whether these server-sent events hold generated text, an end, or an error: more than the opening.
+
+    A chat stream opens with a chunk that only names the role, sent before
+    the prompt is even prefilled; a backend that dies during its prefill
+    has sent that much and no more. Holding such openings back keeps the
+    request retryable until the backend has really answered.
+    """
+    for event in events.split(b"\n\n"):
+        if not event.startswith(b"data: "):
+            continue
+        data = event[len(b"data: ") :]
+        if data.strip() == b"[DONE]":
+            return True
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return True  # not JSON: not an opening kvtier knows, so it is the answer
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not choices:
+            return True  # an error event, or usage alone
+        for c in choices:
+            if c.get("text") or c.get("finish_reason") or (c.get("delta") or {}).get("content"):
+                return True
+    return False
+
+
+async def _first_bytes(response: httpx.Response, stream: AsyncIterator[bytes]) -> bytes:
+    """The answer's first chunks, up to one with output for an event stream (b"" for an empty body).
+
+    Raises if the backend fails before them; until then nothing reached the client.
+    """
+    sse = response.headers.get("content-type", "").startswith("text/event-stream")
+    held = b""
     async for chunk in stream:
-        if chunk:
-            return chunk
-    return b""
+        held += chunk
+        if held and (not sse or _carries_output(held)):
+            break
+    return held
 
 
 async def _relay(
@@ -87,7 +122,7 @@ async def _attempt(
         return Failed.REFUSED
     chunks = response.aiter_raw()
     try:
-        first = await _first_byte(chunks)
+        first = await _first_bytes(response, chunks)
     except httpx.TransportError:
         await response.aclose()
         return Failed.UNREACHABLE
