@@ -126,7 +126,8 @@ $(PEER_SGLANG_VENV)/.kvtier: $(PEER_SGLANG_VENV)/.installed pyproject.toml
 $(PEER_LLAMACPP_VENV)/.kvtier: $(PEER_LLAMACPP_VENV)/.installed pyproject.toml
 	$(PEER_LLAMACPP_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(PEER_LLAMACPP_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(PEER_LLAMACPP_VENV)/bin/python -m pip install -q $(ENGINE_KVTIER_DEPS) pydantic pyyaml tqdm
+	$(PEER_LLAMACPP_VENV)/bin/python -m pip install -q $(ENGINE_KVTIER_DEPS) pydantic pyyaml tqdm "tokenizers>=0.19"
+	$(PEER_LLAMACPP_VENV)/bin/python -c "import llama_cpp, kvtier.connectors.llamacpp, kvtier.model"
 	touch $@
 
 engine-venvs: $(PEER_VLLM_VENV)/.kvtier $(PEER_LLAMACPP_VENV)/.kvtier $(PEER_SGLANG_VENV)/.kvtier

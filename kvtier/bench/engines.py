@@ -328,6 +328,38 @@ def run_lmcache(python: Path, tokens: int, reps: int, max_tokens: int, work: Pat
     return out
 
 
+LLAMACPP_PYTHON = REPO / ".venv-peer-llamacpp" / "bin" / "python"
+LLAMACPP_RUNNER = REPO / "tests" / "engines" / "runners" / "llamacpp_runner.py"
+
+
+def run_llamacpp(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) -> dict[str, Any]:
+    """llama-cpp-python with ``KVTierLlamaCache``: the runner's own ``bench`` mode, against a fresh cache service.
+
+    Its states are llama.cpp's f16 KV, so the service keeps the GGUF's
+    identity at float16; the runner starts every engine process itself (no
+    cache for the reference output, then a cold and a fresh hit process).
+    """
+    from kvtier.model import default_gguf_path
+
+    gguf = default_gguf_path()
+    ps, q = prompts(tokens, reps), question_ids()
+    spec = work / "prompts.json"
+    spec.write_text(json.dumps({"prompts": ps, "question": q}))
+    socket = work / "cache.sock"
+    with ServiceProcess(socket, work / "data", model=gguf, dtype="float16", block_size=16):
+        args = [str(python), str(LLAMACPP_RUNNER), "bench", "--model", str(gguf), "--socket", f"unix://{socket}"]
+        args += ["--n-ctx", str(tokens + len(q) + 2 * max_tokens + 64), "--prompts", str(spec)]
+        args += ["--max-tokens", str(max_tokens), "--work", str(work / "engines")]
+        with (work / "llamacpp-bench.log").open("a") as err:
+            done = subprocess.run(args, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, timeout=7200)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("KVTIER ")]
+    if done.returncode != 0 or not lines:
+        raise EngineFailed(f"llamacpp_runner bench exited {done.returncode}:\n{_tail(work / 'llamacpp-bench.log')}")
+    out = json.loads(lines[-1][len("KVTIER ") :])
+    out["version"] = out.get("setting", {}).get("llama_cpp")
+    return out
+
+
 @dataclass
 class EngineBench:
     name: str
@@ -353,7 +385,11 @@ def run(
     def vllm(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) -> dict[str, Any]:
         return run_vllm(python, tokens, reps, max_tokens, work, bf16=bf16)
 
-    benches = [EngineBench("vllm", vllm_python, vllm), EngineBench("lmcache", LMCACHE_PYTHON, run_lmcache)]
+    benches = [
+        EngineBench("vllm", vllm_python, vllm),
+        EngineBench("lmcache", LMCACHE_PYTHON, run_lmcache),
+        EngineBench("llamacpp", llamacpp_python or LLAMACPP_PYTHON, run_llamacpp),
+    ]
     result: dict[str, Any] = {
         "schema": "kvtier-bench-engines/1",
         "when": datetime.now(UTC).isoformat(timespec="seconds"),

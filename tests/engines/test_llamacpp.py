@@ -1,7 +1,7 @@
 """kvtier inside real llama-cpp-python 0.3.36: states saved by one process load in fresh ones, output unchanged.
 
 Runs only under ``--engines``: it needs llama-cpp-python's venv with kvtier
-installed in it (``KVTIER_LLAMACPP_PYTHON``, default
+installed in it (``ENGINES_LLAMACPP_PYTHON``, default
 ``.venv-peer-llamacpp/bin/python``). Every Llama here is a separate process
 (``tests/engines/runners/llamacpp_runner.py``), greedy, two threads; the
 cache service runs on a thread of this process over a real disk tier, so the
@@ -29,7 +29,7 @@ from tests.engines.runners.llamacpp_runner import Engine, engine_args
 pytestmark = pytest.mark.engines
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_PYTHON = Path(os.environ.get("KVTIER_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
+LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
 PROMPT_TOKENS = 4000  # 250 blocks of 16
 SHORT = 600  # a prompt for the checks that need no long one
 MAX_TOKENS = 8
