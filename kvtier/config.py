@@ -324,6 +324,10 @@ class RouteConfig(_Section):
     approx_blocks: int = Field(
         65536, ge=0, description="Block keys remembered per backend of what was routed there (used without events)."
     )
+    vllm_events: dict[str, str] = Field(
+        default_factory=dict,
+        description="Backend URL -> its vLLM KV event publisher (tcp://host:port): a vLLM backend, followed over ZMQ.",
+    )
 
     @field_validator("backends")
     @classmethod

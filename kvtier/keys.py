@@ -253,13 +253,19 @@ class KeyHasher:
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size
 
-    def keys(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> list[BlockKey]:
+    def keys(
+        self, tokens: Sequence[int] | np.ndarray, namespace: str, *, parent: BlockKey | None = None
+    ) -> list[BlockKey]:
         """Keys of every full block of ``tokens``; a partial tail gets none.
 
         Key of block *i* = xxh3-128 (seed = :attr:`Secret.seed`) over::
 
-            key(i-1) (16 bytes; key(-1) is :meth:`root`)
+            key(i-1) (16 bytes; key(-1) is :meth:`root`, or ``parent`` when given)
             || tokens[i*B:(i+1)*B] as little-endian int32 (4*B bytes)
+
+        ``parent`` continues a chain whose earlier tokens the caller no longer
+        has: a router translating another engine's block events, which name
+        each block's parent and carry only the block's own tokens.
 
         The tokens are converted to one little-endian int32 buffer up front;
         the chain then runs in C (``kvtier._native``, with the xxhash library's
@@ -272,7 +278,7 @@ class KeyHasher:
         body = np.ascontiguousarray(np.asarray(tokens)[: n * self.block_size], dtype="<i4")
         view = memoryview(body).cast("B")
         stride = 4 * self.block_size
-        prev = self.root(namespace)
+        prev = self.root(namespace) if parent is None else parent
         if _CHAIN is not None and self._hash is xxh3_128:
             return _CHAIN(prev, view, stride, self._seed)  # type: ignore[return-value]
         buf = bytearray(KEY_BYTES + stride)

@@ -29,7 +29,7 @@ from kvtier.route.choice import make_policy
 from kvtier.route.index import RoutedPrefixes
 from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts
 from kvtier.route.proxy import Counts, forward, unavailable
-from kvtier.route.subscribe import follow
+from kvtier.route.subscribe import follow, follow_vllm
 from kvtier.server.main import listen_sockets
 
 
@@ -128,6 +128,15 @@ class RouterCollector(Collector):
         yield c
 
 
+async def _follow(state: RouterState, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:
+    """A backend's block events: vLLM's over ZMQ where ``route.vllm_events`` names a publisher, else kvtier's."""
+    endpoint = state.config.route.vllm_events.get(backend.url)
+    if endpoint is not None:
+        await follow_vllm(state.fleet, backend, state.prompts, endpoint)
+    else:
+        await follow(state.fleet, backend, state.prompts, client, token)
+
+
 def create_app(state: RouterState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -137,10 +146,7 @@ def create_app(state: RouterState) -> FastAPI:
             token = state.config.route.backend_token
             secret = token.get_secret_value() if token is not None else None
             tasks = [asyncio.create_task(health_loop(state.fleet, client, state.config.route.health_interval_s))]
-            tasks += [
-                asyncio.create_task(follow(state.fleet, b, state.prompts, client, secret))
-                for b in state.fleet.backends.values()
-            ]
+            tasks += [asyncio.create_task(_follow(state, b, client, secret)) for b in state.fleet.backends.values()]
             try:
                 yield
             finally:

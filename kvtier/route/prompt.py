@@ -60,6 +60,7 @@ class Prompts:
         )
         self.block_size = layout.block_size
         self.tenants = Tenants(config.server.api_keys, config.cache.namespace)
+        self.namespace = config.cache.namespace  # the keyless default tenant's, and so vLLM backends'
         self.root = bytes(self.hasher.root(config.cache.namespace)).hex()
 
     def agrees(self, root: str, block_size: int) -> bool:

@@ -1,4 +1,5 @@
-"""Keeping the index: one subscription per backend to its block event stream (``GET /v1/kv-events``).
+"""Keeping the index: one subscription per backend to its block event stream (``GET /v1/kv-events``),
+or, for a vLLM backend, to its KV event publisher (ZMQ, :mod:`kvtier.route.vllm`).
 
 Every subscription opens with the backend's hello and a snapshot of all it
 holds, so losing a stream costs nothing but the time to subscribe again:
@@ -20,6 +21,7 @@ from kvtier.events import DECODER, Cleared, Hello, Removed, Snapshot, Stored
 from kvtier.keys import BlockKey
 from kvtier.route.backends import Backend, Fleet
 from kvtier.route.prompt import Prompts
+from kvtier.route.vllm import VllmKeys, split
 from kvtier.server.kv_events import PING_S
 
 log = logging.getLogger("kvtier.route")
@@ -93,3 +95,40 @@ async def follow(
                 log.warning("lost the block events of %s (%s); resubscribing", backend.url, type(err).__name__)
         lost(fleet, backend)
         await asyncio.sleep(RETRY_S)
+
+
+# -- vLLM backends: ZMQ, msgpack (kvtier.route.vllm) ------------------------------------------------------
+async def follow_vllm(fleet: Fleet, backend: Backend, prompts: Prompts, endpoint: str) -> None:
+    """Subscribe to a vLLM instance's KV events at ``endpoint`` (its ``--kv-events-config`` publisher).
+
+    vLLM sends no snapshot: the index of a vLLM backend holds what it stored
+    since the router subscribed. A gap in the sequence numbers means lost
+    events, so its index is dropped and rebuilt from the events that follow.
+    """
+    try:
+        import zmq
+        import zmq.asyncio
+    except ImportError:
+        log.error("%s: following vLLM's KV events needs pyzmq (pip install 'kvtier[route-vllm]')", backend.url)
+        return
+    keys = VllmKeys(backend.url, prompts.hasher, prompts.namespace, fleet.index)
+    context = zmq.asyncio.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(endpoint)
+    backend.events_live = True
+    expected: int | None = None
+    try:
+        while True:
+            frames = await socket.recv_multipart()
+            try:
+                seq, payload = split(frames)
+                if expected is not None and seq != expected:
+                    log.warning("%s: vLLM KV events %d..%d lost; index rebuilt from here", backend.url, expected, seq)
+                    fleet.index.drop(backend.url)
+                expected = seq + 1
+                keys.apply(payload)
+            except msgspec.DecodeError as err:
+                log.warning("%s: a vLLM KV event message could not be read: %s", backend.url, err)
+    finally:
+        socket.close(linger=0)
