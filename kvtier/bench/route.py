@@ -196,7 +196,7 @@ async def ask(client: httpx.AsyncClient, url: str, request: Request, spec: Route
     if first is None or not usage:
         return Outcome(None)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Outcome(first, usage["prompt_tokens"], cached, backend)
+    return Outcome(first, prompt_tokens=usage["prompt_tokens"], cached_tokens=cached, backend=backend)
 
 
 async def replay(
