@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 
 from kvtier.keys import KeyHasher, Secret
+from kvtier.route.backends import Backend, Fleet
+from kvtier.route.choice import RoundRobin
 from kvtier.route.index import BlockIndex
+from kvtier.route.subscribe import follow_vllm
 from kvtier.route.vllm import VllmKeys, split
 from kvtier.tiers.base import TierKind
 
@@ -71,3 +77,34 @@ def test_frames_split_and_garbage_is_refused() -> None:
         split([b"only one frame"])
     with pytest.raises(msgspec.DecodeError):
         make()[0].apply(b"\x93not msgpack of a batch")
+
+
+def test_follow_vllm_over_zmq_fills_the_index_and_drops_it_on_a_gap() -> None:
+    """A real ZMQ PUB socket sending vLLM's frames; the router's subscriber keeps the backend's index."""
+    zmq = pytest.importorskip("zmq")  # the route-vllm extra
+    _, hasher, _ = make()
+    prompts = SimpleNamespace(hasher=hasher, namespace="default")
+    backend = Backend("http://vllm", up=True)
+    fleet = Fleet({backend.url: backend}, RoundRobin())
+    keys = hasher.keys(list(range(12)), "default")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+
+    async def run() -> None:
+        task = asyncio.create_task(follow_vllm(fleet, backend, prompts, f"tcp://127.0.0.1:{port}"))  # type: ignore[arg-type]
+        seq = 0
+        while not fleet.index.match(backend.url, keys):  # a SUB socket hears nothing until it has joined
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), STORED])
+            seq += 1
+            await asyncio.sleep(0.02)
+        assert fleet.index.match(backend.url, keys) == [TierKind.DEVICE] * 3 and backend.events_live
+        pub.send_multipart([b"", (seq + 5).to_bytes(8, "big"), REMOVED])  # five batches lost on the way
+        while fleet.index.blocks(backend.url):
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        pub.close(linger=0)
