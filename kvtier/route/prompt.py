@@ -4,7 +4,7 @@ The router must compute exactly the keys its backends publish, so it
 derives them the way ``kvtier serve`` does, from the same config: the
 tokenizer and chat template read from the same GGUF file (no weights
 loaded), the same model fingerprint and KV layout, the same key secret
-(``<data_dir>/secret``: give the router a copy of the backends' secret), and
+(``cache.secret_file``, else ``<data_dir>/secret``: the backends' own), and
 the tenant's namespace from the caller's API key. Each backend's event
 stream opens with its root key, which :meth:`Prompts.agrees` compares with
 the router's own: a backend that disagrees is routed to by load alone.
@@ -53,7 +53,7 @@ class Prompts:
         dtype = dtype_from_name(config.engine.dtype.value)
         layout, fingerprint = kv_identity_for(path, dtype, config.cache.block_size, config.data_dir)
         self.hasher = KeyHasher(
-            Secret.load_or_create(config.data_dir),
+            Secret.load_or_create(config.data_dir, config.cache.secret_file),
             model_fingerprint=fingerprint,
             layout_descriptor=layout.descriptor,
             block_size=layout.block_size,
