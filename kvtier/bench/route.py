@@ -119,15 +119,21 @@ def interleaved(spec: RouteSpec) -> list[Request]:
 
 
 def skewed(spec: RouteSpec) -> list[Request]:
-    """The interleaved stream with a hot session's requests between: one long prefix, each its own question."""
-    hot_prefix = session_turns(spec, spec.sessions)[-1].messages
+    """One hot session among the interleaved ones: its long transcript once, then many requests on it at once.
+
+    The hot requests are one session's (sub-agents of one agent: same ``user``)
+    and each waits for the first, so its prefix is announced before they
+    come: session affinity and the cache both point at one backend, and only
+    the load term and the balance guard can spread them.
+    """
+    prefix = session_turns(spec, spec.sessions)[-1].messages
+    last = prefix[-1]
     hot = [
-        Request(f"hot-{i}", 0, [*hot_prefix[:-1], {**hot_prefix[-1], "content": hot_prefix[-1]["content"] + f" ({i})"}])
+        Request("hot", 1, [*prefix[:-1], {**last, "content": f"{last['content']} ({i})"}])
         for i in range(spec.hot_requests)
     ]
-    base = interleaved(spec)[: spec.sessions * 2]
-    out: list[Request] = []
-    for i, request in enumerate(base):
+    out = [Request("hot", 0, prefix)]
+    for i, request in enumerate(interleaved(spec)[: spec.sessions * 2]):
         out.append(request)
         if i % 2 == 0 and hot:
             out.append(hot.pop())

@@ -19,9 +19,10 @@ def test_every_session_turn_once_in_order_and_rounds_shuffled() -> None:
     later = next(r for r in stream if r.session == "session-0" and r.turn == 1)
     first = next(r for r in stream if r.session == "session-0" and r.turn == 0)
     assert later.messages[: len(first.messages)] == first.messages  # a turn resends the transcript
-    hot = [r for r in skewed(spec) if r.session.startswith("hot-")]
-    assert len(hot) == 4 and len({r.messages[-1]["content"] for r in hot}) == 4
-    assert len({str(r.messages[:-1]) for r in hot}) == 1  # one shared prefix
+    warm, *hot = [r for r in skewed(spec) if r.session == "hot"]
+    assert warm.turn == 0 and [r.turn for r in hot] == [1] * 4  # the burst waits for the prefix to be there
+    assert len({r.messages[-1]["content"] for r in hot}) == 4
+    assert {str(r.messages[:-1]) for r in hot} == {str(warm.messages[:-1])}  # one shared prefix
 
 
 def test_summary_counts_failures_cuts_hits_and_backends() -> None:
