@@ -219,6 +219,8 @@ class BreakEvenModel:
         with self._lock:
             tiers = {}
             for kind, fit in self._tiers.items():
+                if kind is TierKind.REMOTE and not fit.samples:
+                    continue  # most deployments have no remote tier: its prior shows from its first fetch on
                 lat, per_byte = fit.theta
                 tiers[kind.value] = {
                     "latency_ms": round(float(lat) * 1e3, 4),

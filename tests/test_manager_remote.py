@@ -53,6 +53,8 @@ def test_a_second_node_hits_what_the_first_stored(tmp_path: Path, redis_server) 
         assert b.lookup(tokens).tiers == (H,) * 6  # promoted into b's host memory
         stats = b.stats()["remote"]
         assert stats["hit_tokens"] == 6 * BLOCK and stats["bytes_read"] == 6 * toy_layout().block_bytes
+        assert b.stats()["break_even"]["tiers"]["remote"]["samples"] == 1  # the fetch refitted its cost
+        assert "remote" not in a.stats()["break_even"]["tiers"]  # a never fetched from it: no figures to show
 
 
 def test_namespaces_never_hit_each_other(tmp_path: Path, redis_server) -> None:

@@ -77,7 +77,7 @@ def test_prometheus_shows_the_cost_model_in_base_units_and_the_prefetch_counters
     unfitted = report.model_copy(deep=True)
     unfitted.break_even.tiers[TierKind.DISK].bandwidth_gbps = None  # no per-byte cost: no sample, not +Inf
     labels = {k[1] for k in scrape(unfitted) if k[0] == "kvtier_tier_bandwidth_bytes_per_second"}
-    assert labels == {(("tier", "device"),), (("tier", "host"),), (("tier", "remote"),)}  # the remote prior
+    assert labels == {(("tier", "device"),), (("tier", "host"),)}
 
 
 def test_a_quarantined_index_and_lost_blocks_show_in_stats_and_metrics(tmp_path: Path) -> None:
