@@ -256,6 +256,7 @@ def _cache_serve(args: argparse.Namespace) -> int:
     from kvtier.layout import dtype_from_name
     from kvtier.model import default_gguf_path
     from kvtier.service import CacheService
+    from kvtier.service.server import group_id
 
     config = load_config(args.config)
     if args.block_size:
@@ -278,6 +279,7 @@ def _cache_serve(args: argparse.Namespace) -> int:
         allowed_uids=s.allowed_uids,
         slab_dir=s.slab_dir,
         reservation_ttl_s=s.reservation_ttl_s,
+        socket_group=None if s.socket_group is None else group_id(s.socket_group),
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stop())

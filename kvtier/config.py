@@ -353,6 +353,10 @@ class ServiceConfig(_Section):
     allowed_uids: list[int] = Field(
         default_factory=list, description="Users besides the service's own who may connect (peer uid checked)."
     )
+    socket_group: str | None = Field(
+        None,
+        description="A group (name or gid) whose members may connect too: socket and slab 0660 in it. null: 0600.",
+    )
     reservation_ttl_s: float = Field(
         60.0, gt=0, description="An uncommitted store reservation is given back after this."
     )

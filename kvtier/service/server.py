@@ -8,7 +8,9 @@ tiers; clients speak :mod:`kvtier.service.protocol` over a Unix socket.
 Trust: the socket is created mode 0600 and every connection's peer uid
 (``SO_PEERCRED``) must be the service's own (or one listed in
 ``allowed_uids``), so another local user can neither read cached prompts'
-KV nor poison them. The slab file is 0600 too.
+KV nor poison them. The slab file is 0600 too. With ``service.socket_group``
+the socket and slab are 0660 in that group, and its members (primary or
+supplementary, checked at connect) are admitted as well.
 
 Leases: a client's pins (loads) and reservations (stores) belong to its
 connection. When the connection ends, for whatever reason (a clean close, a
@@ -22,9 +24,11 @@ is served by its own thread; the manager is thread-safe.
 from __future__ import annotations
 
 import contextlib
+import grp
 import itertools
 import logging
 import os
+import pwd
 import secrets
 import socket
 import struct
@@ -55,8 +59,34 @@ def default_slab_dir() -> Path:
 
 
 def peer_uid(conn: socket.socket) -> int:
-    _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    return uid
+    return peer_cred(conn)[0]
+
+
+def peer_cred(conn: socket.socket) -> tuple[int, int]:
+    """The connecting process's (uid, gid), as the kernel saw them at ``connect``."""
+    _, uid, gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return uid, gid
+
+
+def group_id(group: str | int) -> int:
+    """A group's id from its name or number (``service.socket_group``); an unknown name is a one-line error."""
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise KVTierError(f"service.socket_group: no group named {group!r} on this machine") from None
+
+
+def in_group(uid: int, gid: int, group: int) -> bool:
+    """Whether a peer with this uid and primary gid belongs to ``group`` (primary or supplementary)."""
+    if gid == group:
+        return True
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return group in os.getgrouplist(user.pw_name, user.pw_gid)
 
 
 class _Session:
@@ -82,10 +112,12 @@ class _Session:
             self.service._forget(self)
 
     def _handshake(self) -> bool:
-        uid = peer_uid(self.conn)
-        if uid not in self.service.allowed_uids:
+        uid, gid = peer_cred(self.conn)
+        if not self.service.admits(uid, gid):
+            group = "" if self.service.socket_group is None else f", members of group {self.service.socket_group}"
             p.send(
-                self.conn, p.Refused(f"uid {uid} may not use this cache service (allowed: {self.service.allowed_uids})")
+                self.conn,
+                p.Refused(f"uid {uid} may not use this cache service (allowed: {self.service.allowed_uids}{group})"),
             )
             return False
         hello = p.recv_request(self.conn)
@@ -222,8 +254,11 @@ class CacheService:
         slab_dir: Path | None = None,
         reservation_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        socket_group: int | None = None,
     ) -> None:
+        """``socket_group``: a gid whose members may connect too; the socket and slab are then 0660 in that group."""
         self.layout = layout
+        self.socket_group = socket_group
         self.model_fingerprint = model_fingerprint
         self.allowed_uids = sorted({os.getuid(), *allowed_uids})
         self.reservation_ttl_s = reservation_ttl_s
@@ -234,6 +269,7 @@ class CacheService:
         self.slab_path = (slab_dir or default_slab_dir()) / f"kvtier-{os.getuid()}-{secrets.token_hex(6)}.slab"
         try:
             self.manager = CacheManager(config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path)
+            self._share_with_group(self.slab_path)
         except BaseException:
             self._drop_slab()  # shared memory outlives the process: never leave a slab behind
             raise
@@ -253,6 +289,17 @@ class CacheService:
         with contextlib.suppress(FileNotFoundError):
             self.slab_path.unlink()
 
+    def admits(self, uid: int, gid: int) -> bool:
+        if uid in self.allowed_uids:
+            return True
+        return self.socket_group is not None and in_group(uid, gid, self.socket_group)
+
+    def _share_with_group(self, path: Path) -> None:
+        """Hand ``path`` to the configured group, read-write (clients map the slab and write their stores)."""
+        if self.socket_group is not None:
+            os.chown(path, -1, self.socket_group)
+            os.chmod(path, 0o660)
+
     def _listen(self) -> socket.socket:
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()  # the socket of a service that died: nobody answers on it
@@ -262,6 +309,7 @@ class CacheService:
             sock.bind(str(self.socket_path))
         finally:
             os.umask(old)
+        self._share_with_group(self.socket_path)  # after bind: the group is given, never taken from a umask
         sock.listen(64)
         return sock
 

@@ -23,9 +23,9 @@ import msgspec
 import pytest
 import torch
 
-from kvtier.errors import DiskLockedError
+from kvtier.errors import DiskLockedError, KVTierError
 from kvtier.service import CacheClient, CacheService, ServiceUnavailable, protocol
-from kvtier.service.server import ServiceRunningError
+from kvtier.service.server import ServiceRunningError, group_id
 from kvtier.tiers import native
 from kvtier.tiers.base import TierKind
 from tests.helpers import BLOCK, as_bytes, make_config, payload, prompt, toy_layout
@@ -292,3 +292,47 @@ def test_a_second_service_on_a_live_socket_or_disk_refuses_and_leaves_nothing(
     assert set(tmp_path.glob("*.slab")) == slabs  # the refused one's shared-memory slab is gone
     with client(service) as c:  # the first one still answers on its socket
         assert c.stats()["host"]["blocks"] == 0
+
+
+def test_socket_group_shares_socket_and_slab_and_admits_its_members(tmp_path: Path) -> None:
+    """Modes and group of both files as created; admission by the peer's credentials, with the system's own users.
+
+    (Another user's process cannot run this venv's interpreter here, so admission is asked of the check itself.)
+    """
+    group = os.getgid()
+    cfg = make_config(tmp_path, host={"capacity_bytes": 16 * 4096}, disk={"enabled": False})
+    svc = CacheService(
+        cfg,
+        toy_layout(),
+        model_fingerprint=FINGERPRINT,
+        socket_path=tmp_path / "cache.sock",
+        slab_dir=tmp_path,
+        socket_group=group,
+    )
+    try:
+        for path in (svc.socket_path, svc.slab_path):
+            st = path.stat()
+            assert (st.st_mode & 0o777, st.st_gid) == (0o660, group)
+        other_uid = os.getuid() + 12345  # no such user: admitted only through the group, as its primary gid
+        assert svc.admits(other_uid, group)
+        assert not svc.admits(other_uid, group + 1)
+        assert svc.admits(os.getuid(), group + 1)  # the service's own user, whatever its group
+    finally:
+        svc.close()
+    plain = CacheService(
+        cfg, toy_layout(), model_fingerprint=FINGERPRINT, socket_path=tmp_path / "plain.sock", slab_dir=tmp_path
+    )
+    try:
+        assert plain.socket_path.stat().st_mode & 0o777 == 0o600
+        assert not plain.admits(os.getuid() + 12345, os.getgid())
+    finally:
+        plain.close()
+
+
+def test_socket_group_by_name_or_number() -> None:
+    import grp
+
+    name = grp.getgrgid(os.getgid()).gr_name
+    assert group_id(name) == group_id(str(os.getgid())) == os.getgid()
+    with pytest.raises(KVTierError, match="no group named"):
+        group_id("no-such-group-kvtier")
