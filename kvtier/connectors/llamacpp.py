@@ -51,7 +51,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,15 +63,15 @@ from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from kvtier.config import load_config
+from kvtier.connectors.link import ServiceLink
 from kvtier.connectors.llamacpp_format import Marker, SavedState, StateHeader, pack_state
 from kvtier.connectors.llamacpp_store import MARK_EVERY, SaveOutcome, StateStore
 from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher, Secret
-from kvtier.service.client import CacheClient, ServiceUnavailable
+from kvtier.service.client import CacheClient
 
 log = logging.getLogger(__name__)
 
-RECONNECT_S = 5.0
 KV_DTYPE = torch.float16  # llama.cpp's KV cache type unless type_k / type_v say otherwise
 BLOCK_SIZE = 16
 # Positions are chained with a public constant, not a secret: they become names, and the service keys
@@ -142,8 +141,10 @@ class KVTierLlamaCache(BaseLlamaCache):
         self._flavour = flavour
         self._mark_every = mark_every
         self.counters = Counters()
-        self._client: CacheClient | None = None
-        self._retry_at = 0.0
+        self._link = ServiceLink(
+            self.socket, self.layout, self.fingerprint, count_failures=self._count_failures,
+            miss_message="llama.cpp states are misses",
+        )  # fmt: skip
         self._last_prompt = np.empty(0, dtype=np.int32)
         self.last_saved: Marker | None = None  # where the last state stored (or found held) sits
 
@@ -155,25 +156,11 @@ class KVTierLlamaCache(BaseLlamaCache):
         return cache
 
     # -- the service -------------------------------------------------------------------------------
+    def _count_failures(self, n: int) -> None:
+        self.counters.service_failures += n
+
     def _service(self) -> CacheClient | None:
-        """The live client, reconnecting at most every RECONNECT_S; None (a miss) while the service is away."""
-        c = self._client
-        if c is not None and c.failures == 0:
-            return c
-        if c is not None:
-            self.counters.service_failures += c.failures
-            c.close()
-            self._client = None
-        now = time.monotonic()
-        if now < self._retry_at:
-            return None
-        self._retry_at = now + RECONNECT_S
-        try:
-            self._client = CacheClient(self.socket, self.layout, model_fingerprint=self.fingerprint)
-        except ServiceUnavailable as err:
-            log.warning("kvtier: %s; llama.cpp states are misses", err)
-            self.counters.service_failures += 1
-        return self._client
+        return self._link.client()
 
     def _store(self) -> StateStore | None:
         client = self._service()
@@ -269,9 +256,7 @@ class KVTierLlamaCache(BaseLlamaCache):
         )
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._link.close()
 
 
 def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -39,15 +39,13 @@ block (the layout a single rank's pool has).
 A cache is never a reason for SGLang to fail: a service that is down, goes
 away or refuses this client makes every call a miss (``False``, ``None``,
 ``0``), logged once and counted; the backend reconnects at most every
-``RECONNECT_S`` seconds. A block that fails its checksum on the way up from
+``kvtier.connectors.link.RECONNECT_S`` seconds. A block that fails its checksum on the way up from
 disk ends the load there: SGLang gets fewer pages, never wrong bytes.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,16 +55,15 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.config import load_config
+from kvtier.connectors.link import ServiceLink
 from kvtier.connectors.sglang_pages import HostPages, Shard, host_pages, page_names, page_namespace, page_starts
 from kvtier.identity import kv_identity_for
-from kvtier.service.client import CacheClient, ServiceUnavailable
+from kvtier.service.client import CacheClient
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 log = logging.getLogger(__name__)
-
-RECONNECT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -122,9 +119,7 @@ class KVTierStorage(HiCacheStorage):
         self.pages: HostPages | None = None
         self.fingerprint = ""
         self.counters = dict.fromkeys(("loaded_pages", "stored_pages", "service_failures"), 0)
-        self._client: CacheClient | None = None
-        self._retry_at = 0.0
-        self._connect_lock = threading.Lock()
+        self._link: ServiceLink | None = None  # once the host pool says what a block is
 
     # -- set-up ------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -134,6 +129,10 @@ class KVTierStorage(HiCacheStorage):
         g = pages.geometry
         _, self.fingerprint = kv_identity_for(self.settings.model, g.dtype, g.page_size, self.settings.data_dir)
         self.pages = pages
+        self._link = ServiceLink(
+            self.settings.socket, pages.layout, self.fingerprint, count_failures=self._count_failures,
+            miss_message="every page is a miss until it answers",
+        )  # fmt: skip
         log.info(
             "kvtier: SGLang %s pages as %s blocks, namespace %s, service %s",
             g.layout.value,
@@ -149,26 +148,12 @@ class KVTierStorage(HiCacheStorage):
         if others:
             raise ValueError(f"kvtier stores SGLang's KV pages only; this model also has host pools {others}")
 
+    def _count_failures(self, n: int) -> None:
+        self.counters["service_failures"] += n
+
     def _service(self) -> CacheClient | None:
-        """The live client, reconnecting at most every RECONNECT_S; None (a miss) while the service is away."""
-        with self._connect_lock:
-            c = self._client
-            if c is not None and c.failures == 0:
-                return c
-            if c is not None:
-                self.counters["service_failures"] += c.failures
-                c.close()
-                self._client = None
-            now = time.monotonic()
-            if self.pages is None or now < self._retry_at:
-                return None
-            self._retry_at = now + RECONNECT_S
-            try:
-                self._client = CacheClient(self.settings.socket, self.pages.layout, model_fingerprint=self.fingerprint)
-            except ServiceUnavailable as err:
-                log.warning("kvtier: %s; every page is a miss until it answers", err)
-                self.counters["service_failures"] += 1
-            return self._client
+        """The live client; None (a miss) before the host pool is registered or while the service is away."""
+        return None if self._link is None else self._link.client()
 
     # -- lookups -----------------------------------------------------------------------------------
     def _exists(self, keys: Sequence[str]) -> list[bool]:
@@ -284,7 +269,5 @@ class KVTierStorage(HiCacheStorage):
         log.warning("kvtier: SGLang asked to clear its L3 storage; kvtier's cache service is shared, nothing cleared")
 
     def close(self) -> None:
-        with self._connect_lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        if self._link is not None:
+            self._link.close()

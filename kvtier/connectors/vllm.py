@@ -37,14 +37,13 @@ service gone) is reported through :meth:`get_block_ids_with_load_errors` and
 vLLM recomputes it; the connector sets vLLM's ``kv_load_failure_policy`` to
 ``recompute``, since for a cache a failed load is a miss, never a failed
 request. A service that is down is a miss for every request; the connector
-reconnects at most every ``RECONNECT_S`` seconds.
+reconnects at most every ``kvtier.connectors.link.RECONNECT_S`` seconds.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,10 +58,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvtier.config import load_config
+from kvtier.connectors.link import ServiceLink
 from kvtier.connectors.paged import BlockMap, PagedKV, Segment, segments
 from kvtier.identity import kv_identity_for
 from kvtier.layout import LayoutOrder
-from kvtier.service.client import CacheClient, ServiceUnavailable
+from kvtier.service.client import CacheClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,7 +75,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECONNECT_S = 5.0
 SHUTDOWN_SAVE_S = 30.0  # how long a closing worker lets its pending saves finish
 
 
@@ -163,9 +162,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._layout, self._fingerprint = kv_identity_for(
             model.model, model.dtype, kv_block, config.data_dir, order=LayoutOrder.HEAD_MAJOR
         )
-        self._client: CacheClient | None = None
-        self._retry_at = 0.0
-        self._lock = threading.Lock()  # the client and the counters: the saver thread uses them too
+        self._lock = threading.Lock()  # the counters: the saver thread uses them too
+        self._link = ServiceLink(
+            self._socket, self._layout, self._fingerprint, count_failures=lambda n: self._count(service_failures=n)
+        )
         self._stats = KVTierConnectorStats()
         self._stats.reset()
         # scheduler side
@@ -182,32 +182,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # -- the service ---------------------------------------------------------------------------
     def _service(self) -> CacheClient | None:
-        """The live client, reconnecting at most every RECONNECT_S; None (a miss) while the service is away."""
-        with self._lock:
-            return self._service_locked()
+        """The live client; None (a miss) while the service is away (:class:`ServiceLink` retries)."""
+        return self._link.client()
 
     def _count(self, **counts: int) -> None:
         with self._lock:
             self._stats.add(**counts)
-
-    def _service_locked(self) -> CacheClient | None:
-        c = self._client
-        if c is not None and c.failures == 0:
-            return c
-        if c is not None:
-            self._stats.add(service_failures=c.failures)
-            c.close()
-            self._client = None
-        now = time.monotonic()
-        if now < self._retry_at:
-            return None
-        self._retry_at = now + RECONNECT_S
-        try:
-            self._client = CacheClient(self._socket, self._layout, model_fingerprint=self._fingerprint)
-        except ServiceUnavailable as err:
-            log.warning("kvtier: %s; serving misses", err)
-            self._stats.add(service_failures=1)
-        return self._client
 
     def _namespace_of(self, request: Request) -> str:
         salt = getattr(request, "cache_salt", None)
@@ -411,6 +391,4 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._saver is not None:
             wait([f for fs in self._saves.values() for f in fs], timeout=SHUTDOWN_SAVE_S)
             self._saver.shutdown(wait=False, cancel_futures=True)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._link.close()
