@@ -60,6 +60,11 @@ class ServiceLink:
                 self._count(1)
             return self._client
 
+    def unreported_failures(self) -> int:
+        """Failures of the live client not yet counted (they are counted when the link drops it)."""
+        with self._lock:
+            return self._client.failures if self._client is not None else 0
+
     def close(self) -> None:
         with self._lock:
             if self._client is not None:

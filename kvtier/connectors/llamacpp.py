@@ -162,6 +162,11 @@ class KVTierLlamaCache(BaseLlamaCache):
     def _service(self) -> CacheClient | None:
         return self._link.client()
 
+    @property
+    def service_failures(self) -> int:
+        """Every service failure so far: those counted plus the live client's not yet counted."""
+        return self.counters.service_failures + self._link.unreported_failures()
+
     def _store(self) -> StateStore | None:
         client = self._service()
         if client is None:

@@ -223,7 +223,7 @@ def generate(llm: Any, cache: Any, prompt: list[int], max_tokens: int) -> dict[s
             "hits": counters.hits,
             "misses": counters.misses,
             "saves": {str(k): v for k, v in counters.saves.items()},
-            "service_failures": counters.service_failures + (cache._client.failures if cache._client else 0),
+            "service_failures": cache.service_failures,
         }
         saved = cache.last_saved
         out["saved"] = None if saved is None else {"position": saved.position.hex(), "generation": saved.generation}
