@@ -113,6 +113,8 @@ class DiskStats(TierStats):
 
     quarantined: int = 0  # damaged indexes moved aside at open (with their slabs); the tier started empty
     lost_blocks: int = 0  # records dropped because their bytes are gone (slab file missing, short or truncated)
+    write_errors: int = 0  # blocks not stored: their write, fsync or index commit failed (ENOSPC, EIO); never indexed
+    read_errors: int = 0  # blocks not served: their read failed (EIO); each a counted miss, the record kept
 
 
 @dataclass

@@ -185,6 +185,8 @@ def tier_report(snap: dict[str, Any]) -> TierReport:
         errors=snap["errors"],
         quarantined=snap.get("quarantined", 0),
         lost_blocks=snap.get("lost_blocks", 0),
+        write_errors=snap.get("write_errors", 0),
+        read_errors=snap.get("read_errors", 0),
         load_latency=latency_report(snap["load_latency"]),
     )
 
@@ -262,6 +264,8 @@ _TIER_COUNTERS = {
     "errors": "Tier I/O errors (a counted miss).",
     "quarantined": "Damaged indexes moved aside at start (the disk tier started empty).",
     "lost_blocks": "Records dropped because their bytes were gone (slab missing, short or truncated).",
+    "write_errors": "Disk: blocks not stored because a write, fsync or index commit failed (never indexed).",
+    "read_errors": "Disk: blocks whose read failed (each a counted miss).",
 }
 
 

@@ -309,6 +309,8 @@ class TierReport(BaseModel):
     errors: int
     quarantined: int = Field(0, description="Disk: damaged indexes moved aside at start (the tier started empty).")
     lost_blocks: int = Field(0, description="Disk: records dropped because their slab bytes were gone.")
+    write_errors: int = Field(0, description="Disk: blocks not stored (write, fsync or commit failed; never indexed).")
+    read_errors: int = Field(0, description="Disk: blocks whose read failed (each a counted miss).")
     load_latency: LatencyReport
 
 

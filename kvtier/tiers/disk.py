@@ -584,8 +584,8 @@ class DiskTier:
                 self._bounce(),
             )
         except OSError as err:
-            self.stats.add(errors=len(reads))
-            warn_once("disk-read", "disk tier read failed (%s); serving misses", err)
+            self.stats.add(errors=len(reads), read_errors=len(reads))
+            warn_once("disk-read", "disk tier read failed (%s); serving misses (read_errors)", err)
             return results
         for r, got, crcs in zip(reads, counts, sums, strict=True):
             results[r.index] = self._verify(r, got == nbytes, tuple(crcs))
@@ -684,7 +684,7 @@ class DiskTier:
             )
             if self.fsync is not FsyncMode.NEVER:
                 for fd in {fd for fd, _ in where}:
-                    os.fsync(fd)
+                    self._io.fsync(fd)
             with self._lock:
                 first = self._seq + 1
                 self._seq += len(batch)
@@ -694,8 +694,8 @@ class DiskTier:
             ]
             self._commit(entries)
         except _DiskErrors as err:
-            self.stats.add(errors=1)
-            warn_once("disk-write", "disk tier write failed (%s); blocks not stored", err)
+            self.stats.add(errors=1, write_errors=len(batch))
+            warn_once("disk-write", "disk tier write failed (%s); blocks not stored (write_errors)", err)
             with self._lock:
                 for *_, slot in batch:
                     heapq.heappush(self._free, slot)

@@ -35,6 +35,9 @@ The functions, in both backends:
 ``crc32c(buffer, seed=0) -> int`` and ``crc32c_layers(buffer, layer_bytes) -> list[int]``
     CRC-32C (Castagnoli; ``crc32c(b"123456789") == 0xE3069283``); ``seed``
     continues a previous result: ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
+``fsync(fd)``
+    ``os.fsync`` in both backends; the disk tier syncs through it, so a test can hand the tier a backend
+    whose fsync fails and show that nothing is acknowledged after a failed sync.
 ``copy_regions(dst_addrs, src_addrs, nbytes) -> int``
     ``memcpy`` of ``nbytes`` from each ``src_addrs[i]`` to ``dst_addrs[i]``
     (two int64 numpy arrays of addresses), without the GIL: the engine copies
@@ -74,6 +77,7 @@ class IOBackend:
     crc32c_layers: Callable[[Buffer, int], list[int]]
     copy_regions: Callable[[Buffer, Buffer, int], int]
     crc32c_impl: str  # "sse4.2", "table" (C) or "python"
+    fsync: Callable[[int], None] = os.fsync  # a field, so a reliability fault can make a sync fail (EIO)
 
     @property
     def native(self) -> bool:

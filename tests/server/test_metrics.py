@@ -84,10 +84,12 @@ def test_a_quarantined_index_and_lost_blocks_show_in_stats_and_metrics(tmp_path:
     with CacheManager(make_config(tmp_path), toy_layout(), model_fingerprint="toy-model") as cache:
         assert cache.disk is not None
         cache.disk.stats.add(quarantined=1, lost_blocks=3)  # what a damaged index found at open records
+        cache.disk.stats.add(write_errors=2, read_errors=5)  # what ENOSPC / EIO record
         report = build_report("toy", cache, EngineMetrics())
     disk = report.tiers[TierKind.DISK]
-    assert (disk.quarantined, disk.lost_blocks) == (1, 3)
+    assert (disk.quarantined, disk.lost_blocks, disk.write_errors, disk.read_errors) == (1, 3, 2, 5)
     assert report.tiers[TierKind.HOST].quarantined == 0
     got = scrape(report)
     assert got[("kvtier_tier_quarantined_total", (("tier", "disk"),))] == 1
     assert got[("kvtier_tier_lost_blocks_total", (("tier", "disk"),))] == 3
+    assert got[("kvtier_tier_write_errors_total", (("tier", "disk"),))] == 2
