@@ -50,6 +50,26 @@ def xxh3_128(data: bytes | memoryview, seed: int) -> bytes:
     return xxhash.xxh3_128_digest(data, seed)
 
 
+def truncated_xxh3_128(bits: int) -> Hash128:
+    """For tests only, never a default: xxh3-128 with all but its low ``bits`` bits zeroed.
+
+    The forced-collision hook (``KeyHasher(..., hash128=truncated_xxh3_128(4))``):
+    with 4 bits every 17 blocks hold two that share a key, so a test can show
+    at scale that a key is only a hint and that :mod:`kvtier.index` confirms
+    every hit against the tokens. Nothing in kvtier constructs it; config
+    cannot reach it.
+    """
+    if not 0 < bits <= 8 * KEY_BYTES:
+        raise ValueError(f"bits must be in 1..{8 * KEY_BYTES}")
+    mask = (1 << bits) - 1
+
+    def hash128(data: bytes | memoryview, seed: int) -> bytes:
+        full = int.from_bytes(xxhash.xxh3_128_digest(data, seed), "big")
+        return (full & mask).to_bytes(KEY_BYTES, "big")
+
+    return hash128
+
+
 def _native_chain() -> Callable[[bytes, memoryview, int, int], list[bytes]] | None:
     """The C loop over blocks (``kvtier._native``), calling the xxhash library's own xxh3-128.
 

@@ -42,6 +42,7 @@ import numpy as np
 from kvtier.config import Config
 from kvtier.errors import KVTierError
 from kvtier.fetch import LoadHandle
+from kvtier.keys import KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager, StorePlan
 from kvtier.service import protocol as p
@@ -255,8 +256,12 @@ class CacheService:
         reservation_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         socket_group: int | None = None,
+        hasher: KeyHasher | None = None,
     ) -> None:
-        """``socket_group``: a gid whose members may connect too; the socket and slab are then 0660 in that group."""
+        """``socket_group``: a gid whose members may connect too; the socket and slab are then 0660 in that group.
+
+        ``hasher``: the manager's key hasher (tests pass a colliding one; None: the deployment's).
+        """
         self.layout = layout
         self.socket_group = socket_group
         self.model_fingerprint = model_fingerprint
@@ -268,7 +273,9 @@ class CacheService:
             raise ServiceRunningError(f"a cache service already answers at {self.socket_path}: stop it, or use another")
         self.slab_path = (slab_dir or default_slab_dir()) / f"kvtier-{os.getuid()}-{secrets.token_hex(6)}.slab"
         try:
-            self.manager = CacheManager(config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path)
+            self.manager = CacheManager(
+                config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path, hasher=hasher
+            )
             self._share_with_group(self.slab_path)
         except BaseException:
             self._drop_slab()  # shared memory outlives the process: never leave a slab behind
