@@ -316,13 +316,16 @@ class RouteConfig(_Section):
     health_interval_s: float = Field(1.0, gt=0, description="How often each backend's /health is asked.")
     retries: int = Field(1, ge=0, description="Other backends a request is sent to when one fails before a byte.")
     load_tokens: int = Field(
-        256, ge=0, description="Prefill tokens one running or queued request on a backend is counted as."
+        256, ge=0, description="Prefill tokens one request of another client on a backend is counted as (size unknown)."
+    )
+    queue_weight: float = Field(
+        1.0, ge=0, description="Weight of a backend's queued prefill tokens against a request's own; 0: prefix alone."
     )
     max_imbalance: int = Field(
-        2, ge=0, description="A backend this many requests above the least loaded is passed over, hot prefix or not."
+        8, ge=0, description="A backend this many requests above the least loaded is passed over, hot prefix or not."
     )
     approx_blocks: int = Field(
-        65536, ge=0, description="Block keys remembered per backend of what was routed there (used without events)."
+        65536, ge=0, description="Block keys kept per backend of what was routed there (a guess beyond its events)."
     )
     vllm_events: dict[str, str] = Field(
         default_factory=dict,

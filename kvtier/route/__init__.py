@@ -4,11 +4,11 @@ The files follow a request through the router:
 
 * :mod:`~kvtier.route.prompt`: the request's token ids and block keys, computed as the backends do;
 * :mod:`~kvtier.route.index`: which backend holds which key, in which tier (from their block
-  events), and a guess from what was routed where while a backend's events are lost;
+  events), and a guess from what was routed where (while a backend's events are lost, or not yet come);
 * :mod:`~kvtier.route.subscribe`: the event streams that keep that index (kvtier's and vLLM's);
 * :mod:`~kvtier.route.vllm`: vLLM's KV events (ZMQ, msgpack), its block hashes turned into kvtier keys;
 * :mod:`~kvtier.route.choice`: the policies that pick a backend (round robin, least loaded, kvtier);
-* :mod:`~kvtier.route.backends`: the backends' health and load;
+* :mod:`~kvtier.route.backends`: the backends' health and load (open requests, prefill tokens queued);
 * :mod:`~kvtier.route.proxy`: forwarding, chunk by chunk, with one retry before the first byte;
 * :mod:`~kvtier.route.app`: the OpenAI-compatible front, ``/stats`` and ``/metrics``.
 

@@ -47,6 +47,7 @@ def build_state(config: Config, backends: list[str]) -> RouterState:
     fleet = Fleet(
         {url: Backend(url) for url in backends},
         make_policy(config.route, prompts.block_size),
+        prompts.block_size,
         guesses=RoutedPrefixes(config.route.approx_blocks),
     )
     return RouterState(config, prompts, fleet, Counts())
@@ -92,6 +93,7 @@ def stats(state: RouterState) -> dict[str, Any]:
                 "events_live": b.events_live,
                 "load": b.load,
                 "open_requests": b.open_requests,
+                "queued_tokens": b.queued_tokens,
                 "requests": b.requests,
                 "failures": b.failures,
                 "indexed_blocks": fleet.index.blocks(b.url),
@@ -115,6 +117,7 @@ class RouterCollector(Collector):
             "kvtier_route_backend_up": ("1 while the backend answers its health checks.", "up"),
             "kvtier_route_backend_events_live": ("1 while its block events keep the index.", "events_live"),
             "kvtier_route_backend_load": ("Requests running or queued there.", "load"),
+            "kvtier_route_backend_queued_tokens": ("Prefill tokens sent there, no first token yet.", "queued_tokens"),
             "kvtier_route_backend_indexed_blocks": ("Block keys the index holds for it.", "indexed_blocks"),
         }
         for name, (doc, field) in per.items():

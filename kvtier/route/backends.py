@@ -9,7 +9,14 @@ Load is the requests this router has open there, known at once, plus those
 others sent: the backend's own ``engine.in_flight`` at its last ``/stats``
 less what this router had open there then. Only that difference is taken
 from the poll, since a poll is up to a health interval old and this
-router's own count never is.
+router's own count never is. Beside the count, the prefill queued there:
+each request adds the tokens it is predicted to prefill on that backend
+(from the index, when it is sent) until its first token arrives; that is
+the load the ``kvtier`` policy weighs, a request being as heavy as its miss.
+
+What a backend holds is the index, when its events are live, extended by
+what this router sent there itself beyond the index (a guess): the blocks
+of a turn that just ended may reach the router after the next turn does.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ from dataclasses import dataclass, field
 
 import httpx2 as httpx
 
-from kvtier.route.choice import Ask, CacheAware, Candidate, Policy, Ranking
+from kvtier.route.choice import Ask, CacheAware, Candidate, Policy, Ranking, prefill_cost
 from kvtier.route.index import BlockIndex, RoutedPrefixes
 from kvtier.route.prompt import RoutedPrompt
+from kvtier.tiers.base import TierKind
 
 log = logging.getLogger("kvtier.route")
 
@@ -35,6 +43,7 @@ class Backend:
     events_live: bool = False  # its event stream is open and agrees on keys: the index is exact for it
     open_requests: int = 0  # sent by this router and not finished
     others: int = 0  # requests other clients had running there at the last /stats
+    queued_tokens: int = 0  # prefill of this router's requests there that have no first token yet
     requests: int = 0
     failures: int = 0
     epoch: int = 0  # bumped when taken out: an event stream opened before then is stale
@@ -50,6 +59,7 @@ class Fleet:
 
     backends: dict[str, Backend]
     policy: Policy
+    block_size: int
     index: BlockIndex = field(default_factory=BlockIndex)
     guesses: RoutedPrefixes = field(default_factory=lambda: RoutedPrefixes(65536))
     reasons: Counter[str] = field(default_factory=Counter)
@@ -57,12 +67,19 @@ class Fleet:
     def up(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.up]
 
+    def held(self, backend: Backend, prompt: RoutedPrompt) -> tuple[TierKind | None, ...]:
+        """The fastest tier of each leading block of ``prompt`` on ``backend``; None where only routed there."""
+        known = self.index.match(backend.url, prompt.keys) if backend.events_live else []
+        routed = self.guesses.match(backend.url, prompt.keys)
+        return (*known, *(None,) * (routed - len(known)))
+
     def candidate(self, backend: Backend, prompt: RoutedPrompt) -> Candidate:
-        if backend.events_live:
-            cached: tuple = tuple(self.index.match(backend.url, prompt.keys))
-        else:
-            cached = (None,) * self.guesses.match(backend.url, prompt.keys)
-        return Candidate(backend.url, backend.load, cached)
+        held = self.held(backend, prompt)
+        return Candidate(backend.url, backend.load, held, backend.queued_tokens, backend.others)
+
+    def prefill(self, backend: Backend, prompt: RoutedPrompt) -> int:
+        """Tokens ``prompt`` is predicted to prefill on ``backend``: what it adds to the queue there."""
+        return round(prefill_cost(prompt.tokens, self.held(backend, prompt), self.block_size))
 
     def rank(self, prompt: RoutedPrompt) -> Ranking | None:
         """Live backends, preferred first; None when none is up."""

@@ -6,17 +6,29 @@ byte (:mod:`kvtier.route.proxy`). Policies read the candidates and never
 touch the network or the index (ask before acting); the only state they
 keep is their own (a rotation, the sessions' backends).
 
-The ``kvtier`` policy predicts a backend's cost in tokens to prefill:
+The ``kvtier`` policy predicts, in tokens to prefill, how long a request
+would wait for its first token on each backend, and picks the least:
 
-    cost = uncached tokens + sum over cached blocks of (block_size x tier weight)
-           + load x route.load_tokens
+    cost = its own prefill there (uncached tokens, plus cached blocks x block_size x tier weight)
+           + queue_weight x (prefill tokens already queued there
+                             + requests of other clients there x route.load_tokens)
 
 A block in the engine's own pool costs nothing; one in host memory a copy;
 one on disk a read; one in the remote tier a network fetch: each a small
-fraction of recomputing it, in that order. The balance guard passes over
-any backend more than ``route.max_imbalance`` requests above the least
-loaded one, so a hot prefix spreads instead of queueing on one backend; a
-session sticks to its last backend unless the guard passes it over.
+fraction of recomputing it, in that order. Load is counted in the same unit
+as the miss, prefill tokens, not requests: a request queued behind a hot
+prefix's tail (a few tokens) costs far less than recomputing the prefix
+elsewhere, and a backend prefilling a long cold prompt costs more than one
+running many short hits. A hot prefix therefore stays where it is cached
+until what is queued there outweighs recomputing it elsewhere: balance and
+cache are one measure, so neither overrides the other blindly (Dynamo's KV
+router likewise weighs a worker's prefill against its active blocks).
+``route.max_imbalance`` remains as a backstop in requests, for what tokens
+do not show: decoding requests, others' requests of unknown size.
+
+Session affinity breaks ties: a session goes back to its last backend when
+no other is cheaper, so its turns stay together while its prefix is still
+unannounced or absent everywhere.
 """
 
 from __future__ import annotations
@@ -41,8 +53,10 @@ class Candidate:
     """A live backend as a policy sees it."""
 
     name: str
-    load: int  # requests running or queued there
+    load: int  # requests running or queued there, this router's and other clients'
     cached: tuple[TierKind | None, ...] = ()  # fastest tier of each leading block it holds; None: a guess
+    queued_tokens: int = 0  # prefill this router sent there that has not yet produced its first token
+    foreign: int = 0  # of ``load``, requests other clients sent there: their prefill is unknown
 
 
 @dataclass(frozen=True)
@@ -57,8 +71,8 @@ class Reason(enum.StrEnum):
     ROTATION = "rotation"
     LEAST_LOADED = "least_loaded"
     CHEAPEST = "cheapest"
-    SESSION = "session"
-    SPILLED = "spilled"  # the guard passed over the backend holding the prompt or the session
+    SESSION = "session"  # the session's last backend, no other cheaper
+    SPILLED = "spilled"  # not where the most of the prompt, or the session, is: its queue or the guard moved it
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,7 @@ class Ranking:
 
 
 def prefill_cost(tokens: int, cached: Sequence[TierKind | None], block_size: int) -> float:
+    """Tokens worth of work before the first token: the uncached ones, plus the reload of the cached ones."""
     skipped = min(len(cached) * block_size, tokens)
     reload = sum(GUESS_WEIGHT if tier is None else TIER_WEIGHT[tier] for tier in cached) * block_size
     return tokens - skipped + reload
@@ -101,39 +116,31 @@ class LeastLoaded(Policy):
 
 
 class CacheAware(Policy):
-    def __init__(self, block_size: int, load_tokens: int, max_imbalance: int) -> None:
+    def __init__(self, block_size: int, load_tokens: int, max_imbalance: int, queue_weight: float = 1.0) -> None:
         super().__init__()
         self.block_size = block_size
         self.load_tokens = load_tokens
         self.max_imbalance = max_imbalance
+        self.queue_weight = queue_weight
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> its last backend
 
+    def queued(self, c: Candidate) -> float:
+        """Prefill ahead of a new request on ``c``: what this router queued there, others' at a flat guess."""
+        return c.queued_tokens + c.foreign * self.load_tokens
+
     def cost(self, ask: Ask, c: Candidate) -> float:
-        return prefill_cost(ask.tokens, c.cached, self.block_size) + c.load * self.load_tokens
+        return prefill_cost(ask.tokens, c.cached, self.block_size) + self.queue_weight * self.queued(c)
 
     def rank(self, ask: Ask, candidates: Sequence[Candidate]) -> Ranking:
         floor = min(c.load for c in candidates)
         fit = [c for c in candidates if c.load <= floor + self.max_imbalance]
         over = sorted((c for c in candidates if c.load > floor + self.max_imbalance), key=lambda c: c.load)
-        order = sorted(self._rotated(fit), key=lambda c: self.cost(ask, c)) + over
-        reason = Reason.CHEAPEST
         sticky = self._sessions.get(ask.session) if ask.session is not None else None
-        if sticky is not None and any(c.name == sticky for c in fit):
-            order.sort(key=lambda c: c.name != sticky)  # stable: the rest keep their cost order
-            reason = Reason.SESSION
-        elif sticky is not None or self._best_is_over(ask, candidates, over):
-            reason = Reason.SPILLED
+        order = sorted(self._rotated(fit), key=lambda c: (self.cost(ask, c), c.name != sticky)) + over
         first = order[0]
         self._remember(ask.session, first.name)
         cached = min(len(first.cached) * self.block_size, ask.tokens)
-        return Ranking([c.name for c in order], reason, cached)
-
-    def _best_is_over(self, ask: Ask, candidates: Sequence[Candidate], over: list[Candidate]) -> bool:
-        """Whether the guard moved this request: the backend holding most of it was passed over."""
-        if not over:
-            return False
-        most = max(candidates, key=lambda c: len(c.cached))
-        return bool(most.cached) and most in over
+        return Ranking([c.name for c in order], _reason(first, sticky, candidates), cached)
 
     def _remember(self, session: str | None, backend: str) -> None:
         if session is None:
@@ -149,9 +156,19 @@ class CacheAware(Policy):
             del self._sessions[session]
 
 
+def _reason(first: Candidate, sticky: str | None, candidates: Sequence[Candidate]) -> Reason:
+    """Why ``first`` won: its session's backend; or not where the prompt or session is (spilled); or cheapest."""
+    if first.name == sticky:
+        return Reason.SESSION
+    most = max(len(c.cached) for c in candidates)
+    if len(first.cached) < most or any(c.name == sticky for c in candidates):
+        return Reason.SPILLED
+    return Reason.CHEAPEST
+
+
 def make_policy(config: RouteConfig, block_size: int) -> Policy:
     if config.policy is RoutePolicy.ROUND_ROBIN:
         return RoundRobin()
     if config.policy is RoutePolicy.LEAST_LOADED:
         return LeastLoaded()
-    return CacheAware(block_size, config.load_tokens, config.max_imbalance)
+    return CacheAware(block_size, config.load_tokens, config.max_imbalance, config.queue_weight)

@@ -8,7 +8,9 @@ is how much of the prompt it can skip. Two views answer that question:
 * :class:`RoutedPrefixes`, a guess: the keys of the prompts the router sent
   to each backend, least recently routed forgotten first. It is a radix tree
   in effect (each key is a node whose parent is the previous key), and it is
-  what the router falls back on for a backend whose event stream is lost.
+  what the router falls back on for a backend whose event stream is lost,
+  and, beyond the exact index, for blocks sent there whose events have not
+  come yet; a removal event or a snapshot ends such a guess.
 """
 
 from __future__ import annotations
@@ -38,17 +40,21 @@ class BlockIndex:
         for key in keys:
             held[key] = held.get(key, 0) | bit
 
-    def removed(self, backend: str, tier: TierKind, keys: Iterable[BlockKey]) -> None:
+    def removed(self, backend: str, tier: TierKind, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """Those of ``keys`` the backend now holds in no tier at all."""
         held, keep = self._held.get(backend, {}), ~_BIT[tier]
+        gone = []
         for key in keys:
             mask = held.get(key, 0) & keep
             if mask:
                 held[key] = mask
             else:
                 held.pop(key, None)
+                gone.append(key)
+        return gone
 
-    def cleared(self, backend: str, tier: TierKind) -> None:
-        self.removed(backend, tier, list(self._held.get(backend, {})))
+    def cleared(self, backend: str, tier: TierKind) -> list[BlockKey]:
+        return self.removed(backend, tier, list(self._held.get(backend, {})))
 
     def replace(self, backend: str, tiers: Mapping[TierKind, Iterable[BlockKey]]) -> None:
         """A snapshot: forget what was known of ``backend`` and take this instead."""
@@ -104,6 +110,12 @@ class RoutedPrefixes:
 
     def drop(self, backend: str) -> None:
         self._keys.pop(backend, None)
+
+    def forget(self, backend: str, keys: Iterable[BlockKey]) -> None:
+        """The backend is known to hold ``keys`` no more (its events said so): no longer a guess."""
+        held = self._keys.get(backend, {})
+        for key in keys:
+            held.pop(key, None)
 
     def match(self, backend: str, keys: Sequence[BlockKey]) -> int:
         held = self._keys.get(backend, {})

@@ -9,6 +9,11 @@ held back until then (:func:`_carries_output`). After the first byte the answer 
 the client as they arrive, unchanged (the router never re-encodes an SSE
 stream), and the router holds no more of it than the chunk in hand.
 
+While a request waits for its first output it counts in its backend's load
+twice: one open request, and the tokens it is predicted to prefill there
+(:meth:`~kvtier.route.backends.Fleet.prefill`), which the ``kvtier`` policy
+weighs; the tokens leave the queue with the first output.
+
 A refused or reset connection takes the backend out at once
 (:meth:`~kvtier.route.backends.Fleet.take_out`): the next requests do not
 wait for the health loop to notice.
@@ -16,6 +21,7 @@ wait for the health loop to notice.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -129,6 +135,23 @@ async def _attempt(
     return response, chunks, first
 
 
+async def _sent(
+    fleet: Fleet, client: httpx.AsyncClient, backend: Backend, prompt: RoutedPrompt, request: tuple[str, bytes, dict]
+) -> tuple[httpx.Response, AsyncIterator[bytes], bytes] | Failed:
+    """:func:`_attempt`, counted in the backend's load: one more open request, and its prefill queued there
+    from sending until its first output (or its failure), when the prefill is over."""
+    prefill = fleet.prefill(backend, prompt)
+    backend.open_requests += 1
+    backend.queued_tokens += prefill
+    try:
+        return await _attempt(client, backend, *request)
+    except asyncio.CancelledError:  # the client went away first: nothing will relay, so nothing else closes it
+        backend.open_requests -= 1
+        raise
+    finally:
+        backend.queued_tokens -= prefill
+
+
 async def forward(
     fleet: Fleet,
     client: httpx.AsyncClient,
@@ -146,8 +169,7 @@ async def forward(
         backend = fleet.backends[url]
         if i:
             counts.retried += 1
-        backend.open_requests += 1
-        got = await _attempt(client, backend, path, body, headers)
+        got = await _sent(fleet, client, backend, prompt, (path, body, headers))
         if isinstance(got, Failed):
             backend.open_requests -= 1
             backend.failures += 1

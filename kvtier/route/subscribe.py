@@ -47,13 +47,14 @@ def apply(fleet: Fleet, backend: Backend, prompts: Prompts, line: bytes) -> None
             raise KeyMismatch(f"{url} keys blocks differently (check the secret file, model, dtype and block size)")
     elif isinstance(event, Snapshot):
         fleet.index.replace(url, {tier: _keys(keys) for tier, keys in event.tiers.items()})
+        fleet.guesses.drop(url)
         backend.events_live = True
     elif isinstance(event, Stored):
         fleet.index.stored(url, event.tier, _keys(event.keys))
     elif isinstance(event, Removed):
-        fleet.index.removed(url, event.tier, _keys(event.keys))
+        fleet.guesses.forget(url, fleet.index.removed(url, event.tier, _keys(event.keys)))
     elif isinstance(event, Cleared):
-        fleet.index.cleared(url, event.tier)
+        fleet.guesses.forget(url, fleet.index.cleared(url, event.tier))
 
 
 async def _read(fleet: Fleet, backend: Backend, prompts: Prompts, client: httpx.AsyncClient, token: str | None) -> None:
@@ -111,7 +112,7 @@ async def follow_vllm(fleet: Fleet, backend: Backend, prompts: Prompts, endpoint
     except ImportError:
         log.error("%s: following vLLM's KV events needs pyzmq (pip install 'kvtier[route-vllm]')", backend.url)
         return
-    keys = VllmKeys(backend.url, prompts.hasher, prompts.namespace, fleet.index)
+    keys = VllmKeys(backend.url, prompts.hasher, prompts.namespace, fleet.index, fleet.guesses)
     context = zmq.asyncio.Context.instance()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, b"")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier.keys import BlockKey, KeyHasher
-from kvtier.route.index import BlockIndex
+from kvtier.route.index import BlockIndex, RoutedPrefixes
 from kvtier.tiers.base import TierKind
 
 log = logging.getLogger("kvtier.route")
@@ -76,12 +76,15 @@ class VllmCounts:
 class VllmKeys:
     """One vLLM backend's hashes, translated to kvtier keys and applied to the index."""
 
-    def __init__(self, backend: str, hasher: KeyHasher, namespace: str, index: BlockIndex) -> None:
+    def __init__(
+        self, backend: str, hasher: KeyHasher, namespace: str, index: BlockIndex, guesses: RoutedPrefixes | None = None
+    ) -> None:
         self.backend = backend
         self.counts = VllmCounts()
         self._hasher = hasher
         self._namespace = namespace
         self._index = index
+        self._guesses = guesses  # what the router sent there: a removal ends the guess too
         self._keys: OrderedDict[VllmHash, BlockKey] = OrderedDict()
 
     def apply(self, payload: bytes) -> None:
@@ -92,7 +95,7 @@ class VllmKeys:
             elif isinstance(event, BlockRemoved):
                 self._removed(event)
             else:
-                self._index.cleared(self.backend, TierKind.DEVICE)
+                self._forget(self._index.cleared(self.backend, TierKind.DEVICE))
 
     def _stored(self, event: BlockStored) -> None:
         n = len(event.block_hashes)
@@ -113,8 +116,12 @@ class VllmKeys:
 
     def _removed(self, event: BlockRemoved) -> None:
         keys = [k for h in event.block_hashes if (k := self._keys.get(h)) is not None]
-        self._index.removed(self.backend, MEDIUM_TIER.get(event.medium, TierKind.HOST), keys)
+        self._forget(self._index.removed(self.backend, MEDIUM_TIER.get(event.medium, TierKind.HOST), keys))
         self.counts.removed += len(keys)
+
+    def _forget(self, gone: list[BlockKey]) -> None:
+        if self._guesses is not None:
+            self._guesses.forget(self.backend, gone)
 
 
 def split(frames: list[bytes]) -> tuple[int, bytes]:

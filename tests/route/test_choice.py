@@ -31,30 +31,69 @@ def test_cost_weights_tiers_fastest_cheapest() -> None:
     assert prefill_cost(100, [D, D], B) < prefill_cost(100, [H, H], B) < prefill_cost(100, [K, K], B) < 100
 
 
-def test_kvtier_prefers_the_backend_holding_the_prompt_unless_it_is_overloaded() -> None:
+def test_kvtier_prefers_the_backend_holding_the_prompt_until_its_queue_costs_more() -> None:
     policy = CacheAware(B, load_tokens=256, max_imbalance=2)
     holds = [Candidate("a", 0), Candidate("b", 0, (H,) * 6), Candidate("c", 0, (D,))]
-    ranking = policy.rank(Ask(100), holds)
+    ranking = policy.rank(Ask(100), holds)  # costs: a 100, b 4 + 96 x 0.05 = 8.8, c 84
     assert (ranking.order, ranking.reason, ranking.predicted_cached_tokens) == (["b", "c", "a"], Reason.CHEAPEST, 96)
-    busy = [Candidate("a", 0), Candidate("b", 2, (H,) * 6)]
-    assert policy.rank(Ask(100), busy).order == ["a", "b"]  # a queued request costs more than 96 tokens
-    hot = [Candidate("a", 0), Candidate("b", 3, (D,) * 60)]  # past the guard, however much it holds
+    tails = [Candidate("a", 0), Candidate("b", 2, (H,) * 6, queued_tokens=90)]
+    assert policy.rank(Ask(100), tails).order == ["b", "a"]  # two queued requests, but short ones: 98.8 < 100
+    longer = [Candidate("a", 0), Candidate("b", 1, (H,) * 6, queued_tokens=92)]
+    ranking = policy.rank(Ask(100), longer)  # one request, but a long prefill queued: 100.8 > 100
+    assert (ranking.order, ranking.reason) == (["a", "b"], Reason.SPILLED)
+    foreign = [Candidate("a", 0), Candidate("b", 1, (H,) * 6, foreign=1)]  # another client's: counted 256
+    assert policy.rank(Ask(100), foreign).order == ["a", "b"]
+    hot = [Candidate("a", 0), Candidate("b", 3, (D,) * 60)]  # past the backstop, however much it holds
     ranking = policy.rank(Ask(1000), hot)
     assert (ranking.order, ranking.reason) == (["a", "b"], Reason.SPILLED)
+    prefix_alone = CacheAware(B, load_tokens=0, max_imbalance=10**6, queue_weight=0.0)
+    assert prefix_alone.rank(Ask(100), [Candidate("a", 0), Candidate("b", 9, (H,) * 6, 10**6)]).order == ["b", "a"]
 
 
-def test_a_session_sticks_to_its_backend_until_the_guard_moves_it() -> None:
+def burst(policy: CacheAware, prefix_blocks: int, tail: int, n: int, cold_queued: int = 0) -> list[str]:
+    """``n`` requests on one hot prefix held by "hot", none answered meanwhile, each queued where it went
+    as the router queues it (its predicted prefill, one more request)."""
+    queued = {"hot": cold_queued, "x": 0, "y": 0}
+    load = dict.fromkeys(queued, 0)
+    tokens = prefix_blocks * B + tail
+    out = []
+    for _ in range(n):
+        cands = [Candidate(b, load[b], (D,) * prefix_blocks if b == "hot" else (), queued[b]) for b in queued]
+        first = next(c for c in cands if c.name == policy.rank(Ask(tokens, "hot-session"), cands).order[0])
+        queued[first.name] += round(prefill_cost(tokens, first.cached, B))
+        load[first.name] += 1
+        out.append(first.name)
+    return out
+
+
+def test_a_hot_prefix_stays_where_it_is_cached_while_its_queue_is_tails() -> None:
+    """The skewed stream: sub-agents of one session on one long prefix. A tail queued behind the prefix's
+    backend is cheaper than the prefix recomputed elsewhere, so the default policy keeps the burst there
+    (as the prefix alone would), which a guard counting requests did not."""
+    policy = CacheAware(B, load_tokens=256, max_imbalance=8)
+    assert burst(policy, prefix_blocks=80, tail=20, n=9) == ["hot"] * 9
+    assert burst(policy, 80, 20, n=10)[-1] != "hot"  # the backstop: nine requests ahead of the least loaded
+    by_requests = CacheAware(B, load_tokens=256, max_imbalance=2)  # the old guard's setting
+    assert burst(by_requests, 80, 20, n=4).count("hot") == 3
+    # A cold prompt as long as the prefix already queued there: waiting for it costs more than recomputing.
+    assert burst(policy, 80, 20, n=1, cold_queued=1300) == ["x"]
+    assert burst(policy, 80, 20, n=1, cold_queued=1200) == ["hot"]
+
+
+def test_a_session_breaks_ties_and_follows_its_cost() -> None:
     policy = CacheAware(B, load_tokens=256, max_imbalance=2)
     idle = [Candidate("a", 0), Candidate("b", 0)]
-    first = policy.rank(Ask(10, "s"), idle).order[0]
-    other = "b" if first == "a" else "a"
-    again = policy.rank(Ask(10, "s"), [Candidate(first, 1), Candidate(other, 0, (D,))])
-    assert (again.order[0], again.reason) == (first, Reason.SESSION)  # stays, though the other is cheaper
-    moved = policy.rank(Ask(10, "s"), [Candidate(first, 3), Candidate(other, 0)])
-    assert (moved.order[0], moved.reason) == (other, Reason.SPILLED)
-    assert policy.rank(Ask(10, "s"), [Candidate(first, 0), Candidate(other, 0)]).order[0] == other  # it moved
-    policy.forget(other)
-    assert policy.rank(Ask(10, "s"), [Candidate(first, 0, (D,)), Candidate(other, 0)]).reason is Reason.CHEAPEST
+    first = policy.rank(Ask(10, "s"), idle)
+    assert (first.order[0], first.reason) == ("a", Reason.CHEAPEST)  # a tie, first in the rotation
+    again = policy.rank(Ask(10, "s"), idle)  # the rotation now starts at b: the session decides the tie
+    assert (again.order[0], again.reason) == ("a", Reason.SESSION)
+    cheaper = policy.rank(Ask(10, "s"), [Candidate("a", 0), Candidate("b", 0, (D,))])
+    assert (cheaper.order[0], cheaper.reason) == ("b", Reason.SPILLED)  # the cache beats the session
+    queued = policy.rank(Ask(10, "s"), [Candidate("a", 0), Candidate("b", 1, queued_tokens=1)])
+    assert (queued.order[0], queued.reason) == ("a", Reason.SPILLED)  # and so does a queue
+    assert policy.rank(Ask(10, "s"), idle).order[0] == "a"  # it moved back
+    policy.forget("a")
+    assert policy.rank(Ask(10, "s"), [Candidate("a", 0, (D,)), Candidate("b", 0)]).reason is Reason.CHEAPEST
 
 
 def test_index_follows_stores_removals_and_clears_per_tier() -> None:

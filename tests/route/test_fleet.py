@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.events import ENCODER, Hello, Snapshot, Stored
+from kvtier.events import ENCODER, Hello, Removed, Snapshot, Stored
 from kvtier.keys import BlockKey
 from kvtier.route.backends import Backend, Fleet
-from kvtier.route.choice import CacheAware
+from kvtier.route.choice import CacheAware, Candidate
 from kvtier.route.prompt import RoutedPrompt
 from kvtier.route.subscribe import KeyMismatch, apply, lost
 from kvtier.tiers.base import TierKind
@@ -32,7 +32,7 @@ def line(event: object) -> bytes:
 
 def make_fleet() -> Fleet:
     backends = {u: Backend(u, up=True) for u in ("a", "b")}
-    return Fleet(backends, CacheAware(16, load_tokens=256, max_imbalance=2))
+    return Fleet(backends, CacheAware(16, load_tokens=256, max_imbalance=2), 16)
 
 
 def test_events_then_loss_then_guesses_then_snapshot() -> None:
@@ -73,3 +73,29 @@ def test_a_dead_backend_is_forgotten_and_never_ranked() -> None:
     assert fleet.rank(prompt).order == ["b"]
     fleet.take_out(b, "test")
     assert fleet.rank(prompt) is None
+
+
+def test_blocks_sent_but_not_yet_announced_count_as_guesses_until_a_removal_or_snapshot() -> None:
+    fleet, prompts = make_fleet(), FakePrompts()
+    a = fleet.backends["a"]
+    ks = keys(4)
+    prompt = RoutedPrompt(70, ks, None, False)
+    apply(fleet, a, prompts, line(Hello(1, 16, ROOT, [H])))
+    apply(fleet, a, prompts, line(Snapshot({H: [ks[0].hex()]})))
+    assert fleet.prefill(a, prompt) == 70 - 16 + round(16 * 0.05)
+    fleet.routed(a, prompt)  # its stored events are still on their way
+    assert fleet.candidate(a, prompt).cached == (H, None, None, None)
+    assert fleet.prefill(a, prompt) == round(70 - 64 + 16 * 0.05 + 3 * 16 * 0.2)
+    apply(fleet, a, prompts, line(Stored(H, [k.hex() for k in ks[1:]])))
+    apply(fleet, a, prompts, line(Removed(H, [ks[2].hex()])))  # evicted: not a guess any more either
+    assert fleet.candidate(a, prompt).cached == (H, H)
+    fleet.routed(a, prompt)
+    apply(fleet, a, prompts, line(Snapshot({H: [ks[0].hex()]})))  # the snapshot is the truth
+    assert fleet.candidate(a, prompt).cached == (H,)
+
+
+def test_queued_prefill_is_a_candidates_load() -> None:
+    fleet = make_fleet()
+    a = fleet.backends["a"]
+    a.open_requests, a.queued_tokens, a.others = 2, 300, 1
+    assert fleet.candidate(a, RoutedPrompt(40, keys(2), None, False)) == Candidate("a", 3, (), 300, 1)

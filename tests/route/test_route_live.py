@@ -103,6 +103,21 @@ def test_stream_passes_through_unchanged(two: Fleet) -> None:
     assert [_without_ids(e) for e in via_router] == [_without_ids(e) for e in straight]
 
 
+def _load(two: Fleet, url: str) -> tuple[int, int]:
+    b = next(b for b in two.stats()["backends"] if b["url"] == url)
+    return b["open_requests"], b["queued_tokens"]
+
+
+def test_a_requests_prefill_leaves_the_queue_at_its_first_output(two: Fleet) -> None:
+    body = {"messages": conversation(30), "max_tokens": 8, "temperature": 0, "stream": True}
+    with requests.post(two.router.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as r:
+        events = r.iter_lines()
+        next(line for line in events if line.startswith(b"data: "))  # the router relays from the first output on
+        assert _load(two, r.headers[BACKEND]) == (1, 0)  # still open, nothing left to prefill
+        assert b"data: [DONE]" in list(events)
+    assert _load(two, r.headers[BACKEND]) == (0, 0)
+
+
 def _backend_counts(backend: Proc) -> dict[str, int]:
     """Keys per tier from a fresh subscription's snapshot: what the backend holds now."""
     with requests.get(

@@ -85,7 +85,7 @@ def test_follow_vllm_over_zmq_fills_the_index_and_drops_it_on_a_gap() -> None:
     _, hasher, _ = make()
     prompts = SimpleNamespace(hasher=hasher, namespace="default")
     backend = Backend("http://vllm", up=True)
-    fleet = Fleet({backend.url: backend}, RoundRobin())
+    fleet = Fleet({backend.url: backend}, RoundRobin(), 16)
     keys = hasher.keys(list(range(12)), "default")
     pub = zmq.Context.instance().socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
