@@ -329,7 +329,15 @@ def run_lmcache(python: Path, tokens: int, reps: int, max_tokens: int, work: Pat
 
 
 LLAMACPP_PYTHON = REPO / ".venv-peer-llamacpp" / "bin" / "python"
-LLAMACPP_RUNNER = REPO / "tests" / "engines" / "runners" / "llamacpp_runner.py"
+LLAMACPP_RUNNER = RUNNERS / "llamacpp_runner.py"
+
+
+def llamacpp_engine(
+    python: Path, log: Path, model: str | Path, socket: str | Path | None, *, n_threads: int, n_ctx: int
+) -> EngineProcess:
+    """A llama-cpp-python ``serve`` process (``socket`` None: no cache, the reference output)."""
+    args = ["serve", "--model", str(model), "--n-threads", str(n_threads), "--n-ctx", str(n_ctx)]
+    return EngineProcess(python, LLAMACPP_RUNNER.name, args + (["--socket", str(socket)] if socket else []), log)
 
 
 def run_llamacpp(python: Path, tokens: int, reps: int, max_tokens: int, work: Path) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Runs only under ``--engines``: it needs llama-cpp-python's venv with kvtier
 installed in it (``ENGINES_LLAMACPP_PYTHON``, default
 ``.venv-peer-llamacpp/bin/python``). Every Llama here is a separate process
-(``tests/engines/runners/llamacpp_runner.py``), greedy, two threads; the
+(``bench/engines/llamacpp_runner.py``), greedy, two threads; the
 cache service runs on a thread of this process over a real disk tier, so the
 test can stop, restart and damage it. One module-wide story, in order.
 """
@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.bench.engines import LLAMACPP_RUNNER, EngineProcess, llamacpp_engine
 from kvtier.config import load_config
 from kvtier.connectors.llamacpp_store import state_name
 from kvtier.identity import kv_identity_for
 from kvtier.model import default_gguf_path
 from kvtier.service import CacheService
-from tests.engines.runners.llamacpp_runner import Engine, engine_args
 
 pytestmark = pytest.mark.engines
 
@@ -103,9 +103,8 @@ def service(work: Path):
     s.stop()
 
 
-def llama(python: Path, work: Path, name: str, socket: Path | None) -> Engine:
-    args = engine_args(default_gguf_path(), socket, n_threads=N_THREADS, n_ctx=N_CTX)
-    return Engine(python, args, work / f"{name}.log")
+def llama(python: Path, work: Path, name: str, socket: Path | None) -> EngineProcess:
+    return llamacpp_engine(python, work / f"{name}.log", default_gguf_path(), socket, n_threads=N_THREADS, n_ctx=N_CTX)
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +206,7 @@ def test_the_benchmark_mode_reports_a_hit_with_the_same_output(
         spec = work / "bench-prompts.json"
         short = p[:1000]  # the mode is what is tested here, not the figures
         spec.write_text(json.dumps({"prompts": [short], "question": pq[len(p) :]}))
-        runner = ROOT / "tests" / "engines" / "runners" / "llamacpp_runner.py"
-        args = [str(llama_python), str(runner), "bench", "--model", str(default_gguf_path())]
+        args = [str(llama_python), str(LLAMACPP_RUNNER), "bench", "--model", str(default_gguf_path())]
         args += ["--socket", f"unix://{bench.socket}", "--prompts", str(spec), "--work", str(work / "bench-logs")]
         done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT, check=False)
         assert done.returncode == 0, done.stderr[-3000:]

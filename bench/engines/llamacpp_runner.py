@@ -18,8 +18,9 @@ answers a lookup): the reference output, computed from nothing.
 prints one ``KVTIER {json}`` line. The prompts come from a JSON file
 (``{"prompts": [[ids], ...], "question": [ids]}``), written by whoever calls.
 
-The parent side (:class:`Engine`) needs no llama_cpp: the in-engine tests
-drive this script from kvtier's own venv with it.
+The parent side is kvtier's :func:`kvtier.bench.engines.llamacpp_engine`
+(an ``EngineProcess``): the in-engine tests, ``kvtier bench engines`` and this
+script's own ``bench`` mode all drive ``serve`` processes with it.
 """
 
 from __future__ import annotations
@@ -27,96 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 PREFIX = "KVTIER "
-
-
-# -- the parent's side -------------------------------------------------------------------------------
-class EngineFailed(RuntimeError):
-    pass
-
-
-class Engine:
-    """A ``serve`` process: started with ``python`` (llama's venv), asked one command at a time, stopped by PID."""
-
-    def __init__(self, python: str | Path, args: Sequence[str], log: Path, *, timeout: float = 600.0) -> None:
-        self.log = log
-        self.timeout = timeout
-        with log.open("a") as err:
-            self.proc = subprocess.Popen(
-                [str(python), __file__, "serve", *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                cwd=Path(__file__).resolve().parents[3],
-            )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.ready = self._reply()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _reply(self) -> dict[str, Any]:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise EngineFailed(f"no answer in {self.timeout:.0f} s:\n{self.tail()}") from None
-            if line is None:
-                raise EngineFailed(f"the engine exited (rc {self.proc.wait()}):\n{self.tail()}")
-            if line.startswith(PREFIX):
-                return json.loads(line[len(PREFIX) :])
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def generate(self, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": "generate", "prompt": list(prompt), "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def close(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.close()
-                self.proc.wait(timeout)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def engine_args(model: str | Path, socket: str | Path | None, *, n_threads: int, n_ctx: int) -> list[str]:
-    args = ["--model", str(model), "--n-threads", str(n_threads), "--n-ctx", str(n_ctx)]
-    return args + (["--socket", str(socket)] if socket is not None else [])
 
 
 # -- the engine's side -------------------------------------------------------------------------------
@@ -238,7 +157,10 @@ def bench(args: argparse.Namespace) -> int:
     Medians over the prompts (each one cold once). ``same_output``: every
     hit's greedy tokens equal a run of the same prompt with no cache at all.
     """
+    from kvtier.bench.engines import llamacpp_engine
+
     spec = json.loads(Path(args.prompts).read_text())
+    py = Path(sys.executable)
     question, work = spec["question"], Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     kw = {"n_threads": args.n_threads, "n_ctx": args.n_ctx}
@@ -246,11 +168,11 @@ def bench(args: argparse.Namespace) -> int:
     setting: dict[str, Any] = {}
     for i, prompt in enumerate(spec["prompts"]):
         asked = prompt + question
-        with Engine(sys.executable, engine_args(args.model, None, **kw), work / f"alone-{i}.log") as alone:
+        with llamacpp_engine(py, work / f"alone-{i}.log", args.model, None, **kw) as alone:
             reference = alone.generate(asked, args.max_tokens)["tokens"]
-        with Engine(sys.executable, engine_args(args.model, args.socket, **kw), work / f"cold-{i}.log") as cold:
+        with llamacpp_engine(py, work / f"cold-{i}.log", args.model, args.socket, **kw) as cold:
             runs["cold_s"].append(cold.generate(prompt, args.max_tokens)["ttft_s"])
-        with Engine(sys.executable, engine_args(args.model, args.socket, **kw), work / f"hit-{i}.log") as hit:
+        with llamacpp_engine(py, work / f"hit-{i}.log", args.model, args.socket, **kw) as hit:
             got = hit.generate(asked, args.max_tokens)
             setting = {**hit.ready["setting"], "llama_cpp": hit.ready["llama_cpp"], "max_tokens": args.max_tokens}
         runs["hit_s"].append(got["ttft_s"])
