@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import KVTierError, warn_once
-from kvtier.private import private_dir
+from kvtier.private import private_dir, sync_dir
 
 BlockKey = NewType("BlockKey", bytes)
 """16 bytes: the xxh3-128 digest (big-endian, as ``xxhash`` returns it)."""
@@ -167,6 +167,7 @@ class Secret:
                 pass  # another process won the race; use its secret
             finally:
                 tmp.unlink()
+            sync_dir(path.parent)  # the name too: blocks keyed by a secret lost to a power cut are all lost
         raw = path.read_bytes()
         if len(raw) != SECRET_BYTES:
             raise ValueError(f"{path}: expected {SECRET_BYTES} bytes, found {len(raw)}")

@@ -1,4 +1,4 @@
-"""Files only this user may read: directories 0700, files 0600, whatever the umask.
+"""Files only this user may read (directories 0700, files 0600, whatever the umask), whose names survive a power cut.
 
 The data directory holds the key secret, and the disk tier holds every
 tenant's KV and (keyed digests of) their prompts' blocks: another local user
@@ -6,6 +6,13 @@ must not read any of it. ``mkdir``/``open`` modes are masked by the umask,
 which can only remove bits, so a mode of 0700/0600 is never looser than asked;
 it is the files made before this rule (or by a library that ignores it) that
 need the ``chmod``, hence :func:`make_private` on what already exists.
+
+A name is durable only once its directory is synced: ``fsync`` on a new file
+makes its bytes durable, not the entry that names it, so after a power cut
+a file synced a thousand times can be gone. Whoever creates a directory
+(:func:`private_dir`) or a file that must outlive a crash (the key secret,
+a slab file, the LMDB index) syncs the directory that holds it
+(:func:`sync_dir`) before anything that depends on it is acknowledged.
 """
 
 from __future__ import annotations
@@ -34,8 +41,26 @@ def private_dir(path: Path) -> Path:
         except FileExistsError:
             continue  # made meanwhile by another process
         os.chmod(p, DIR_MODE)  # exactly 0700, even under a umask that also masks owner bits
+        sync_dir(p.parent)
     make_private(path)
     return path
+
+
+def sync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (its new, renamed and removed names).
+
+    A directory that cannot be synced (no read permission, a filesystem
+    without directory fsync) is logged once: its names may not survive a
+    power cut, which costs cached blocks, never wrong ones.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        warn_once("sync-dir", "cannot sync directory %s (%s); new files in it may not survive a power cut", path, err)
 
 
 def make_private(path: Path) -> None:

@@ -63,7 +63,7 @@ from kvtier.config import DiskIO, FsyncMode, OnCorrupt, OnMismatch
 from kvtier.errors import DiskCorruptError, DiskUnavailableError, KVTierError, TierMismatchError, warn_once
 from kvtier.keys import DIGEST_BYTES, KEY_BYTES, BlockDigest, BlockKey
 from kvtier.layout import KVLayout
-from kvtier.private import FILE_MODE, make_private, private_dir
+from kvtier.private import FILE_MODE, make_private, private_dir, sync_dir
 from kvtier.stats import DiskStats
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord, TierKind
@@ -368,6 +368,7 @@ class DiskTier:
             raise
         for name in ("data.mdb", "lock.mdb"):
             make_private(index / name)  # made before this rule, or under a looser umask
+        sync_dir(index)  # LMDB syncs its file at every commit, never the name that finds it
         return env
 
     def _open_slabs(self) -> dict[int, int]:
@@ -404,6 +405,7 @@ class DiskTier:
         try:
             if os.fstat(fd).st_size < size:
                 self._preallocate(fd, path, size)
+            sync_dir(self.path)  # before any block in it is acknowledged: a synced file without a name is lost
         except BaseException:
             os.close(fd)
             raise
