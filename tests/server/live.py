@@ -91,14 +91,20 @@ def _wait_healthy(server: LiveServer, timeout_s: float) -> None:
 
 
 @contextmanager
-def running(tmp: Path, sections: dict[str, Any] | None = None, **server: Any) -> Iterator[LiveServer]:
-    """``kvtier serve`` with ``server`` settings (and other config ``sections``); SIGTERM, then SIGKILL, on exit."""
+def running(
+    tmp: Path, sections: dict[str, Any] | None = None, *, verbose: bool = False, **server: Any
+) -> Iterator[LiveServer]:
+    """``kvtier serve`` with ``server`` settings (and other config ``sections``); SIGTERM, then SIGKILL, on exit.
+
+    ``verbose``: ``kvtier -v``, INFO logs (what a test that reads the log wants to see all of).
+    """
     config = write_config(tmp, server, sections)
     port = free_port()
     log = tmp / "server.log"
+    flags = ["-v"] if verbose else []
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "--config", str(config), "serve", "--port", str(port)],
+            [sys.executable, "-m", "kvtier.cli", *flags, "--config", str(config), "serve", "--port", str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
