@@ -171,13 +171,19 @@ class Framer:
 
     @staticmethod
     def verify(header: Header, payload: memoryview | bytes | np.ndarray) -> None:
-        """:class:`FrameError` unless ``payload`` hashes to what its authentic header says.
+        """:class:`FrameError` unless ``payload`` hashes to what its authentic header says."""
+        Framer.verify_hash(header, blake3.blake3(payload).digest())
 
-        The remote tier checks the copy it made in the host slot rather than
-        the received value: the slot's bytes are what would be served, and
-        hashing them right after the copy reads them from cache, not memory.
-        """
-        if not hmac.compare_digest(blake3.blake3(payload).digest(), header.payload_hash):
+    @staticmethod
+    def payload_hasher() -> blake3.blake3:
+        """The hash of :meth:`verify`, to be fed piece by piece: the remote tier hashes a payload as it lands,
+        each piece while it is still in the core's cache, then checks the result with :meth:`verify_hash`."""
+        return blake3.blake3()
+
+    @staticmethod
+    def verify_hash(header: Header, payload_hash: bytes) -> None:
+        """:class:`FrameError` unless ``payload_hash`` (of the bytes that would be served) is the header's."""
+        if not hmac.compare_digest(payload_hash, header.payload_hash):
             raise FrameError(Rejection.BAD_PAYLOAD)
 
     def payload(self, key: BlockKey, value: bytes, digest: BlockDigest) -> memoryview:

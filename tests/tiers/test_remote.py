@@ -11,9 +11,10 @@ import torch
 
 from kvtier.config import RemoteConfig
 from kvtier.keys import BlockKey, Secret
+from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.breaker import BreakerState
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote import HASH_STEP, RemoteTier
 from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Rejection, layout_id
 from tests.helpers import as_bytes, payload, record, toy_layout
 from tests.remote import remote_section
@@ -211,6 +212,47 @@ def test_hostile_values_in_redis_are_counted_misses_and_never_served(redis_serve
             "foreign_tokens": 0,
             "bad_payload": 1,
         }
+    finally:
+        tier.close()
+        client.close()
+
+
+def test_a_block_larger_than_a_hash_step_is_hashed_in_pieces_as_it_lands(redis_server) -> None:
+    """Pieces of HASH_STEP bytes, a short last one: a good block is served whole, a byte changed in any piece is not."""
+    big = KVLayout(num_layers=11, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    assert big.block_bytes > 2 * HASH_STEP and big.block_bytes % HASH_STEP
+    cfg = RemoteConfig(**remote_section(redis_server.url))
+    tier = RemoteTier.open(cfg, big, Secret(b"s" * 32), "toy-model", clock=Clock())
+    client = redis.Redis(port=redis_server.port)
+    try:
+        blocks = [payload(big, i) for i in range(3)]
+        assert all(tier.put_many([key(i) for i in range(3)], blocks, [record(i) for i in range(3)]))
+        assert tier.flush()
+        for i, at in ((1, HEADER_BYTES + HASH_STEP + 7), (2, HEADER_BYTES + big.block_bytes - 1)):
+            client.set(tier.name(key(i)), _flip(client.get(tier.name(key(i))), at))
+        assert tier.probe([key(i) for i in range(3)]) == [record(i) for i in range(3)]
+        outs = [torch.zeros(big.block_bytes, dtype=torch.uint8) for _ in range(3)]
+        assert tier.get_many([key(i) for i in range(3)], outs) == [True, False, False]
+        assert torch.equal(outs[0], as_bytes(blocks[0]))
+        assert tier.snapshot()["bad_payload"] == 2
+    finally:
+        tier.close()
+        client.close()
+
+
+def test_a_value_replaced_after_the_probe_is_refused_before_its_payload_lands(redis_server) -> None:
+    """Another tokens' authentic value under the same name (written by another node since): not a byte copied."""
+    tier = open_tier(redis_server.url)
+    client = redis.Redis(port=redis_server.port)
+    try:
+        store(tier, 1)
+        assert tier.probe([key(0)]) == [record(0)]
+        other = tier._framer.encode(key(0), record(99), memoryview(as_bytes(payload(LAYOUT, 99)).numpy()))
+        client.set(tier.name(key(0)), other)
+        ok, outs = read(tier, [key(0)])
+        assert ok == [False] and not outs[0].any()
+        assert tier.snapshot()["foreign_tokens"] == 1
+        assert tier.probe([key(0)]) == [record(99)]  # the connection is still in step: the next call works
     finally:
         tier.close()
         client.close()
