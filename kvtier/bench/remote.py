@@ -10,7 +10,8 @@ them per repetition, medians over ``reps`` with the cases interleaved:
   pipelined plain ``GET`` of the same keys with the same client (redis-py's
   own reply parser, no checks), the faster of two pipeline sizes (the
   promotion batch, and 4: redis-py reads a pipeline of large replies
-  faster in small pieces).
+  faster in small pieces), with freed memory kept in the heap
+  (:func:`steady_heap`) so that it does not page-fault its values in.
   ``probe_ms``: the lookup-time header reads of the same blocks, apart.
 * ``put_gbps``: :meth:`RemoteTier.put_many` until the writer thread has
   written everything (copy, framing, MAC, ``SET .. PX``); ``raw_put_gbps``:
@@ -24,6 +25,7 @@ them per repetition, medians over ``reps`` with the cases interleaved:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import secrets
 import statistics
@@ -49,6 +51,8 @@ from kvtier.manager import PROMOTE_BATCH
 from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.remote import RemoteTier
 
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
 RAW_SMALL_BATCH = 4  # raw GETs are also timed in pipelines this small (redis-py reads huge pipelines slower)
 SMOLLM2_F32 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
 
@@ -70,6 +74,24 @@ def _timed(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def steady_heap() -> bool:
+    """Keep freed memory in this process's heap (glibc), so that raw GET is measured at its best, every run.
+
+    redis-py hands each value back as a new ``bytes``. Whether freeing them
+    returns their pages to the OS, so that the next pipeline page-faults
+    every 4 KiB again, depended on glibc's heap trimming and on which case
+    ran just before: the raw baseline's time swung between runs with no
+    change on either side. The tier reads into buffers it already has, so
+    this helps only the baseline. False where the C library has no
+    ``mallopt`` (not glibc): the baseline is then measured as it comes.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def tier_vs_raw(url: str, spec: RemoteSpec) -> dict[str, Any]:
@@ -209,6 +231,7 @@ def run(config: Config, spec: RemoteSpec) -> dict[str, Any]:
                 "machine": describe(),
                 "redis": "given --url" if spec.url else "own redis-server on loopback",
                 "reps": spec.reps,
+                "steady_heap": steady_heap(),
             },
             **tier_vs_raw(url, spec),
         }
