@@ -65,6 +65,7 @@ class Ledger:
     wrong_blocks: int = 0
     lost: int = 0
     restarts: list[float] = field(default_factory=list)
+    slabs_left: int = 0  # shared-memory slabs of killed cache services still on disk at the end
     failures: list[str] = field(default_factory=list)
     present: dict[str, str | None] = field(default_factory=dict)  # this open's read-back, until Ready
     kill_points: Counter[str] = field(default_factory=Counter)  # the report each kill followed: where it landed
@@ -77,7 +78,7 @@ class Ledger:
             self.durable.update(report.keys)
         elif isinstance(report, w.Evicting):
             self.durable.difference_update(report.keys)
-        elif isinstance(report, w.Served):
+        elif isinstance(report, w.ServedBlocks):
             self.served_blocks_checked += len(report.blocks)
             self.wrong_blocks += sum(self.contents.get(k) != d for k, d in report.blocks)
         elif isinstance(report, w.Present):
@@ -143,11 +144,14 @@ def schedule(seed: int, kills: int) -> list[Incarnation]:
     rng = np.random.default_rng(seed)
     lives = []
     for _ in range(kills):
+        surface = [w.Surface.EMBEDDED, w.Surface.SERVICE][int(rng.integers(2))]
         mode = [WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK][int(rng.integers(2))]
         fsync = [FsyncMode.BATCH, FsyncMode.ALWAYS, FsyncMode.NEVER][int(rng.integers(3))]
-        start = w.Start(int(rng.integers(2**31)), mode, fsync)
+        start = w.Start(int(rng.integers(2**31)), surface, mode, fsync)
         lives.append(Incarnation(start, int(rng.integers(1, MAX_EVENTS + 1))))
-    lives.append(Incarnation(w.Start(0, WriteMode.WRITE_THROUGH, FsyncMode.BATCH), None))  # the final check
+    lives.append(
+        Incarnation(w.Start(0, w.Surface.EMBEDDED, WriteMode.WRITE_THROUGH, FsyncMode.BATCH), None)
+    )  # the final check
     return lives
 
 
@@ -180,6 +184,7 @@ def kill_loop(workdir: Path, kills: int, seed: int, progress: bool) -> Ledger:
                 live(zygote, life, ledger, stream)
         finally:
             zygote.close()
+    ledger.slabs_left = len(list(w.slab_dir(workdir / "data").iterdir()))
     return ledger
 
 
@@ -237,6 +242,7 @@ def summary(ledger: Ledger, kills: int) -> dict[str, Any]:
             "opens": len(ledger.restarts),
         },
         "kills_after": dict(sorted(ledger.kill_points.items())),
+        "service_slabs_left": ledger.slabs_left,
         "worker_failures": ledger.failures,
     }
 
@@ -254,7 +260,8 @@ def setup(kills: int, seed: int) -> dict[str, Any]:
         "disk_blocks": w.DISK_BLOCKS,
         "distinct_blocks": w.CONVERSATIONS * w.TURN_BLOCKS,
         "kill_after_reports": [1, MAX_EVENTS],
-        "modes": "write-through or write-back; fsync batch, always or never; drawn per worker",
+        "modes": "embedded manager or cache service + client; write-through or write-back; fsync batch, always "
+        "or never; drawn per worker",
     }
 
 

@@ -21,7 +21,7 @@ driver whole (lines stay under ``PIPE_BUF``):
 * :class:`Evicting` when the disk tier is about to remove blocks (heard from
   the policy's ``victims``, *before* the removal commits, so a kill between
   the two never makes a deliberate eviction look like a lost block);
-* :class:`Served` for every block a lookup + load handed out;
+* :class:`ServedBlocks` for every block a lookup + load handed out;
 * :class:`Present` and :class:`Ready` after each open: what the index holds
   and the bytes read back, and how long the open (with its recovery) took.
 
@@ -32,10 +32,12 @@ only ever carry one content: any other digest is a wrong byte served.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Container, Sequence
 from pathlib import Path
@@ -49,6 +51,8 @@ from kvtier.events import ObservedPolicy
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager
+from kvtier.service.client import CacheClient
+from kvtier.service.server import CacheService
 from kvtier.tiers.base import TierKind
 
 BLOCK = 4  # tokens per block
@@ -61,14 +65,23 @@ CONVERSATIONS = 16
 TURN_BLOCKS = 8  # a conversation's longest prompt, in blocks
 UNIVERSE = 20261204  # seeds the tokens and payloads, the same in every incarnation
 FINGERPRINT = "chaos-toy"
+NAMESPACE = "default"
 CHUNK = 24  # keys per line: 24 x (32 + 32 hex) stays far under PIPE_BUF
 
 
 # -- the wire (driver -> zygote) -------------------------------------------------------------------------------
+class Surface(enum.StrEnum):
+    """How the worker reaches its cache."""
+
+    EMBEDDED = "embedded"  # a CacheManager in the worker, as kvtier serve runs it by default
+    SERVICE = "service"  # the node's cache service (kvtier cache serve) and a CacheClient over its socket
+
+
 class Start(msgspec.Struct, tag="start"):
-    """Fork a worker that runs operations drawn from ``seed`` under this write and fsync mode."""
+    """Fork a worker that runs operations drawn from ``seed`` on this surface, write mode and fsync mode."""
 
     seed: int
+    surface: Surface
     write_mode: WriteMode
     fsync: FsyncMode
 
@@ -125,7 +138,7 @@ class Evicting(msgspec.Struct, tag="evicting"):
     keys: list[str]
 
 
-class Served(msgspec.Struct, tag="served"):
+class ServedBlocks(msgspec.Struct, tag="served"):
     blocks: list[tuple[str, str]]
 
 
@@ -135,7 +148,7 @@ class Failed(msgspec.Struct, tag="failed"):
     error: str
 
 
-Report = Forked | Exited | Opening | Present | Ready | Intent | Durable | Evicting | Served | Failed
+Report = Forked | Exited | Opening | Present | Ready | Intent | Durable | Evicting | ServedBlocks | Failed
 ENCODER = msgspec.json.Encoder()
 COMMANDS = msgspec.json.Decoder(Command)
 REPORTS = msgspec.json.Decoder(Report)
@@ -208,47 +221,109 @@ def listen(cache: CacheManager) -> None:
 
 
 # -- one incarnation ----------------------------------------------------------------------------------------------
-def open_cache(cfg: Config) -> CacheManager:
+class Embedded:
+    """The cache as an engine embeds it: a :class:`CacheManager` in this process."""
+
+    def __init__(self, cfg: Config, data_dir: Path) -> None:
+        self.cfg = cfg
+        self.manager = CacheManager(cfg, LAYOUT, model_fingerprint=FINGERPRINT)
+
+    def store(self, toks: np.ndarray, payloads: list[torch.Tensor]) -> None:
+        self.manager.store_now(toks, payloads)
+
+    def fetch(self, toks: np.ndarray) -> list[tuple[str, str]]:
+        result = self.manager.lookup(toks)
+        with self.manager.load(result) as handle:
+            return [(bytes(k).hex(), digest(b)) for k, b in zip(handle.keys, handle.blocks, strict=True)]
+
+    def close(self) -> None:
+        self.manager.close(self.cfg.cache.flush_on_exit_s)
+
+
+class Served:
+    """The cache as ``kvtier cache serve`` runs it: a :class:`CacheService` on a Unix socket, used by a client.
+
+    The service runs on threads of this process, so the kill takes it down
+    mid-request; payloads go through the real shared-memory slab and
+    protocol. Its slab lives beside the data directory, where the driver
+    counts the ones a killed service left behind.
+    """
+
+    def __init__(self, cfg: Config, data_dir: Path) -> None:
+        self.cfg = cfg
+        self.service = CacheService(
+            cfg, LAYOUT, model_fingerprint=FINGERPRINT, socket_path=data_dir / "cache.sock", slab_dir=slab_dir(data_dir)
+        )
+        self.manager = self.service.manager
+        threading.Thread(target=self.service.serve_forever, name="chaos-service", daemon=True).start()
+        self.client = CacheClient(data_dir / "cache.sock", LAYOUT, model_fingerprint=FINGERPRINT)
+
+    def store(self, toks: np.ndarray, payloads: list[torch.Tensor]) -> None:
+        self.client.store(toks, payloads, NAMESPACE)
+
+    def fetch(self, toks: np.ndarray) -> list[tuple[str, str]]:
+        keys = self.manager.keys(toks, NAMESPACE)
+        with self.client.load(toks, NAMESPACE) as handle:
+            return [(bytes(k).hex(), digest(b)) for k, b in zip(keys, handle.blocks, strict=False)]
+
+    def close(self) -> None:
+        self.client.close()
+        self.service.close()
+
+
+Cache = Embedded | Served
+SURFACES: dict[Surface, type[Embedded] | type[Served]] = {Surface.EMBEDDED: Embedded, Surface.SERVICE: Served}
+
+
+def slab_dir(data_dir: Path) -> Path:
+    where = data_dir.parent / "slabs"
+    where.mkdir(exist_ok=True)
+    return where
+
+
+def open_cache(cfg: Config, data_dir: Path, surface: Surface) -> Cache:
     """Open, time it, read back everything the disk index names, then start hearing the disk tier."""
     emit(Opening())
     started = time.perf_counter()
-    cache = CacheManager(cfg, LAYOUT, model_fingerprint=FINGERPRINT)
+    cache = SURFACES[surface](cfg, data_dir)
     restart_s = time.perf_counter() - started
-    disk = cache.disk
+    keys = read_back(cache.manager)
+    emit(Ready(restart_s, keys))
+    listen(cache.manager)
+    return cache
+
+
+def read_back(manager: CacheManager) -> int:
+    """Read every block the disk index names, as :class:`Present` lines; how many."""
+    disk = manager.disk
     assert disk is not None, "the chaos worker's disk tier failed to open"
     keys = [k for k, _ in disk.entries()]
     for part in chunks(keys):
         outs = [torch.empty(LAYOUT.block_bytes, dtype=torch.uint8) for _ in part]
-        ok = disk.get_many(list(part), outs)
-        emit(
-            Present([(bytes(k).hex(), digest(o) if good else None) for k, o, good in zip(part, outs, ok, strict=True)])
-        )
-    emit(Ready(restart_s, len(keys)))
-    listen(cache)
-    return cache
+        read = zip(part, outs, disk.get_many(list(part), outs), strict=True)
+        emit(Present([(bytes(k).hex(), digest(o) if good else None) for k, o, good in read]))
+    return len(keys)
 
 
-def store(cache: CacheManager, conversation: int, blocks: int) -> None:
+def store(cache: Cache, conversation: int, blocks: int) -> None:
     toks = tokens(conversation, blocks)
-    keys = cache.keys(toks)
+    keys = cache.manager.keys(toks, NAMESPACE)
     payloads = [payload(conversation, b) for b in range(blocks)]
     emit(Intent([(bytes(k).hex(), digest(p)) for k, p in zip(keys, payloads, strict=True)]))
-    cache.store_now(toks, payloads)
+    cache.store(toks, payloads)
 
 
-def fetch(cache: CacheManager, conversation: int, blocks: int) -> None:
-    result = cache.lookup(tokens(conversation, blocks))
-    with cache.load(result) as handle:
-        served = [(bytes(k).hex(), digest(b)) for k, b in zip(handle.keys, handle.blocks, strict=True)]
+def fetch(cache: Cache, conversation: int, blocks: int) -> None:
+    served = cache.fetch(tokens(conversation, blocks))
     if served:
-        emit(Served(served))
+        emit(ServedBlocks(served))
 
 
 def run(data_dir: Path, start: Start) -> None:
     """Operations drawn from ``start.seed`` until killed: stores, fetches, and now and then a clean restart."""
     rng = np.random.default_rng(start.seed)
     cfg = config(data_dir, start.write_mode, start.fsync)
-    cache = open_cache(cfg)
+    cache = open_cache(cfg, data_dir, start.surface)
     while True:
         draw = rng.random()
         conversation, blocks = int(rng.integers(CONVERSATIONS)), int(rng.integers(1, TURN_BLOCKS + 1))
@@ -257,8 +332,8 @@ def run(data_dir: Path, start: Start) -> None:
         elif draw < 0.93:
             fetch(cache, conversation, blocks)
         else:
-            cache.close(cfg.cache.flush_on_exit_s)
-            cache = open_cache(cfg)
+            cache.close()
+            cache = open_cache(cfg, data_dir, start.surface)
 
 
 def worker(data_dir: Path, start: Start, go: int) -> None:

@@ -39,7 +39,7 @@ def test_the_ledger_counts_a_lost_block_and_a_wrong_one() -> None:
     ledger.hear(w.Intent([("aa", "d1"), ("bb", "d2"), ("cc", "d3")]))
     ledger.hear(w.Durable(["aa", "bb", "cc"]))
     ledger.hear(w.Evicting(["cc"]))  # evicted on purpose: not lost when it is gone
-    ledger.hear(w.Served([("aa", "d1"), ("bb", "xx")]))
+    ledger.hear(w.ServedBlocks([("aa", "d1"), ("bb", "xx")]))
     ledger.hear(w.Present([("aa", "d1")]))
     ledger.hear(w.Ready(0.01, 1))
     assert (ledger.wrong_blocks, ledger.lost, ledger.acknowledged_blocks_checked) == (1, 1, 2)
