@@ -19,9 +19,14 @@ Then the faults and the guard, with the ``kvtier`` policy:
   of the way in: how many requests failed (the target is none);
 * ``skewed``: one hot session (a long shared prefix, many requests at
   once, as sub-agents of one agent) interleaved with the others, with the
-  load term and the balance guard, and without either (the prefix alone
-  decides: ``route.load_tokens: 0``, ``route.max_imbalance`` huge): the
-  share of the busiest backend and the TTFTs.
+  load term (queued prefill tokens) and the guard, and without either (the
+  prefix alone decides: ``route.queue_weight: 0``, ``route.load_tokens: 0``,
+  ``route.max_imbalance`` huge): the share of the busiest backend and the TTFTs.
+
+Beside the hit rates, the prefill tokens each policy left the backends
+(prompt less cached tokens) and the ideal's: with three clients and the
+cores the bottleneck, mean TTFT follows the prefill work, so round robin's
+prefill over the ideal's bounds what any routing can gain on this stream.
 """
 
 from __future__ import annotations
@@ -140,8 +145,22 @@ def skewed(spec: RouteSpec) -> list[Request]:
     return out + hot
 
 
-def ideal_hit_rate(stream: list[Request]) -> float:
-    """Cached over prompt tokens if every turn ran where its previous turn did: the full blocks the two share."""
+@dataclass(frozen=True)
+class Ideal:
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def ideal(stream: list[Request]) -> Ideal:
+    """Cached and prompt tokens if every turn ran where its previous turn did: the full blocks the two share."""
     meta = read_gguf_metadata(default_gguf_path())
     tok, chat = load_tokenizer(meta), load_chat_template(meta)
     previous: dict[str, list[int]] = {}
@@ -155,7 +174,7 @@ def ideal_hit_rate(stream: list[Request]) -> float:
         cached += shared // BLOCK * BLOCK
         total += len(ids)
         previous[request.session] = ids
-    return cached / total
+    return Ideal(total, cached)
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -244,6 +263,7 @@ def summary(outcomes: list[Outcome], urls: list[str]) -> dict[str, Any]:
         "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
         "p95_ttft_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))] if ttfts else None,
         "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+        "prefill_tokens": prompt - sum(o.cached_tokens for o in ok),
         "failed": sum(o.ttft_s is None and not o.cut for o in outcomes),  # no output at all
         "cut": sum(o.cut for o in outcomes),
         "requests": len(outcomes),
@@ -296,7 +316,7 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
                 tmp,
                 fleet,
                 spec,
-                {"policy": "kvtier", "max_imbalance": NO_GUARD, "load_tokens": 0},
+                {"policy": "kvtier", "max_imbalance": NO_GUARD, "load_tokens": 0, "queue_weight": 0},
                 hot,
                 spec.hot_clients,
             )
@@ -305,6 +325,7 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
             killed = _through(
                 tmp, fleet, spec, {"policy": "kvtier"}, stream, spec.clients, lambda: victim.process.kill()
             )
+    best = ideal(stream)
     return {
         "setup": {
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -317,7 +338,8 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
             "backend_threads": spec.threads,
         },
         "policies": policies,
-        "ideal_hit_rate": ideal_hit_rate(stream),
+        "ideal_hit_rate": best.hit_rate,
+        "ideal_prefill_tokens": best.prefill_tokens,
         "skewed": {"guard": guard, "no_guard": no_guard},
         "killed": killed,
     }
@@ -352,7 +374,10 @@ def table(result: dict[str, Any]) -> str:
             f"{r.get('cut', 0):>5}"
             f"  {r['requests_per_backend']}"
         )
-    lines.append(f"ideal hit rate {result['ideal_hit_rate']:.1%}")
+    lines.append(f"ideal hit rate {result['ideal_hit_rate']:.1%}, prefill {result['ideal_prefill_tokens']} tokens")
+    rr = result["policies"]["round_robin"]["prefill_tokens"]
+    bound = rr / result["ideal_prefill_tokens"]
+    lines.append(f"  round_robin's prefill over the ideal's (the most routing can gain): {bound:.2f}x")
     for what, got, target, met in checks(result):
         lines.append(f"  {'ok ' if met else 'MISS'} {what}: {got:.2f} (target {target})")
     return "\n".join(lines)

@@ -35,3 +35,4 @@ def test_summary_counts_failures_cuts_hits_and_backends() -> None:
     got = summary(outcomes, ["a", "b", "c"])
     assert (got["mean_ttft_s"], got["p95_ttft_s"], got["hit_rate"]) == (2.0, 3.0, 0.25)
     assert (got["failed"], got["cut"], got["requests"], got["requests_per_backend"]) == (1, 1, 4, [1, 1, 0])
+    assert got["prefill_tokens"] == 150  # prompt less cached, of the answered ones
