@@ -184,7 +184,7 @@ def kill_loop(workdir: Path, kills: int, seed: int, progress: bool) -> Ledger:
                 live(zygote, life, ledger, stream)
         finally:
             zygote.close()
-    ledger.slabs_left = len(list(w.slab_dir(workdir / "data").iterdir()))
+    ledger.slabs_left = len(list(w.slab_dir(workdir / "data").glob("*.slab")))
     return ledger
 
 

@@ -29,7 +29,6 @@ import itertools
 import logging
 import os
 import pwd
-import secrets
 import socket
 import struct
 import threading
@@ -46,6 +45,7 @@ from kvtier.keys import KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager, StorePlan
 from kvtier.service import protocol as p
+from kvtier.service import slabs
 from kvtier.tiers import native
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,11 @@ class CacheService:
         self.socket_path = Path(socket_path)
         if _answers(self.socket_path):
             raise ServiceRunningError(f"a cache service already answers at {self.socket_path}: stop it, or use another")
-        self.slab_path = (slab_dir or default_slab_dir()) / f"kvtier-{os.getuid()}-{secrets.token_hex(6)}.slab"
+        shm = slab_dir or default_slab_dir()
+        if reclaimed := slabs.reclaim(shm):
+            log.warning("reclaimed %d shared-memory slabs of cache services that were killed, in %s", reclaimed, shm)
+        self._slab_lock = slabs.SlabLock(shm)
+        self.slab_path = self._slab_lock.slab_path
         try:
             self.manager = CacheManager(
                 config, layout, model_fingerprint=model_fingerprint, host_file=self.slab_path, hasher=hasher
@@ -295,6 +299,7 @@ class CacheService:
     def _drop_slab(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.slab_path.unlink()
+        self._slab_lock.release()
 
     def admits(self, uid: int, gid: int) -> bool:
         if uid in self.allowed_uids:
