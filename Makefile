@@ -35,9 +35,13 @@ bench-tiers: setup
 	$(VENV)/bin/kvtier bench tiers --sweep 16 32 64 128 256
 
 # A real `kvtier serve` under a long prompt beside a short one and a 16-request
-# shared-prefix burst: TTFT p50/p99 (a few minutes on the 2-core VM).
+# shared-prefix burst: TTFT p50/p99 (a few minutes on the 2-core VM). Then the
+# load soak on a fresh server: 64 streaming agents for SOAK_MINUTES at 3x the
+# host tier's capacity; errors, RSS, pinned blocks, hit rate and TTFT p99 over time.
+SOAK_MINUTES ?= 10
 soak: setup
 	$(VENV)/bin/kvtier bench soak
+	$(VENV)/bin/kvtier bench load --minutes $(SOAK_MINUTES)
 
 # Peer engines for `make bench-peer`, each in its own venv (ignored by git), so
 # neither their torch nor their compiled llama.cpp touches kvtier's .venv.

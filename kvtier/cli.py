@@ -221,6 +221,24 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_load(args: argparse.Namespace) -> int:
+    from kvtier.bench import load
+
+    spec = load.LoadSpec(clients=args.clients, minutes=args.minutes, requests=args.requests, max_tokens=args.max_tokens)
+    result = load.run(spec, progress=None if args.json else _load_progress)
+    path, png = load.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps(result["summary"]))
+    else:
+        print(load.table(result))
+        print(f"  wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def _load_progress(at_s: float, requests: int) -> None:
+    print(f"  {at_s / 60:5.1f} min: {requests} requests", file=sys.stderr, flush=True)
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     from kvtier.bench import soak
 
@@ -437,6 +455,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--source", type=Path, default=None, help="serve from this kvtier checkout (before/after figures)")
     s.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     s.set_defaults(run=_bench_soak)
+    ld = which.add_parser(
+        "load", parents=[common], help="64 streaming agents for minutes at 3x the host tier: errors, RSS, pins, TTFT"
+    )
+    ld.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    ld.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
+    ld.add_argument("--minutes", type=float, default=10.0, help="how long the clients run")
+    ld.add_argument("--requests", type=int, default=None, help="stop after this many requests in all")
+    ld.add_argument("--max-tokens", type=int, default=2, help="tokens each request generates")
+    ld.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
+    ld.set_defaults(run=_bench_load)
     e = which.add_parser(
         "engines", parents=[common], help="vLLM, llama-cpp-python, SGLang with kvtier: fresh-process hit vs cold TTFT"
     )

@@ -91,13 +91,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serving(spec: SoakSpec, workdir: Path) -> Iterator[Server]:
+def serving(spec: SoakSpec | None, workdir: Path, sections: dict[str, Any] | None = None) -> Iterator[Server]:
+    """``kvtier serve`` on a fresh data directory; ``sections``: config sections besides the defaults."""
     config = workdir / "kvtier.yaml"
-    config.write_text(yaml.safe_dump({"data_dir": str(workdir / "data")}))
+    config.write_text(yaml.safe_dump({"data_dir": str(workdir / "data"), **(sections or {})}))
     port = _free_port()
     env = dict(os.environ)
     cwd = None
-    if spec.source is not None:  # `python -m` puts the working directory first on sys.path
+    if spec is not None and spec.source is not None:  # `python -m` puts the working directory first on sys.path
         cwd = spec.source.resolve()
         env["PYTHONPATH"] = str(cwd)
     log = workdir / "server.log"
