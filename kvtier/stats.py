@@ -128,6 +128,7 @@ class RemoteStats(TierStats):
     probes: int = 0  # header reads at lookup (one per key asked)
     timeouts: int = 0  # calls that hit remote.timeout_ms (also counted in errors)
     skipped: int = 0  # calls not made because a circuit breaker was open
+    redirects: int = 0  # keys a cluster node sent elsewhere (MOVED/ASK: a reshard or failover), followed once
     writes: int = 0  # blocks written
     dropped_writes: int = 0  # blocks not written: the write queue was full, or the write failed
     bad_length: int = 0

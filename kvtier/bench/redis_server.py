@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,18 +147,21 @@ class RedisServer:
 
 @dataclass
 class RedisCluster:
-    """Three masters, no replicas: every hash slot has exactly one home, so one kill loses exactly its slots."""
+    """Masters (three by default) and, when asked, replicas: without replicas every hash slot has exactly one
+    home, so one kill loses exactly its slots; with them a replica can be promoted in its master's place."""
 
     nodes: list[RedisServer]
 
     @classmethod
-    def start(cls, masters: int = 3) -> RedisCluster:
+    def start(cls, masters: int = 3, replicas: int = 0, extra: tuple[str, ...] = ()) -> RedisCluster:
+        """``replicas`` per master; ``extra``: more redis-server flags for every node."""
         cluster = cls([])
         try:
-            for _ in range(masters):
-                cluster.nodes.append(RedisServer.start(cluster=True))
+            for _ in range(masters * (1 + replicas)):
+                cluster.nodes.append(RedisServer.start(*extra, cluster=True))
             addrs = [f"127.0.0.1:{n.port}" for n in cluster.nodes]
-            _command(cluster.nodes[0].port, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes")
+            create = ("--cluster", "create", *addrs, "--cluster-replicas", str(replicas), "--cluster-yes")
+            _command(cluster.nodes[0].port, *create)
             cluster.wait_ok()
         except BaseException:
             cluster.stop()
@@ -183,16 +186,58 @@ class RedisCluster:
 
     def node_of(self, key: bytes) -> RedisServer:
         """The master that owns ``key``'s hash slot."""
-        slot = int(_command(self.nodes[0].port, "cluster", "keyslot", key.decode("latin-1")).strip())
-        for node in self.nodes:
-            for line in _command(node.port, "cluster", "nodes").splitlines():
-                parts = line.split()
-                if "myself" in parts[2]:
-                    for span in parts[8:]:
-                        lo, _, hi = span.partition("-")
-                        if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
-                            return node
+        return self.owner(int(_command(self.nodes[0].port, "cluster", "keyslot", key.decode("latin-1")).strip()))
+
+    def owner(self, slot: int) -> RedisServer:
+        """The master that says it owns ``slot`` (in its own ``CLUSTER NODES`` line)."""
+        for node in self.live():
+            if slot in self.slots_of(node):
+                return node
         raise LookupError(f"no node owns slot {slot}")
+
+    def slots_of(self, node: RedisServer) -> set[int]:
+        """The slots ``node`` says it owns (none for a replica)."""
+        own: set[int] = set()
+        for line in _command(node.port, "cluster", "nodes").splitlines():
+            parts = line.split()
+            if len(parts) > 2 and "myself" in parts[2]:
+                for span in parts[8:]:
+                    lo, _, hi = span.partition("-")
+                    if lo.isdigit():
+                        own.update(range(int(lo), int(hi or lo) + 1))
+        return own
+
+    def live(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def node_id(self, node: RedisServer) -> str:
+        return _command(node.port, "cluster", "myid").strip()
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        """A live replica of ``master`` (its own ``CLUSTER NODES`` line says ``slave`` of the master's id)."""
+        master_id = self.node_id(master)
+        for node in self.live():
+            mine = [ln.split() for ln in _command(node.port, "cluster", "nodes").splitlines() if "myself" in ln]
+            if node is not master and mine and "slave" in mine[0][2] and mine[0][3] == master_id:
+                return node
+        raise LookupError(f"no live replica of {master.port}")
+
+    def wait_until(self, check: Callable[[], bool], what: str) -> None:
+        """Until ``check()`` holds, bounded: between tries, waits on a live node's exit (a crash shows at once)."""
+        for _ in range(READY_TRIES):
+            if check():
+                return
+            live = self.live()
+            if not live:
+                break
+            assert live[0].proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                live[0].proc.wait(TRY_WAIT_S)
+        raise RedisStartError(f"the cluster never reached: {what}")
+
+    def command(self, node: RedisServer, *args: str) -> str:
+        """One command to ``node`` through redis-cli (cluster changes in tests: resharding, failover)."""
+        return _command(node.port, *args)
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -321,6 +321,7 @@ class RemoteReport(BaseModel):
     breaker_opens: int = Field(description="Times a breaker opened (a node failed breaker_failures calls in a row).")
     skipped: int = Field(description="Calls not made because a breaker was open (each a miss).")
     timeouts: int = Field(description="Calls that ran into remote.timeout_ms (also counted in errors).")
+    redirects: int = Field(description="Keys a cluster node sent to another (MOVED/ASK, a reshard), followed once.")
     probes: int = Field(description="Headers read at lookup.")
     writes: int = Field(description="Blocks written.")
     dropped_writes: int = Field(description="Blocks not written: the write queue was full, or the write failed.")

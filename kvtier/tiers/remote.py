@@ -44,7 +44,7 @@ from kvtier.layout import KVLayout
 from kvtier.stats import RemoteStats
 from kvtier.tiers.base import BlockRecord, TierKind
 from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Header, Rejection, layout_id
-from kvtier.tiers.remote_nodes import Nodes, RespReader, is_error
+from kvtier.tiers.remote_nodes import Command, Nodes, RespReader, is_error
 
 log = logging.getLogger("kvtier")
 
@@ -159,9 +159,7 @@ class RemoteTier:
         names = [self.name(k) for k in keys]
         out: list[BlockRecord | None] = [None] * len(keys)
         for node, at in self._nodes.route(names).items():
-            replies = self._nodes.pipeline(
-                node, lambda p, at=at: [p.getrange(names[i], 0, HEADER_BYTES - 1) for i in at]
-            )
+            replies = self._nodes.pipeline(node, [("GETRANGE", names[i], 0, HEADER_BYTES - 1) for i in at])
             for j, i in enumerate(at):
                 reply = None if replies is None else replies[j]
                 out[i] = self._header(keys[i], reply)
@@ -352,13 +350,8 @@ class RemoteTier:
         for node, at in self._nodes.route(names + touched).items():
             sets = [i for i in at if i < len(names)]
             touches = [touched[i - len(names)] for i in at if i >= len(names)]
-
-            def commands(p, sets=sets, touches=touches) -> None:  # type: ignore[no-untyped-def]
-                for i in sets:
-                    p.set(names[i], values[i], px=ttl)
-                for n in touches:
-                    p.pexpire(n, ttl)
-
+            commands: list[Command] = [("SET", names[i], values[i], "PX", ttl) for i in sets]
+            commands += [("PEXPIRE", n, ttl) for n in touches]
             replies = self._nodes.pipeline(node, commands)
             done = 0 if replies is None else sum(r is True for r in replies[: len(sets)])
             self.stats.add(writes=done, dropped_writes=len(sets) - done, bytes_written=done * self.layout.block_bytes)
@@ -386,7 +379,7 @@ class RemoteTier:
             self._remember(k, None)
         removed = 0
         for node, at in self._nodes.route(names).items():
-            replies = self._nodes.pipeline(node, lambda p, at=at: [p.delete(names[i]) for i in at])
+            replies = self._nodes.pipeline(node, [("DEL", names[i]) for i in at])
             removed += 0 if replies is None else sum(r == 1 for r in replies)
         return removed
 

@@ -6,7 +6,9 @@ split into one pipeline per node: a dead master costs exactly the blocks
 whose slots it owns, while the others still hit. The slot map comes from
 ``CLUSTER SLOTS`` on any reachable node and is read again after a ``MOVED``
 reply (resharding) or a node's network failure (a failover promotes its
-replica elsewhere), at most once per :data:`REFRESH_EVERY_S`.
+replica elsewhere), at most once per :data:`REFRESH_EVERY_S`. A ``MOVED`` or
+``ASK`` reply is also followed at once, one hop, so a live reshard costs no
+miss.
 
 Every node has its own circuit breaker (:class:`~kvtier.tiers.breaker.Breaker`)
 and every socket operation a bounded timeout (``remote.timeout_ms``), with
@@ -18,6 +20,7 @@ to read or write.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -34,7 +37,7 @@ from redis.retry import Retry
 
 from kvtier.config import RemoteConfig
 from kvtier.stats import RemoteStats
-from kvtier.tiers.breaker import Breaker
+from kvtier.tiers.breaker import Breaker, BreakerState
 
 log = logging.getLogger("kvtier")
 
@@ -111,6 +114,13 @@ class Nodes:
         """The positions of ``names`` each node holds; names whose slot has no known owner are left out."""
         if not self._config.cluster:
             return {self._single: list(range(len(names)))} if names else {}
+        out = self._route(names)
+        if any(node.breaker.state is BreakerState.OPEN for node in out):
+            self.refresh()  # the node may be gone for good, a promoted replica serving its slots elsewhere
+            out = self._route(names)
+        return out
+
+    def _route(self, names: Sequence[bytes]) -> dict[Node, list[int]]:
         out: dict[Node, list[int]] = {}
         with self._lock:
             for i, name in enumerate(names):
@@ -171,22 +181,31 @@ class Nodes:
         node.breaker.success()
         return result
 
-    def pipeline(self, node: Node, commands: Callable[[redis.client.Pipeline], object]) -> list[Any] | None:
+    def pipeline(self, node: Node, commands: Sequence[Command]) -> list[Any] | None:
         """One round trip of ``commands`` to ``node`` (not a transaction); per-command errors come back as values.
 
-        A ``MOVED``/``ASK`` among them means the slot map is stale: it is
-        read again, and those commands count as misses this time.
+        A ``MOVED`` or ``ASK`` reply (a slot being or just resharded) is
+        followed once to the node it names (:meth:`_follow`); None for the
+        whole call when the node failed (counted).
         """
+        replies = self._pipeline_once(node, commands, asking=False)
+        if replies is None or not self._config.cluster:
+            return replies
+        return self._follow(
+            replies, lambda target, at, ask: self._pipeline_once(target, [commands[i] for i in at], ask)
+        )
 
+    def _pipeline_once(self, node: Node, commands: Sequence[Command], asking: bool) -> list[Any] | None:
         def run(client: redis.Redis) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            commands(pipe)
-            return pipe.execute(raise_on_error=False)
+            for command in commands:
+                if asking:
+                    pipe.execute_command("ASKING")
+                pipe.execute_command(*command)
+            replies = pipe.execute(raise_on_error=False)
+            return replies[1::2] if asking else replies
 
-        replies = self.call(node, run)
-        if replies is not None and self._config.cluster and any(isinstance(r, MovedError | AskError) for r in replies):
-            self.refresh()
-        return replies
+        return self.call(node, run)
 
     def get_into(self, node: Node, names: Sequence[bytes], sink: Sink) -> list[object] | None:
         """``GET`` of ``names`` in one round trip, each value handed to ``sink`` straight off the socket.
@@ -197,25 +216,69 @@ class Nodes:
         ``sink(i, length, reader)`` reads value ``i``'s bytes where they are
         to land (a host slot). Connections, auth, TLS and timeouts are still
         redis-py's. Per name: the sink's result, None when absent, or the
-        server's error reply; None for the whole call when it failed (counted).
+        server's error reply; a ``MOVED`` or ``ASK`` is followed once
+        (:meth:`_follow`). None for the whole call when it failed (counted).
         """
+        replies = self._get_into_once(node, names, sink, asking=False)
+        if replies is None or not self._config.cluster:
+            return replies
 
+        def again(target: Node, at: list[int], ask: bool) -> list[object] | None:
+            return self._get_into_once(target, [names[i] for i in at], lambda j, n, r: sink(at[j], n, r), ask)
+
+        return self._follow(replies, again)
+
+    def _get_into_once(self, node: Node, names: Sequence[bytes], sink: Sink, asking: bool) -> list[object] | None:
         def run(client: redis.Redis) -> list[object]:
             pool = client.connection_pool
             conn = pool.get_connection()
             try:
-                conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
+                gets = [("GET", n) for n in names]
+                conn.send_packed_command(
+                    conn.pack_commands([c for g in gets for c in ((("ASKING",),) if asking else ()) + (g,)])
+                )
                 reader = RespReader(conn._sock)  # type: ignore[attr-defined]
-                return [reader.reply(lambda length, i=i: sink(i, length, reader)) for i in range(len(names))]
+                out: list[object] = []
+                for i in range(len(names)):
+                    if asking:
+                        reader.reply(_no_body)  # +OK
+                    out.append(reader.reply(lambda length, i=i: sink(i, length, reader)))
+                return out
             except BaseException:
                 conn.disconnect()  # whatever was left unread would desynchronise the next caller
                 raise
             finally:
                 pool.release(conn)
 
-        replies = self.call(node, run)
-        if replies is not None and self._config.cluster and any(_redirect(r) for r in replies):
+        return self.call(node, run)
+
+    def _follow(self, replies: list[Any], again: Callable[[Node, list[int], bool], list[Any] | None]) -> list[Any]:
+        """Replace each ``MOVED``/``ASK`` reply with the reply of the node it names, asked once.
+
+        ``MOVED``: the slot has a new owner for good, so the slot map is read
+        again too (at most once a second) and later calls go there directly.
+        ``ASK``: the slot is being migrated and this key already left; the
+        target serves it only behind ``ASKING``, and the map must not change
+        until the migration ends. A second redirect is left as the reply (a
+        miss): a map that moves under every call is not worth chasing.
+        """
+        hops: dict[tuple[str, Redirect], list[int]] = {}
+        for i, reply in enumerate(replies):
+            hop = redirect_of(reply)
+            if hop is not None:
+                hops.setdefault(hop, []).append(i)
+        if not hops:
+            return replies
+        self._stats.add(redirects=sum(len(at) for at in hops.values()))
+        if any(kind is Redirect.MOVED for _, kind in hops):
             self.refresh()
+        for (addr, kind), at in hops.items():
+            with self._lock:
+                target = self._node_for(addr)
+            got = again(target, at, kind is Redirect.ASK)
+            if got is not None:
+                for i, reply in zip(at, got, strict=True):
+                    replies[i] = reply
         return replies
 
     def breakers(self) -> dict[str, str]:
@@ -226,6 +289,9 @@ class Nodes:
             with contextlib.suppress(RedisError):
                 node.client.close()
 
+
+Command = tuple[str | bytes | int, ...]
+"""One Redis command and its arguments, as sent (``("SET", name, value, "PX", ttl)``)."""
 
 Sink = Callable[[int, int, "RespReader"], object]
 """``(position, value length, reader) -> result``: must consume exactly ``length`` bytes from the reader."""
@@ -287,12 +353,41 @@ class RespReader:
             self.skip(2)
             return result
         if kind == b"-":
-            return ResponseError(rest.decode(errors="replace"))
+            return _error(rest.decode(errors="replace"))
+        if kind == b"+":  # ASKING's OK
+            return rest
         raise ProtocolError(f"unexpected reply to GET: {line[:40]!r}")
 
 
-def _redirect(reply: object) -> bool:
-    return isinstance(reply, ResponseError) and str(reply).startswith(("MOVED ", "ASK "))
+class Redirect(enum.Enum):
+    """A cluster node's answer that a key's slot lives elsewhere."""
+
+    MOVED = "moved"  # for good: the slot map is stale
+    ASK = "ask"  # for this key only, while its slot migrates
+
+
+def _error(message: str) -> ResponseError:
+    """An error reply as redis-py's parser would type it, so redirects read the same from both readers."""
+    code, _, rest = message.partition(" ")
+    kinds = {"MOVED": MovedError, "ASK": AskError}
+    if code not in kinds:
+        return ResponseError(message)
+    try:
+        return kinds[code](rest)
+    except ValueError as err:  # not "<slot> <host>:<port>"
+        raise ProtocolError(f"malformed {code} reply: {message[:60]!r}") from err
+
+
+def redirect_of(reply: object) -> tuple[str, Redirect] | None:
+    """The ``host:port`` and kind of a ``MOVED``/``ASK`` reply; None for any other reply."""
+    if not isinstance(reply, AskError):  # MovedError is an AskError too
+        return None
+    host, port = reply.node_addr
+    return f"{host}:{port}", Redirect.MOVED if isinstance(reply, MovedError) else Redirect.ASK
+
+
+def _no_body(length: int) -> object:
+    raise ProtocolError(f"a bulk reply of {length} B where OK was expected")
 
 
 def _address(url: str) -> str:
