@@ -174,6 +174,8 @@ def serve(config: Config) -> int:
         fit_open_files(config.server.max_connections)
         state = build_state(config)
         server = uvicorn.Server(uvicorn_config(config, create_app(state)))
+        for sock in sockets:  # listening before the line that says so: a client that waits for it is never refused
+            sock.listen(server.config.backlog)
         _log_addresses(sockets)
         try:
             server.run(sockets=sockets)

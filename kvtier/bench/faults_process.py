@@ -1,0 +1,246 @@
+"""Process faults: two servers on one data directory, and clients that leave in the middle of a stream.
+
+Both run the real ``kvtier serve`` (the embedded model, the real HTTP
+server) as a subprocess on a free loopback port. The promises: a second
+server on a data directory already served refuses to start, in one line
+naming the first one's pid (two caches on one disk tier would overwrite
+each other's blocks), and the first goes on serving; dozens of clients that
+disconnect mid-stream have their requests aborted, their pool blocks and
+pins released, and the server keeps answering.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.bench.faults import Fault, FaultOutcome, fault
+
+READY = "kvtier serving on"  # logged once the model is loaded and the cache is open, just before serving
+START_S = 300.0  # hang guards, never speed assertions
+REQUEST_S = 120.0
+BLOCK_BYTES = 46080 * 16  # one float32 block of the embedded model
+SIZES: dict[str, Any] = {
+    "engine": {"pool_bytes": 400 * BLOCK_BYTES, "dtype": "float32"},
+    "host": {"capacity_bytes": "64MiB"},
+    "disk": {"capacity_bytes": "128MiB"},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Served:
+    """A running ``kvtier serve``: its process, its port, and every line it has logged so far."""
+
+    process: subprocess.Popen[str]
+    port: int
+    lines: list[str] = field(default_factory=list)
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_S)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, data, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            raw = response.read()
+            return response.status, json.loads(raw) if raw.startswith(b"{") else raw
+        finally:
+            conn.close()
+
+    def stats(self) -> dict[str, Any]:
+        status, body = self.request("GET", "/stats")
+        if status != 200:
+            raise RuntimeError(f"/stats answered {status}")
+        return body
+
+
+def write_config(workdir: Path) -> Path:
+    tree = {"data_dir": str(workdir / "data"), **SIZES}
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def start(config: Path, port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "-v", "--config", str(config), "serve", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _drain(served: Served) -> None:
+    """Keep reading the server's output (a full pipe would block it), after its ready line."""
+    assert served.process.stdout is not None
+    for line in served.process.stdout:
+        served.lines.append(line.rstrip("\n"))
+
+
+@contextmanager
+def serving(workdir: Path) -> Iterator[Served]:
+    """``kvtier serve`` on a free port, yielded once it logs that it serves; SIGTERM (then SIGKILL) at the end.
+
+    Readiness is the server's own log line, read as it is written: no polling, no sleep.
+    """
+    port = free_port()
+    served = Served(start(write_config(workdir), port), port)
+    try:
+        assert served.process.stdout is not None
+        for line in served.process.stdout:
+            served.lines.append(line.rstrip("\n"))
+            if READY in line:
+                break
+        else:
+            raise RuntimeError("kvtier serve exited before serving:\n" + "\n".join(served.lines[-20:]))
+        threading.Thread(target=_drain, args=(served,), daemon=True).start()
+        yield served
+    finally:
+        served.process.terminate()
+        try:
+            served.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            served.process.kill()
+            served.process.wait()
+
+
+def _complete(served: Served, prompt: str, max_tokens: int) -> int:
+    """A whole completion; how many tokens came back (0 when it failed)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    status, reply = served.request("POST", "/v1/completions", body)
+    return reply["usage"]["completion_tokens"] if status == 200 else 0
+
+
+# -- two servers -------------------------------------------------------------------------------------------------------
+@fault(Fault.TWO_SERVERS)
+def two_servers(workdir: Path) -> FaultOutcome:
+    """A second ``kvtier serve`` started on the data directory a first one serves from."""
+    with serving(workdir) as first:
+        second = start(workdir / "kvtier.yaml", free_port())
+        out, _ = second.communicate(timeout=START_S)
+        said = [line for line in out.splitlines() if "in use by pid" in line]
+        first_answers = _complete(first, "The lighthouse keeper", 4)
+        health, _ = first.request("GET", "/health")
+    names_first = len(said) == 1 and f"in use by pid {first.process.pid}" in said[0]
+    figures = {
+        "second_exit_code": second.returncode,
+        "refusal_lines": len(said),
+        "refusal_names_first_pid": int(names_first),
+        "tracebacks": out.count("Traceback"),
+        "first_completion_tokens": first_answers,
+        "first_health": health,
+    }
+    held = second.returncode == 2 and names_first and "Traceback" not in out and first_answers == 4 and health == 200
+    return FaultOutcome(
+        Fault.TWO_SERVERS,
+        injected="a second kvtier serve on the data directory (and so the disk tier) a running one uses",
+        outcome=(
+            "the second exited 2 with one line naming the first's pid and how to share one cache; "
+            "the first kept serving"
+        ),
+        held=held,
+        figures=figures,
+    )
+
+
+# -- clients that leave mid-stream -------------------------------------------------------------------------------------
+LEAVERS = 32
+CHUNKS_BEFORE_LEAVING = 3
+
+
+def stream_then_leave(port: int, n: int) -> int:
+    """Open a long streaming completion, read a few chunks, then drop the connection; chunks read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_S)
+    body = {"prompt": f"Story {n}: a very long tale of a lighthouse.", "max_tokens": 900, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    chunks = 0
+    while response.status == 200 and chunks < CHUNKS_BEFORE_LEAVING:
+        line = response.fp.readline()
+        if not line:
+            break
+        chunks += line.startswith(b"data: ")
+    assert conn.sock is not None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    return chunks
+
+
+def settled(served: Served, aborted: int) -> dict[str, Any]:
+    """/stats once ``aborted`` requests are counted and none is in flight (each poll is one request: the server
+    is the clock; the guard only stops a hang)."""
+    deadline = time.monotonic() + REQUEST_S
+    while True:
+        stats = served.stats()
+        engine = stats["engine"]
+        if (engine["requests"]["abort"] >= aborted and engine["in_flight"] == 0) or time.monotonic() > deadline:
+            return stats
+
+
+@fault(Fault.DISCONNECTS)
+def disconnects(workdir: Path) -> FaultOutcome:
+    """32 clients stream at once and each hangs up after three chunks; then one more asks a whole question."""
+    with serving(workdir) as served:
+        chunks = [0] * LEAVERS
+
+        def leave(n: int) -> None:
+            chunks[n] = stream_then_leave(served.port, n)
+
+        threads = [threading.Thread(target=leave, args=(n,)) for n in range(LEAVERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(REQUEST_S)
+        stats = settled(served, LEAVERS)
+        after = _complete(served, "Hello", 2)
+        engine, device = stats["engine"], stats["tiers"]["device"]
+        orphans = device["used_bytes"] - device["blocks"] * device["capacity_bytes"] // device["capacity_blocks"]
+        tracebacks = sum("Traceback" in line for line in served.lines)
+    figures = {
+        "clients_left": sum(c == CHUNKS_BEFORE_LEAVING for c in chunks),
+        "aborted": engine["requests"]["abort"],
+        "ran_to_length": engine["requests"]["length"],
+        "in_flight_after": engine["in_flight"],
+        "pinned_blocks_after": stats["pinned_blocks"],
+        "pool_bytes_unaccounted": orphans,
+        "completion_tokens_after": after,
+        "tracebacks": tracebacks,
+    }
+    held = (
+        figures["clients_left"] == figures["aborted"] == LEAVERS
+        and figures["ran_to_length"] == 0
+        and figures["in_flight_after"] == figures["pinned_blocks_after"] == orphans == 0
+        and after == 2
+        and tracebacks == 0
+    )
+    return FaultOutcome(
+        Fault.DISCONNECTS,
+        injected=f"{LEAVERS} streaming clients at once, each hanging up after {CHUNKS_BEFORE_LEAVING} chunks",
+        outcome=(
+            "every one aborted (none ran on to max_tokens), nothing in flight, no pins, every used pool block a "
+            "resident cached one; the next request was served"
+        ),
+        held=held,
+        figures=figures,
+    )
+
+
+__all__ = ["disconnects", "serving", "stream_then_leave", "two_servers"]
