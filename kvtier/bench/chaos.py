@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
 import numpy as np
 from tqdm import tqdm
 
@@ -121,7 +122,7 @@ class Zygote:
         for line in self.proc.stdout:
             try:
                 yield w.REPORTS.decode(line)
-            except Exception:
+            except msgspec.DecodeError:
                 continue
         raise RuntimeError(f"the chaos zygote exited ({self.proc.wait()})")
 
@@ -291,7 +292,7 @@ def plot(result: dict[str, Any], png: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.hist([s * 1000 for s in result["restarts"]], bins=40)
-    ax.set_xlabel("open + recovery after a kill (ms)")
+    ax.set_xlabel("open + recovery, after a kill or a clean restart (ms)")
     ax.set_ylabel("opens")
     held = sum(f.get("held") is True for f in result["faults"])
     ax.set_title(
