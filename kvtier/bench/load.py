@@ -108,8 +108,8 @@ class Agents:
     def __init__(self, spec: LoadSpec) -> None:
         self.spec = spec
         own = spec.turns * spec.turn_tokens
-        self._pool = text_ids(own + 4099, offset=3001)
-        self._shared = text_ids(spec.shared_tokens, offset=17)
+        ids = text_ids(spec.shared_tokens + own + 4099, offset=17)  # one tokenizer load: seconds on two cores
+        self._shared, self._pool = ids[: spec.shared_tokens], ids[spec.shared_tokens :]
         self._span = len(self._pool) - own
 
     def prompt(self, client: int, session: int, turn: int) -> list[int]:
