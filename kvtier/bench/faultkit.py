@@ -19,7 +19,8 @@ import contextlib
 import logging
 import os
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,6 +171,38 @@ def kvtier_log() -> Iterator[LogLines]:
         logger.removeHandler(lines)
         logger.setLevel(old_level)
         errors._seen = saved
+
+
+GUARD_S = 120.0  # a hang guard, never a speed assertion: a run that needs it has failed
+
+
+class Threads:
+    """Run functions on threads that start together; exceptions are kept and re-raised by :meth:`join`."""
+
+    def __init__(self, work: list[Callable[[], object]]) -> None:
+        self._start = threading.Barrier(len(work))
+        self.errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in work]
+
+    def _run(self, work: Callable[[], object]) -> None:
+        try:
+            self._start.wait(GUARD_S)
+            work()
+        except BaseException as err:  # a thread cannot fail the run itself: kept, re-raised by join
+            self.errors.append(err)
+
+    def start(self) -> Threads:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join(GUARD_S)
+            if t.is_alive():
+                raise TimeoutError(f"a fault's thread still runs after {GUARD_S} s: a hang")
+        if self.errors:
+            raise self.errors[0]
 
 
 def rss_bytes() -> int:

@@ -29,7 +29,9 @@ import torch
 from kvtier.bench.faultkit import (
     BLOCK,
     FINGERPRINT,
+    GUARD_S,
     LAYOUT,
+    Threads,
     as_bytes,
     kv,
     rss_bytes,
@@ -42,37 +44,6 @@ from kvtier.bench.faults import Fault, FaultOutcome, fault
 from kvtier.config import WriteMode
 from kvtier.keys import BlockKey, KeyHasher, Secret, xxh3_128
 from kvtier.manager import CacheManager
-
-GUARD_S = 120.0  # a hang guard, never a speed assertion: a run that needs it has failed
-
-
-class Threads:
-    """Run functions on threads that start together; exceptions are kept and re-raised by :meth:`join`."""
-
-    def __init__(self, work: list[Callable[[], object]]) -> None:
-        self._start = threading.Barrier(len(work))
-        self.errors: list[BaseException] = []
-        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in work]
-
-    def _run(self, work: Callable[[], object]) -> None:
-        try:
-            self._start.wait(GUARD_S)
-            work()
-        except BaseException as err:  # a thread cannot fail the run itself: kept, re-raised by join
-            self.errors.append(err)
-
-    def start(self) -> Threads:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def join(self) -> None:
-        for t in self._threads:
-            t.join(GUARD_S)
-            if t.is_alive():
-                raise TimeoutError(f"a fault's thread still runs after {GUARD_S} s: a hang")
-        if self.errors:
-            raise self.errors[0]
 
 
 def _pins_left(cache: CacheManager) -> int:
