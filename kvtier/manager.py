@@ -45,7 +45,7 @@ from kvtier.errors import DiskUnavailableError
 from kvtier.events import BlockEventSink, ObservedPolicy
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.index import LookupResult, MissReason, Probe, longest_prefix
-from kvtier.keys import BlockDigests, BlockKey, KeyHasher, NamedDigests, Secret
+from kvtier.keys import BlockDigests, BlockKey, Digests, KeyHasher, NamedDigests, Secret
 from kvtier.layout import KVLayout
 from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.stats import TierStats
@@ -202,7 +202,7 @@ class CacheManager:
         return LookupResult(ns, bs, len(tokens), tuple(keys), tuple(probe.tiers), probe.reason, first_block)
 
     def _probe_remote(
-        self, remote: RemoteTier, keys: list[BlockKey], digests: BlockDigests, local: Probe, first_block: int
+        self, remote: RemoteTier, keys: list[BlockKey], digests: Digests, local: Probe, first_block: int
     ) -> Probe:
         """Extend the local run with blocks the remote holds: headers read (no lock held), then confirmed.
 
@@ -221,11 +221,17 @@ class CacheManager:
         For operators (the server's admin ``/lookup``): asking must not change
         what is evicted next nor count as traffic, or looking would alter the
         cache being looked at. Hits are confirmed against ``tokens`` all the same.
+        Past the local tiers the remote one is asked too, as a lookup would
+        (its headers read, confirmed the same way), so the answer says which
+        blocks a fetch would take from the shared tier.
         """
         ns = namespace or self.config.cache.namespace
         keys = self.hasher.keys(tokens, ns)
+        digests = self.hasher.digests(keys, tokens)
         with self._lock:
-            found = longest_prefix(keys, self.hasher.digests(keys, tokens), self.tiers)
+            found = longest_prefix(keys, digests, self.tiers)
+        if self.remote is not None and found.reason is MissReason.ABSENT:
+            found = self._probe_remote(self.remote, keys, digests, found, 0)
         return LookupResult(ns, self.layout.block_size, len(tokens), tuple(keys), tuple(found.tiers), found.reason)
 
     # -- ③ fetch and load ----------------------------------------------------------
@@ -651,14 +657,23 @@ class CacheManager:
         return None
 
     def named_exists(self, names: Sequence[bytes], namespace: str) -> list[bool]:
-        """Which of ``names`` some tier holds (host or disk), confirmed by digest; nothing is pinned or counted."""
+        """Which of ``names`` some tier holds, confirmed by digest; nothing is pinned or counted.
+
+        Names no local tier holds are asked of the remote tier (one header
+        read each, batched): another node may have stored them, and a caller
+        that hears "absent" recomputes what it could have fetched.
+        """
         keys, digests = self._named(names, namespace)
         with self._lock:
             records = [self._record(key) for key in keys]
+        absent = [i for i, r in enumerate(records) if r is None]
+        if self.remote is not None and absent:
+            for i, record in zip(absent, self.remote.probe([keys[i] for i in absent]), strict=True):
+                records[i] = record
         return [r is not None and r.matches(digests[i]) for i, r in enumerate(records)]
 
     def named_load(self, names: Sequence[bytes], namespace: str) -> LoadHandle:
-        """Pin the leading ``names`` that are held, promoting disk ones; the handle stops at the first absent.
+        """Pin the leading ``names`` that are held, promoting disk and remote ones; stops at the first absent.
 
         Leading, like a token load: a caller's names are the chunks of one
         object, and a run with a gap is as useless to it as KV with a hole.
@@ -667,8 +682,12 @@ class CacheManager:
         keys, digests = self._named(names, namespace)
         with self._lock:
             probe = longest_prefix(keys, digests, self.tiers)
+        if self.remote is not None and probe.reason is MissReason.ABSENT:
+            probe = self._probe_remote(self.remote, keys, digests, probe, 0)
+        with self._lock:
             for key, kind in zip(keys, probe.tiers, strict=False):
-                self._policies[kind].on_access(key)
+                if kind in self._policies:
+                    self._policies[kind].on_access(key)
         if probe.mismatched is not None:
             self._stats(probe.mismatched).add(confirm_mismatch=1)
         result = LookupResult(namespace, self.layout.block_size, 0, tuple(keys), tuple(probe.tiers), probe.reason)

@@ -57,6 +57,45 @@ def test_a_second_node_hits_what_the_first_stored(tmp_path: Path, redis_server) 
         assert "remote" not in a.stats()["break_even"]["tiers"]  # a never fetched from it: no figures to show
 
 
+def test_the_admin_probe_names_the_remote_tier_and_counts_nothing(tmp_path: Path, redis_server) -> None:
+    """What /lookup answers: host blocks, then the blocks only Redis holds, with no hit or miss counted."""
+    tokens, blocks = prompt(6 * BLOCK + 1), kv(6, seed=1)
+    with node(tmp_path, "a", redis_server.url) as a, node(tmp_path, "b", redis_server.url) as b:
+        assert a.store_now(tokens, blocks) == 6
+        assert a.remote is not None and a.remote.flush()
+        assert b.store_now(tokens[: 2 * BLOCK], blocks[:2]) == 2  # b holds the first two blocks itself
+        before = b.stats()
+        probe = b.probe(tokens)
+        assert (probe.tiers, probe.miss_reason) == ((H, H, R, R, R, R), MissReason.NONE)
+        assert probe.tokens_by_tier() == {H: 2 * BLOCK, R: 4 * BLOCK}
+        after = b.stats()
+        for tier in ("host", "remote"):
+            assert after[tier]["hit_tokens"] == before[tier]["hit_tokens"]
+            assert after[tier]["miss_tokens"] == before[tier]["miss_tokens"]
+        assert b.probe(prompt(6 * BLOCK + 1, seed=9)).tiers == ()  # a prompt nobody stored
+
+
+def test_named_blocks_one_node_stored_are_found_and_loaded_by_another(tmp_path: Path, redis_server) -> None:
+    """The llama.cpp connector's named chunks go through Redis too: b finds and loads a's, confirmed, bytes exact."""
+    names = [f"state/{i}".encode() for i in range(3)]
+    data = kv(3, seed=7)
+
+    def fill(i: int, out: torch.Tensor) -> None:
+        out.copy_(as_bytes(data[i]))
+
+    with node(tmp_path, "a", redis_server.url) as a, node(tmp_path, "b", redis_server.url) as b:
+        assert a.named_store_from(names, fill, "ns") == 3
+        assert a.remote is not None and a.remote.flush()
+        assert b.named_exists([*names, b"state/absent"], "ns") == [True, True, True, False]
+        assert b.named_exists(names, "another-ns") == [False] * 3  # the namespace is in the key
+        with b.named_load([*names, b"state/absent"], "ns") as handle:
+            assert handle.served_from == [R] * 3
+            assert all(torch.equal(g, as_bytes(w)) for g, w in zip(handle.blocks, data, strict=True))
+        with b.named_load(names, "ns") as handle:
+            assert handle.served_from == [H] * 3  # promoted into b's host memory on the way
+        assert b.stats()["remote"]["bytes_read"] == 3 * toy_layout().block_bytes
+
+
 def test_namespaces_never_hit_each_other(tmp_path: Path, redis_server) -> None:
     tokens = prompt(4 * BLOCK + 1)
     with node(tmp_path, "a", redis_server.url) as a, node(tmp_path, "b", redis_server.url) as b:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass, field
 
 from kvtier.keys import BlockKey
 
@@ -25,6 +26,36 @@ class PolicyName(enum.StrEnum):
     LFU = "lfu"
     S3FIFO = "s3fifo"
     PREFIX_LRU = "prefix_lru"
+
+
+@dataclass(frozen=True)
+class Protection:
+    """Keys held back from eviction, each with a class: a lower class is given up first.
+
+    The manager builds it (a live session's transcript blocks, classed by
+    when the session last spoke); the policy only ranks by it. Protection is
+    a preference, not a pin: when nothing unprotected is left to evict, the
+    protected keys go too, lowest class first (the session idle longest),
+    and within a class in the policy's own order.
+    """
+
+    rank: Mapping[BlockKey, float] = field(default_factory=dict)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.rank
+
+
+NO_PROTECTION = Protection()
+
+
+class _Either:
+    """``a or b`` membership without building a set (``exclude`` may be a large pin table)."""
+
+    def __init__(self, a: Container[BlockKey], b: Container[BlockKey]) -> None:
+        self._a, self._b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._a or key in self._b
 
 
 class EvictionPolicy(ABC):
@@ -49,6 +80,26 @@ class EvictionPolicy(ABC):
         Must not change any state: calling it twice in a row returns the same
         list, and the policy behaves afterwards as if it had not been called.
         """
+
+    def ranked_victims(
+        self, n: int, exclude: Container[BlockKey] = frozenset(), protection: Protection = NO_PROTECTION
+    ) -> list[BlockKey]:
+        """:meth:`victims` with ``protection`` honoured: unprotected keys first, in this policy's order.
+
+        Defined once here so that every policy honours protection the same
+        way and none of them special-cases it. Only when fewer than ``n``
+        unprotected keys can go are protected ones added, lowest class first,
+        each class in the policy's own order. Pure, like :meth:`victims`.
+        """
+        if not protection.rank:
+            return self.victims(n, exclude)
+        first = self.victims(n, _Either(exclude, protection))
+        short = n - len(first)
+        if short <= 0:
+            return first
+        order = [k for k in self.victims(len(self), exclude) if k in protection]
+        order.sort(key=lambda k: protection.rank[k])  # stable: the policy's order within a class
+        return first + order[:short]
 
     @abstractmethod
     def __len__(self) -> int: ...

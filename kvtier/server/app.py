@@ -241,7 +241,7 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
 
 @router.post("/lookup", response_model=LookupResponse, responses=ERRORS, dependencies=[Admin])
 async def lookup(body: LookupRequest, state: State) -> LookupResponse:
-    """How much of a prompt host and disk hold for a tenant, without touching eviction order or stats."""
+    """How much of a prompt the tiers hold for a tenant (the remote one too), without touching eviction or stats."""
     tenant = _tenant(state, body.tenant)
     ids = await _ids(state, body, add_generation_prompt=True)
     probe = await asyncio.to_thread(state.cache.probe, ids, tenant.namespace)

@@ -247,7 +247,9 @@ class LookupRequest(_PromptOrMessages):
 class LookupResponse(BaseModel):
     tenant: str
     prompt_tokens: int
-    cached_tokens: int = Field(description="Leading tokens held in host or disk, whole blocks only.")
+    cached_tokens: int = Field(
+        description="Leading tokens held in host, disk or the remote tier (when configured), whole blocks only."
+    )
     tiers: dict[TierKind, int] = Field(description="Of cached_tokens, how many each tier would serve.")
     miss_reason: MissReason
 

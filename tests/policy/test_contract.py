@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvtier.keys import BlockKey
 from kvtier.policy import EvictionPolicy, PolicyName, make_policy, registered
+from kvtier.policy.base import Protection
 
 N_KEYS = 12
 K = [BlockKey(bytes([i]) * 16) for i in range(N_KEYS)]
@@ -212,6 +213,44 @@ def test_eviction_drains_every_key_once(
     assert sorted(drained) == sorted(K[i] for i in resident)
     assert len(policy) == 0
     assert policy.victims(N_KEYS) == []
+
+
+PROTECT = st.dictionaries(INDEX, st.integers(0, 2), max_size=6)
+"""Key index -> protection class (a session's age rank: lower leaves first)."""
+
+
+@pytest.mark.parametrize("name", registered())
+@settings(max_examples=100, deadline=None)
+@given(forest=FORESTS, events=RANDOM_EVENTS, protect=PROTECT, n=st.integers(0, N_KEYS), excl=st.frozensets(INDEX))
+def test_protected_keys_leave_last_lowest_class_first(
+    name: PolicyName,
+    forest: Forest,
+    events: list[tuple[str, int, frozenset[int]]],
+    protect: dict[int, int],
+    n: int,
+    excl: frozenset[int],
+) -> None:
+    """Every policy honours protection through base.py: unprotected first (its own order), then by class."""
+    policy = make_policy(name)
+    for op, i, _ in events:
+        if op == "insert":
+            policy.on_insert(K[i], parent_key(i, forest))
+        elif op == "access":
+            policy.on_access(K[i])
+        elif op == "remove":
+            policy.on_remove(K[i])
+    protection = Protection({K[i]: float(c) for i, c in protect.items()})
+    exclude = frozenset(K[i] for i in excl)
+    got = policy.ranked_victims(n, exclude, protection)
+    assert got == policy.ranked_victims(n, exclude, protection)  # pure
+    unprotected = policy.victims(n, exclude | protection.rank.keys())
+    assert got[: len(unprotected)] == unprotected
+    rest = got[len(unprotected) :]
+    assert all(k in protection and k not in exclude for k in rest)
+    assert [protection.rank[k] for k in rest] == sorted(protection.rank[k] for k in rest)
+    evictable = [k for k in policy.victims(N_KEYS, exclude)]
+    assert len(got) == min(n, len(evictable))
+    assert policy.ranked_victims(n, exclude) == policy.victims(n, exclude)  # no protection: unchanged
 
 
 def test_unknown_policy_name_is_rejected() -> None:

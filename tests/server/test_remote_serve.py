@@ -54,11 +54,14 @@ def test_two_instances_share_blocks_through_redis_and_survive_it(
             {"role": "assistant", "content": first.choices[0].message.content},
             {"role": "user", "content": "Now add them up."},
         ]
-        second = ask(b, messages)
         ids2, ref2 = reference.chat(messages, 8)
+        shared_tokens = shared_full_blocks(ids2, [ids1 + ref1.token_ids[:-1]])
+        looked = b.admin_post("/lookup", {"messages": messages}).json()  # before b serves it: all from Redis
+        assert (looked["cached_tokens"], looked["tiers"]) == (shared_tokens, {"remote": shared_tokens})
+        second = ask(b, messages)
         assert second.choices[0].message.content == ref2.text  # identical to no cache at all
         cached = second.usage.prompt_tokens_details.cached_tokens
-        assert cached == shared_full_blocks(ids2, [ids1 + ref1.token_ids[:-1]]) > 0
+        assert cached == shared_tokens > 0
         stats = b.stats()
         assert stats["tiers"]["remote"]["hit_tokens"] == cached  # every cached token came from Redis
         assert stats["tiers"]["remote"]["bytes_read"] == cached // 16 * 46080 * 16
