@@ -14,7 +14,8 @@ Measured: every request's TTFT at the client (sent → first server-sent
 event), its prompt and cached tokens (``stream_options.include_usage``) and
 whether it ended cleanly (``[DONE]`` after a finish; anything else is an
 error, with its text); every ``sample_s`` the server's RSS (``/proc``) and
-``/stats``' pinned blocks. After ``warmup_fraction`` of the run, RSS and
+``/stats``' pinned blocks. After ``warmup_fraction`` of the run (and not before the host
+tier is full: its slab's pages are touched as slots are first used), RSS and
 the floor of pinned blocks (each window's least: a leak raises it, load
 does not) must stay within 5% of where they were. When the clients stop, the
 pinned count must come back to 0.
@@ -100,6 +101,7 @@ class Probe:
     at_s: float
     rss_bytes: int
     pinned_blocks: int
+    host_full: bool = False  # the host tier's slots all used: its memory is all touched, RSS stops climbing with it
 
 
 class Agents:
@@ -222,7 +224,9 @@ class Run:
 
     def _probe(self) -> None:
         stats = self.server.stats()
-        probe = Probe(self._now(), _rss_bytes(self.server.process.pid), stats["pinned_blocks"])
+        host = stats["tiers"]["host"]
+        full = host["used_bytes"] >= host["capacity_bytes"]
+        probe = Probe(self._now(), _rss_bytes(self.server.process.pid), stats["pinned_blocks"], full)
         with self._lock:
             self.probes.append(probe)
 
@@ -240,11 +244,11 @@ class Run:
         for t in [*clients, sampler]:
             t.start()
         deadline = self.spec.minutes * 60
-        while not self._all_done.wait(max(0.0, min(self.spec.window_s, deadline - self._now()))):
-            if progress is not None:
-                progress(self._now(), len(self.samples))
+        while not self._all_done.wait(max(0.1, min(self.spec.window_s, deadline - self._now()))):
             if self._now() >= deadline:
-                self._stop.set()
+                self._stop.set()  # each client ends the request it is in, then stops
+            elif progress is not None:
+                progress(self._now(), len(self.samples))
         wall = self._now()
         self._stop.set()
         for t in [*clients, sampler]:
@@ -296,7 +300,8 @@ def window_for(spec: LoadSpec, wall_s: float) -> float:
 
 def summarize(spec: LoadSpec, samples: list[Sample], probes: list[Probe], wall_s: float) -> dict[str, Any]:
     """The figures and verdicts of one run, every one computed from ``samples`` and ``probes``."""
-    warm_s = spec.warmup_fraction * wall_s
+    full = next((p.at_s for p in probes if p.host_full), None)
+    warm_s = max(spec.warmup_fraction * wall_s, full or 0.0)  # and not before host memory is all in use
     after = [s for s in samples if s.ended_s >= warm_s]
     ttfts = [s.ttft_s for s in after if s.ttft_s is not None]
     window_s = window_for(spec, wall_s)
@@ -315,6 +320,7 @@ def summarize(spec: LoadSpec, samples: list[Sample], probes: list[Probe], wall_s
         "error_examples": sorted(set(errors))[:5],
         "wall_s": wall_s,
         "warmup_s": warm_s,
+        "host_full_s": full,
         "window_s": window_s,
         "requests_per_s": len(after) / max(wall_s - warm_s, 1e-9),
         "ttft_p50_s": _quantile(ttfts, 0.5),

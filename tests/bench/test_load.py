@@ -80,3 +80,16 @@ def test_a_short_run_against_a_real_server(tmp_path: Path) -> None:
     path, _ = load.save(result, tmp_path)
     assert json.loads(path.read_text())["summary"] == s
     assert "16 requests, 0 errors" in load.table(result)
+
+
+def test_warm_up_lasts_until_host_memory_is_full() -> None:
+    """RSS climbs while the host slab's pages are first touched: that is filling, not a leak."""
+    rising = [900, 950, 1000, 1050] + [1060] * 6
+    ps = [Probe(p.at_s, p.rss_bytes, p.pinned_blocks, host_full=p.at_s >= 40) for p in probes(100, rising, [0] * 10)]
+    s = load.summarize(SPEC, samples(100), ps, 100.0)["summary"]
+    assert (s["host_full_s"], s["warmup_s"], s["rss_after_warmup_bytes"], s["checks"]["rss_flat"]) == (
+        40.0,
+        40.0,
+        1060,
+        True,
+    )
