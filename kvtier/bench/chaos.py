@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections import Counter
 from collections.abc import Iterator
@@ -276,9 +277,12 @@ def run(
 ) -> dict[str, Any]:
     """The kill loop, then every registered fault; one JSON-ready dict."""
     with tempfile.TemporaryDirectory(prefix="kvtier-chaos-") as tmp:
+        started = time.perf_counter()
         ledger = kill_loop(Path(tmp), kills, seed, progress)
+        loop_s = time.perf_counter() - started
         entries = run_faults(Path(tmp), progress) if faults else []
-    return {"setup": setup(kills, seed), **summary(ledger, kills), "faults": entries, "restarts": ledger.restarts}
+    result = {"setup": setup(kills, seed), **summary(ledger, kills), "kill_loop_s": loop_s, "faults": entries}
+    return {**result, "restarts": ledger.restarts}
 
 
 def save(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path | None]:
