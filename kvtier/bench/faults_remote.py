@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from kvtier.bench.faultkit import Threads, kv, serve, tokens, toy_cache, toy_config
+from kvtier.bench.faultkit import GUARD_S, Threads, kv, serve, tokens, toy_cache, toy_config
 from kvtier.bench.faults import Fault, FaultOutcome, FaultSkipped, fault
 from kvtier.bench.redis_server import RedisServer, RedisStartError
 from kvtier.config import Config
@@ -60,7 +60,8 @@ def remote_down(workdir: Path) -> FaultOutcome:
                 a.store_now(tokens(p, BLOCKS), kv(p, BLOCKS))
             assert a.remote is not None and a.remote.flush()
         with toy_cache(node_config(workdir, "b", redis.url)) as b:
-            warmed, killed = threading.Event(), threading.Event()
+            warmed = [threading.Event() for _ in range(READERS)]  # each reader's first pass done
+            killed = threading.Event()
             before = [[0, 0] for _ in range(READERS)]  # [blocks served, wrong] per reader, before / after the kill
             after = [[0, 0, 0] for _ in range(READERS)]  # ... and lookups answered after
 
@@ -69,8 +70,7 @@ def remote_down(workdir: Path) -> FaultOutcome:
                     got = serve(b, p, BLOCKS)
                     before[r][0] += got.blocks
                     before[r][1] += got.wrong
-                if r == 0:
-                    warmed.set()
+                warmed[r].set()
                 killed.wait()
                 for _ in range(PASSES_AFTER_KILL):
                     for p in range(r, PROMPTS, READERS):
@@ -81,7 +81,8 @@ def remote_down(workdir: Path) -> FaultOutcome:
 
             readers = Threads([lambda r=r: reader(r) for r in range(READERS)]).start()
             try:
-                warmed.wait(120)
+                for first_pass in warmed:
+                    first_pass.wait(GUARD_S)
                 errors_at_kill = _remote_calls(b)
                 redis.kill()
             finally:
