@@ -239,6 +239,19 @@ def _load_progress(at_s: float, requests: int) -> None:
     print(f"  {at_s / 60:5.1f} min: {requests} requests", file=sys.stderr, flush=True)
 
 
+def _bench_tenants(args: argparse.Namespace) -> int:
+    from kvtier.bench import tenants
+
+    result = tenants.run(tenants.TenantSpec(rounds=args.rounds))
+    path = tenants.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "samples_s"}))
+    else:
+        print(tenants.table(result))
+        print(f"  wrote {path}")
+    return 0
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     from kvtier.bench import soak
 
@@ -465,6 +478,15 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--max-tokens", type=int, default=2, help="tokens each request generates")
     ld.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     ld.set_defaults(run=_bench_load)
+    tn = which.add_parser(
+        "tenants",
+        parents=[common],
+        help="TTFT of another tenant's cached prompt vs a miss and a hit (two-sample tests)",
+    )
+    tn.add_argument("--json", action="store_true", help="print one JSON object")
+    tn.add_argument("--rounds", type=int, default=200, help="rounds of three timed requests (hit, other tenant, miss)")
+    tn.add_argument("--out", default="bench/results", help="where the JSON goes")
+    tn.set_defaults(run=_bench_tenants)
     e = which.add_parser(
         "engines", parents=[common], help="vLLM, llama-cpp-python, SGLang with kvtier: fresh-process hit vs cold TTFT"
     )

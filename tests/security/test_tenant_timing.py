@@ -16,13 +16,14 @@ The positive control is that the same measurement does tell a hit from a
 miss. At the manager a hit costs *more* than a miss (its blocks are digested,
 confirmed, pinned, and read from disk on the disk tier); the recompute that
 makes a miss slow in the end happens in the engine, outside this measurement
-(``usage.prompt_tokens_details.cached_tokens`` and ``kvtier bench ttft`` show that
-side). So the control is two-sided: hit vs miss differ with p < 1e-6.
+(``kvtier bench tenants`` measures that side: TTFT at a real server). So
+the control is two-sided: hit vs miss differ with p < 1e-6.
 
 Robustness on a shared, noisy machine: the three requests of each round run
 in a shuffled order (seeded), so load changes hit every arm alike; nothing is
 compared with a wall-clock threshold; the test is Mann-Whitney U (two-sided,
-tie-corrected normal approximation; scipy is not a dependency). A true null
+tie-corrected normal approximation, :func:`kvtier.bench.tenants.mann_whitney_p`;
+scipy is not a dependency). A true null
 still gives p <= 0.05 one time in twenty, so a tier passes when any of up to
 three independent runs of 300 rounds gives p > 0.05 (a false alarm in
 0.05**3 = 1 of 8,000 runs); a real leak large enough to see fails all three.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.bench.tenants import mann_whitney_p
 from kvtier.config import WriteMode
 from kvtier.index import MissReason
 from kvtier.manager import CacheManager
@@ -51,25 +52,6 @@ ROUNDS = 300
 RUNS = 3
 BLOCKS = 4
 A, B = "tenant/a", "tenant/b"
-
-
-def mann_whitney_p(x: np.ndarray, y: np.ndarray) -> float:
-    """Two-sided p of the Mann-Whitney U test: normal approximation, tie-corrected, with continuity correction."""
-    n1, n2 = len(x), len(y)
-    values = np.concatenate([x, y]).astype(np.float64)
-    n = n1 + n2
-    order = np.argsort(values, kind="mergesort")
-    ranks = np.empty(n)
-    ranks[order] = np.arange(1, n + 1)
-    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
-    ranks = (np.bincount(inverse, weights=ranks) / counts)[inverse]  # ties share their mean rank
-    u = ranks[:n1].sum() - n1 * (n1 + 1) / 2
-    ties = float((counts.astype(np.float64) ** 3 - counts).sum())
-    sigma = math.sqrt(n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1))))
-    if sigma == 0:
-        return 1.0
-    z = max(0.0, abs(u - n1 * n2 / 2) - 0.5) / sigma
-    return math.erfc(z / math.sqrt(2))
 
 
 def test_mann_whitney_separates_shifted_samples_and_not_equal_ones() -> None:
