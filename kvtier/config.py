@@ -435,6 +435,21 @@ class RemoteConfig(_Section):
         return self
 
 
+class SessionConfig(_Section):
+    """Agent sessions (named by the request's ``user`` field or an ``X-Session-ID`` header)."""
+
+    enabled: bool = Field(True, description="Track sessions and protect a live session's transcript in host memory.")
+    ttl_s: float = Field(600.0, gt=0, description="A session is live this long after its last turn.")
+    max_sessions: int = Field(4096, ge=1, description="Sessions remembered at once; the idlest is forgotten first.")
+    max_protected_share: float = Field(
+        0.5, ge=0, le=1, description="Most of the host tier live sessions may protect, newest sessions first."
+    )
+    max_transcript_tokens: int = Field(
+        8192, ge=1, description="Leading transcript tokens remembered per session (for prefetch and explain)."
+    )
+    eviction_log: int = Field(65536, ge=0, description="Recent evictions remembered for /v1/cache/explain.")
+
+
 class Config(_Section):
     data_dir: Path = Field(default_factory=default_data_dir)
     cache: CacheConfig = CacheConfig()
@@ -446,6 +461,7 @@ class Config(_Section):
     route: RouteConfig = RouteConfig()
     service: ServiceConfig = ServiceConfig()
     remote: RemoteConfig = RemoteConfig()
+    session: SessionConfig = SessionConfig()
 
     @field_validator("data_dir")
     @classmethod

@@ -43,11 +43,13 @@ from kvtier.breakeven import BreakEvenModel
 from kvtier.config import Config, RemoteWriteOn, WriteMode
 from kvtier.errors import DiskUnavailableError
 from kvtier.events import BlockEventSink, ObservedPolicy
+from kvtier.explain import EvictionLog, Explanation, diagnose
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.index import LookupResult, MissReason, Probe, longest_prefix
 from kvtier.keys import BlockDigests, BlockKey, Digests, KeyHasher, NamedDigests, Secret
 from kvtier.layout import KVLayout
 from kvtier.policy import EvictionPolicy, make_policy
+from kvtier.policy.base import NO_PROTECTION, Protection
 from kvtier.stats import TierStats
 from kvtier.tiers.base import BlockRecord, Tier, TierKind
 from kvtier.tiers.disk import DiskTier, io_mode_for
@@ -122,6 +124,8 @@ class CacheManager:
         self._ttl_pins: dict[BlockKey, float] = {}  # key -> expiry on self._clock; see pin_for
         self._clock = clock
         self._lock = threading.RLock()
+        self.evictions = EvictionLog(config.session.eviction_log)  # what explain says was evicted
+        self.protect: Callable[[int], Protection] | None = None  # host capacity -> keys to keep (sessions)
         self.worker = TransferWorker(config.transfer.workers)
         self.write_mode = config.cache.write_mode
         self.costs = BreakEvenModel(
@@ -233,6 +237,37 @@ class CacheManager:
         if self.remote is not None and found.reason is MissReason.ABSENT:
             found = self._probe_remote(self.remote, keys, digests, found, 0)
         return LookupResult(ns, self.layout.block_size, len(tokens), tuple(keys), tuple(found.tiers), found.reason)
+
+    def explain(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        namespace: str,
+        *,
+        own_namespaces: Sequence[str] = (),
+        diverged_at: int | None = None,
+    ) -> Explanation:
+        """What a request would hit and why the run stops (see :mod:`kvtier.explain`); a probe, not traffic.
+
+        ``own_namespaces`` are the caller's other namespaces, the only ones
+        probed besides ``namespace``: another tenant's must never be asked.
+        """
+        others = [self.probe(tokens, ns) for ns in own_namespaces if ns != namespace]
+        return diagnose(self.probe(tokens, namespace), self.evictions, others=others, diverged_at=diverged_at)
+
+    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> dict[TierKind, int]:
+        """Promote the cached blocks of ``tokens`` to host memory now; tokens promoted, by the tier they left.
+
+        For a session about to speak again (its tool call is returning): the
+        disk or remote reads happen during the pause instead of in its next
+        turn's TTFT. Blocks already in host count as hits (their recency is
+        refreshed); nothing stays pinned afterwards.
+        """
+        with self.load(self.lookup(tokens, namespace)) as handle:
+            moved: dict[TierKind, int] = {}
+            for kind in handle.served_from:
+                if kind is not TierKind.HOST:
+                    moved[kind] = moved.get(kind, 0) + self.layout.block_size
+            return moved
 
     # -- ③ fetch and load ----------------------------------------------------------
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> LoadHandle:
@@ -765,8 +800,10 @@ class CacheManager:
         if short <= 0:
             return True
         exclude = self._host_exclude() if tier.kind is TierKind.HOST else frozenset()
+        protect = self.protect if tier is self.host else None
         policy = self._policies[tier.kind]
-        victims = policy.victims(short, exclude)
+        victims = policy.ranked_victims(short, exclude, protect(tier.capacity_blocks) if protect else NO_PROTECTION)
+        self.evictions.record(victims, tier.kind, policy.name, self._clock())
         if tier is self.host:
             self._demote(victims)
         tier.remove_many(victims)

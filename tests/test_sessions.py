@@ -1,0 +1,147 @@
+"""Sessions as an eviction input, and the "why miss" answer, on a toy manager (exact outcomes, a stepped clock)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.config import SessionConfig, WriteMode
+from kvtier.explain import ExplainReason, divergence
+from kvtier.manager import CacheManager
+from kvtier.policy import PolicyName
+from kvtier.sessions import SessionRegistry
+from kvtier.tiers.base import TierKind
+from tests.helpers import BLOCK, make_hasher, prompt, toy_layout
+from tests.test_manager import kv, manager
+
+H, D = TierKind.HOST, TierKind.DISK
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def with_sessions(m: CacheManager, clock: Clock, **cfg) -> SessionRegistry:
+    registry = SessionRegistry(SessionConfig(**{"ttl_s": 60.0, **cfg}), BLOCK, clock)
+    m.protect = registry.protection
+    return registry
+
+
+def speak(m: CacheManager, registry: SessionRegistry, sid: str, tokens: np.ndarray, seed: int) -> None:
+    """A session's turn as the server runs it: recorded, then its blocks stored."""
+    registry.turn(m.config.cache.namespace, sid, tokens, m.keys(tokens))
+    m.store_now(tokens, kv(len(tokens) // BLOCK, seed))
+
+
+def test_live_session_blocks_outlive_anonymous_ones_until_expiry(tmp_path: Path) -> None:
+    clock = Clock()
+    with manager(tmp_path, host_blocks=8, clock=clock) as m:
+        registry = with_sessions(m, clock)
+        agent = prompt(3 * BLOCK, seed=1)
+        speak(m, registry, "agent", agent, seed=1)
+        for s in range(2, 6):  # anonymous traffic, four times the free room
+            m.store_now(prompt(2 * BLOCK, seed=s), kv(2, s))
+        assert m.lookup(agent).tiers == (H, H, H)  # LRU alone would have evicted it first
+        clock.now += 61  # the session expires: its blocks are ordinary again
+        m.store_now(prompt(8 * BLOCK, seed=9), kv(8, 9))  # a whole tier of new blocks
+        assert m.lookup(agent).tiers == (D, D, D)
+        assert len(registry) == 0 and registry.expired == 1
+
+
+def test_protection_is_bounded_to_the_newest_sessions(tmp_path: Path) -> None:
+    clock = Clock()
+    with manager(tmp_path, host_blocks=8, clock=clock) as m:
+        registry = with_sessions(m, clock, max_protected_share=0.5)  # 4 of 8 blocks
+        old, new, third = (prompt(2 * BLOCK, seed=s) for s in (1, 2, 3))
+        for sid, tokens, seed in (("old", old, 1), ("new", new, 2), ("third", third, 3)):
+            clock.now += 1
+            speak(m, registry, sid, tokens, seed)
+        assert set(registry.protection(8).rank) == set(m.keys(new) + m.keys(third))  # over the share: old loses
+        m.lookup(old)  # old is now the most recently used: LRU alone would evict new first
+        m.store_now(prompt(4 * BLOCK, seed=4), kv(4, 4))
+        assert m.lookup(old).tiers == (D, D)
+        assert m.lookup(new).tiers == (H, H) and m.lookup(third).tiers == (H, H)
+
+
+def test_protected_blocks_still_go_when_nothing_else_can_idlest_session_first(tmp_path: Path) -> None:
+    clock = Clock()
+    with manager(tmp_path, host_blocks=4, clock=clock) as m:
+        registry = with_sessions(m, clock, max_protected_share=1.0)
+        old, new = prompt(2 * BLOCK, seed=1), prompt(2 * BLOCK, seed=2)
+        speak(m, registry, "old", old, seed=1)
+        clock.now += 1
+        speak(m, registry, "new", new, seed=2)
+        m.lookup(old)  # most recently used, but its session is the idler one
+        assert m.store_now(prompt(2 * BLOCK, seed=3), kv(2, 3)) == 2
+        assert m.lookup(old).tiers == (D, D) and m.lookup(new).tiers == (H, H)
+
+
+def test_registry_forgets_the_idlest_past_max_sessions_and_keeps_tenants_apart() -> None:
+    clock = Clock()
+    registry = SessionRegistry(SessionConfig(max_sessions=2), BLOCK, clock)
+    for i, ns in enumerate(["t/a", "t/b", "t/a"]):
+        clock.now += 1
+        registry.turn(ns, f"s{i}" if i < 2 else "s0", prompt(BLOCK, seed=i), [])
+    assert registry.get("t/b", "s0") is None  # same id, other tenant: another session
+    assert registry.get("t/a", "s0") is not None and registry.get("t/b", "s1") is not None
+    clock.now += 1
+    registry.turn("t/c", "s9", prompt(BLOCK), [])
+    assert registry.get("t/b", "s1") is None  # the idlest was forgotten
+
+
+def test_prefetch_promotes_a_session_from_disk_to_host(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=4) as m:
+        agent = prompt(3 * BLOCK, seed=1)
+        m.store_now(agent, kv(3, 1))
+        m.store_now(prompt(4 * BLOCK, seed=2), kv(4, 2))
+        assert m.lookup(agent).tiers == (D, D, D)
+        assert m.prefetch(agent, m.config.cache.namespace) == {D: 3 * BLOCK}
+        assert m.lookup(agent).tiers == (H, H, H)
+        assert m.prefetch(agent, m.config.cache.namespace) == {}  # already there: nothing to move
+        assert all(m.pinned(k) == 0 for k in m.keys(agent))
+
+
+def test_explain_names_each_reason(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=4, disk={"enabled": False}) as m:
+        ns = m.config.cache.namespace
+        tokens = prompt(3 * BLOCK + 2, seed=1)
+        never = m.explain(tokens, ns)
+        assert (never.reason, never.first_miss_token) == (ExplainReason.NEVER_STORED, 0)
+        m.store_now(tokens, kv(3, 1))
+        tail = m.explain(tokens, ns)
+        assert (tail.reason, tail.first_miss_token, tail.result.tiers) == (ExplainReason.PARTIAL_TAIL, 12, (H,) * 3)
+        assert m.explain(tokens[: 3 * BLOCK], ns).reason is ExplainReason.ALL_CACHED
+        m.store_now(prompt(2 * BLOCK, seed=2), kv(2, 2))  # evicts blocks 0 and 1 (no disk: dropped)
+        gone = m.explain(tokens, ns)
+        assert gone.reason is ExplainReason.EVICTED and gone.first_miss_token == 0
+        assert gone.eviction is not None and (gone.eviction.tier, gone.eviction.policy) == (H, PolicyName.LRU)
+        other = prompt(2 * BLOCK, seed=3)
+        m.store_now(other, kv(2, 3), namespace="mine/b")
+        moved = m.explain(other, ns, own_namespaces=["mine/b"])
+        assert (moved.reason, moved.other_namespace) == (ExplainReason.OTHER_NAMESPACE, "mine/b")
+        assert m.explain(other, ns).reason is ExplainReason.NEVER_STORED  # a namespace not the caller's: unseen
+
+
+def test_explain_reports_a_rejected_collision(tmp_path: Path) -> None:
+    colliding = make_hasher(tmp_path, toy_layout(), hash128=lambda data, seed: b"\x00" * 16)
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH, hasher=colliding) as m:
+        m.store_now(prompt(BLOCK, seed=1), kv(1, 1))
+        assert m.explain(prompt(BLOCK, seed=2), m.config.cache.namespace).reason is ExplainReason.HASH_COLLISION
+
+
+def test_explain_finds_where_a_session_diverged(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=16) as m:
+        ns = m.config.cache.namespace
+        turn1 = prompt(6 * BLOCK, seed=1)
+        m.store_now(turn1, kv(6, 1))
+        turn2 = np.concatenate([turn1, prompt(BLOCK, seed=2)])
+        turn2[9] += 1  # one token changed inside block 2, as a timestamp would
+        at = divergence(turn1, turn2)
+        assert at == 9 and divergence(turn1, turn1[:10]) is None
+        why = m.explain(turn2, ns, diverged_at=at)
+        assert (why.reason, why.divergence, why.first_miss_token) == (ExplainReason.SESSION_DIVERGED, 9, 8)
