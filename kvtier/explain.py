@@ -89,6 +89,7 @@ class Explanation:
     eviction: Eviction | None = None
     other_namespace: str | None = None  # one of the caller's own namespaces, never another tenant's
     divergence: int | None = None  # first token position where the session's previous turn differs
+    eviction_age_s: float | None = None  # how long ago ``eviction`` happened
 
 
 def divergence(previous: np.ndarray, tokens: Sequence[int] | np.ndarray) -> int | None:
@@ -109,13 +110,15 @@ def diagnose(
     *,
     others: Sequence[LookupResult] = (),
     diverged_at: int | None = None,
+    now: float = 0.0,
 ) -> Explanation:
     """The reason the run in ``result`` stops, from the strongest evidence to the weakest.
 
     ``others`` are the same tokens probed under the caller's other
     namespaces; ``diverged_at`` is where the session's previous turn left
-    these tokens. A collision is certain (a tier said so); an eviction
-    record names the very key; a divergence inside the first missing block
+    these tokens; ``now`` is the time on the clock evictions were recorded
+    by. A collision is certain (a tier said so); an eviction record names the
+    very key; a divergence inside the first missing block
     explains why its key is new; another namespace holding the block is a
     hint that the caller changed namespace.
     """
@@ -129,7 +132,8 @@ def diagnose(
         return Explanation(result, ExplainReason.HASH_COLLISION, at)
     evicted = evictions.get(result.keys[miss])
     if evicted is not None:
-        return Explanation(result, ExplainReason.EVICTED, at, eviction=evicted, divergence=diverged_at)
+        age = max(0.0, now - evicted.at)
+        return Explanation(result, ExplainReason.EVICTED, at, evicted, divergence=diverged_at, eviction_age_s=age)
     if diverged_at is not None and diverged_at < at + result.block_size:
         return Explanation(result, ExplainReason.SESSION_DIVERGED, at, divergence=diverged_at)
     other = next((o for o in others if o.cached_blocks > miss), None)

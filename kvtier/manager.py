@@ -252,7 +252,8 @@ class CacheManager:
         probed besides ``namespace``: another tenant's must never be asked.
         """
         others = [self.probe(tokens, ns) for ns in own_namespaces if ns != namespace]
-        return diagnose(self.probe(tokens, namespace), self.evictions, others=others, diverged_at=diverged_at)
+        result = self.probe(tokens, namespace)
+        return diagnose(result, self.evictions, others=others, diverged_at=diverged_at, now=self._clock())
 
     def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> dict[TierKind, int]:
         """Promote the cached blocks of ``tokens`` to host memory now; tokens promoted, by the tier they left.

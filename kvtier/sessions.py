@@ -46,6 +46,7 @@ class Session:
     last_turn: float
     tokens: np.ndarray  # int32, the leading ``max_transcript_tokens`` of the last turn's prompt
     keys: tuple[BlockKey, ...]  # the full blocks of ``tokens``
+    previous: np.ndarray | None = None  # the same of the turn before (explain compares the two)
     turns: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -110,6 +111,8 @@ class SessionRegistry:
             session = self._sessions.pop(key, None)
             if session is None:
                 session = Session(namespace, session_id, self._clock(), ids, kept)
+            else:
+                session.previous = session.tokens
             session.last_turn, session.tokens, session.keys = self._clock(), ids, kept
             session.turns += 1
             self._sessions[key] = session

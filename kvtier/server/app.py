@@ -17,6 +17,7 @@ engine thread (:mod:`kvtier.server.loop`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -27,7 +28,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvtier.engine.engine import Engine
-from kvtier.server import inference
+from kvtier.server import inference, sessions
 from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
@@ -40,6 +41,8 @@ from kvtier.server.schemas import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    ExplainRequest,
+    ExplainResponse,
     Health,
     LookupRequest,
     LookupResponse,
@@ -47,6 +50,8 @@ from kvtier.server.schemas import (
     ModelList,
     PinRequest,
     PinResponse,
+    SessionPrefetchResponse,
+    SessionsReport,
     StatsReport,
 )
 from kvtier.server.state import ServerState
@@ -120,7 +125,7 @@ async def _answer(
 async def completions(
     body: CompletionRequest, state: State, tenant: Caller, request: Request
 ) -> Response | CompletionResponse:
-    job = await inference.completion_job(state, body, tenant)
+    job = await _turn(state, tenant, request, body.user, await inference.completion_job(state, body, tenant))
     return await _answer(request, state, job, stream=body.stream, chat=False)
 
 
@@ -128,8 +133,36 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, state: State, tenant: Caller, request: Request
 ) -> Response | ChatCompletionResponse:
-    job = await inference.chat_job(state, body, tenant)
+    job = await _turn(state, tenant, request, body.user, await inference.chat_job(state, body, tenant))
     return await _answer(request, state, job, stream=body.stream, chat=True)
+
+
+async def _turn(
+    state: ServerState, tenant: Tenant, request: Request, user: str | None, job: inference.Job
+) -> inference.Job:
+    """A request that names a session is that session's next turn (see :mod:`kvtier.server.sessions`)."""
+    session = sessions.session_of(request, user)
+    await sessions.begin_turn(state, tenant, session, job.prompt_ids)
+    return dataclasses.replace(job, session=session)
+
+
+# -- agent sessions ------------------------------------------------------------------------------
+@router.post("/v1/sessions/{session_id}/prefetch", response_model=SessionPrefetchResponse, responses=ERRORS)
+async def prefetch_session(session_id: str, state: State, tenant: Caller) -> SessionPrefetchResponse:
+    """Move a live session's transcript up to host memory while its agent waits on a tool call."""
+    return await sessions.prefetch(state, tenant, session_id)
+
+
+@router.get("/v1/sessions", response_model=SessionsReport, responses=ERRORS)
+async def list_sessions(state: State, tenant: Caller) -> SessionsReport:
+    """The caller's own live sessions, ids as given, counts only."""
+    return sessions.report(sessions.registry(state), tenant.namespace)
+
+
+@router.post("/v1/cache/explain", response_model=ExplainResponse, responses=ERRORS)
+async def explain(body: ExplainRequest, state: State, tenant: Caller, request: Request) -> ExplainResponse:
+    """How much of this request would hit, where from, and why the rest would not; the caller's namespace only."""
+    return await sessions.explain(state, tenant, body, sessions.session_of(request, body.user))
 
 
 # -- observability -------------------------------------------------------------------------------
@@ -142,7 +175,9 @@ async def health(state: State) -> Health:
 
 def _report(state: ServerState) -> StatsReport:
     model = state.loaded.model
-    return build_report(state.model_name, state.cache, state.loop.metrics, hardware_report(model.device, model.dtype))
+    out = build_report(state.model_name, state.cache, state.loop.metrics, hardware_report(model.device, model.dtype))
+    out.sessions = None if state.sessions is None else sessions.report(state.sessions, None)
+    return out
 
 
 @router.get("/stats", response_model=StatsReport)

@@ -61,6 +61,7 @@ class Job:
     params: SamplingParams
     tenant: Tenant
     include_usage: bool
+    session: str | None = None  # the agent session it is a turn of (kvtier.server.sessions)
 
 
 # -- from a body to a job ---------------------------------------------------------------------
@@ -228,6 +229,7 @@ async def run_to_end(state: ServerState, job: Job, stream: Stream, gone: asyncio
             if isinstance(event, Outcome):
                 if event.failure is not None:
                     raise failure_error(event)
+                state.note_outcome(job, event)
                 return event
     except ClientGone:
         state.loop.abort(job.request_id)
@@ -319,6 +321,7 @@ async def sse(
             if event.failure is not None:
                 yield _event(json.dumps(failure_error(event).body()))
             else:
+                state.note_outcome(job, event)
                 yield chunks.finish(Finish.of(event.finish_reason))
                 if job.include_usage:
                     yield chunks.usage(usage(event))

@@ -37,6 +37,7 @@ from kvtier.server.loop import EngineLoop
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.state import ServerState
 from kvtier.service.cache import ServiceCache
+from kvtier.sessions import SessionRegistry
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,16 @@ def _engine(loaded: LoadedModel, config: Config, cache: CacheManager | ServiceCa
     return engine
 
 
+def _sessions(cache: CacheManager | ServiceCache, config: Config) -> SessionRegistry | None:
+    """Live sessions, whose blocks this process's host eviction protects (a cache service's is not ours to steer)."""
+    if not config.session.enabled:
+        return None
+    registry = SessionRegistry(config.session, config.cache.block_size)
+    if isinstance(cache, CacheManager):
+        cache.protect = registry.protection
+    return registry
+
+
 def build_state(config: Config) -> ServerState:
     loaded = load_model(config)
     cache = open_cache(loaded, config)
@@ -156,6 +167,7 @@ def build_state(config: Config) -> ServerState:
         admin=AdminToken(config.server.admin_token),
         created=int(time.time()),
         events=feed,
+        sessions=_sessions(cache, config),
     )
 
 

@@ -30,7 +30,6 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvtier.engine.engine import FinishReason, PrefetchCounters, Request
-from kvtier.engine.verify import VerifyCounters
 from kvtier.hardware import cpu_isa, gpu_facts
 from kvtier.manager import CacheManager
 from kvtier.server.schemas import (
@@ -43,7 +42,6 @@ from kvtier.server.schemas import (
     RemoteReport,
     StatsReport,
     TierReport,
-    VerifyReport,
 )
 from kvtier.service.cache import ServiceCache
 from kvtier.stats import LATENCY_BUCKETS_S, Histogram
@@ -94,7 +92,6 @@ class EngineMetrics:
         self._in_flight = 0
         self._pool = PoolSnapshot(0, 0, 0, 0)
         self._prefetch = PrefetchCounters()
-        self._verify = VerifyCounters()
 
     def observe_step(self, *, seconds: float, prefill_tokens: int, skipped_tokens: int, batch: int) -> None:
         with self._lock:
@@ -127,11 +124,6 @@ class EngineMetrics:
         with self._lock:
             self._prefetch = copy
 
-    def set_verify(self, counters: VerifyCounters) -> None:
-        copy = dataclasses.replace(counters)
-        with self._lock:
-            self._verify = copy
-
     def engine_report(self) -> EngineReport:
         with self._lock:
             per_token = self._prefill_seconds / self._prefill_computed if self._prefill_computed else None
@@ -144,7 +136,6 @@ class EngineMetrics:
                 prefill_seconds_per_token=per_token,
                 prefill_seconds_saved_estimate=(per_token or 0.0) * self._prefill_skipped,
                 prefetch=PrefetchReport.model_validate(dataclasses.asdict(self._prefetch)),
-                verify=VerifyReport.model_validate(dataclasses.asdict(self._verify)),
             )
 
     def device_report(self) -> TierReport:
@@ -372,9 +363,6 @@ def _cost_families(report: StatsReport) -> Iterator[Metric]:
     prefetch = report.engine.prefetch
     for name, field in PrefetchReport.model_fields.items():
         yield CounterMetricFamily(f"kvtier_prefetch_{name}", field.description or name, getattr(prefetch, name))
-    verify = report.engine.verify
-    for name, field in VerifyReport.model_fields.items():
-        yield CounterMetricFamily(f"kvtier_verify_{name}", field.description or name, getattr(verify, name))
 
 
 def _remote_families(report: StatsReport) -> Iterator[Metric]:

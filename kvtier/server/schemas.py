@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.engine.engine import FinishReason
+from kvtier.explain import ExplainReason
 from kvtier.index import MissReason
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.breaker import BreakerState
@@ -50,6 +51,9 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+SessionId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class Role(enum.StrEnum):
@@ -92,6 +96,7 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is served.")
+    user: SessionId | None = Field(None, description="The agent session (X-Session-ID wins); scoped by tenant.")
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -346,18 +351,6 @@ class PrefetchReport(BaseModel):
     )
 
 
-class VerifyReport(BaseModel):
-    """Shadow verification (:class:`kvtier.engine.verify.VerifyCounters`), since the server started."""
-
-    sampled: int = Field(description="Hits from host, disk or remote queued to be recomputed while idle.")
-    dropped: int = Field(description="Sampled hits not queued: the queue was full.")
-    failed: int = Field(description="Checks whose recompute failed (never verified).")
-    verified: int = Field(description="Hits recomputed and compared with the KV that was served.")
-    blocks_verified: int = Field(description="Blocks compared.")
-    mismatched_blocks: int = Field(description="Blocks whose served KV differed from their recompute.")
-    mismatched_hits: int = Field(description="Verified hits with at least one mismatched block.")
-
-
 class EngineReport(BaseModel):
     requests: dict[FinishReason, int] = Field(description="Finished requests by finish reason.")
     in_flight: int
@@ -369,7 +362,6 @@ class EngineReport(BaseModel):
     )
     prefill_seconds_saved_estimate: float = Field(description="prefill_tokens_skipped x prefill_seconds_per_token.")
     prefetch: PrefetchReport
-    verify: VerifyReport
 
 
 class TierCostReport(BaseModel):
@@ -448,3 +440,62 @@ class StatsReport(BaseModel):
     engine: EngineReport
     break_even: BreakEvenReport
     remote: RemoteReport | None = Field(None, description="The remote tier's own figures; null when it is off.")
+    sessions: SessionsReport | None = Field(None, description="Live agent sessions; null when sessions are off.")
+
+
+# -- agent sessions and explain ------------------------------------------------------
+class SessionCountsReport(BaseModel):
+    session: str = Field(description="/stats: a keyed hash of tenant and id; GET /v1/sessions: the id as given.")
+    turns: int
+    transcript_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    idle_s: float
+
+
+class SessionsReport(BaseModel):
+    live: int
+    expired: int = Field(description="Sessions that outlived session.ttl_s since the start.")
+    protected_blocks: int = Field(description="Host blocks the last eviction kept for live sessions.")
+    sessions: list[SessionCountsReport] = Field(description="Counts only, never token text; idlest first.")
+
+
+class SessionPrefetchResponse(BaseModel):
+    session: str
+    transcript_tokens: int
+    promoted_tokens: dict[TierKind, int] = Field(description="Tokens moved to host memory, by the tier they left.")
+    host_tokens: int = Field(description="Leading transcript tokens host memory holds now.")
+
+
+class ExplainRequest(_PromptOrMessages):
+    """A chat (or completion) request as it would be sent; nothing runs and nothing is counted."""
+
+    model: str | None = None
+    user: SessionId | None = Field(None, description="The session to compare with (X-Session-ID wins).")
+
+
+class EvictionReport(BaseModel):
+    tier: TierKind
+    policy: str
+    seconds_ago: float
+
+
+class DivergenceReport(BaseModel):
+    position: int = Field(description="First token position where this request leaves the session's earlier turn.")
+    before: str = Field(description="The earlier turn's text around that position.")
+    now: str = Field(description="This request's text around that position.")
+
+
+class ExplainResponse(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int
+    tiers: dict[TierKind, int] = Field(description="Of cached_tokens, how many each tier would serve.")
+    reason: ExplainReason
+    first_miss_token: int | None
+    eviction: EvictionReport | None = None
+    other_namespace: bool = Field(False, description="Cached under another namespace of the caller's own.")
+    divergence: DivergenceReport | None = None
+
+
+StatsReport.model_rebuild()  # its sessions field names a model defined after it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel
@@ -11,6 +12,11 @@ from kvtier.server.auth import AdminToken, Tenants
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
 from kvtier.service.cache import ServiceCache
+from kvtier.sessions import SessionRegistry
+
+if TYPE_CHECKING:
+    from kvtier.server.inference import Job
+    from kvtier.server.loop import Outcome
 
 
 @dataclass(frozen=True)
@@ -24,3 +30,9 @@ class ServerState:
     admin: AdminToken
     created: int  # unix time the server started, reported as the model's ``created``
     events: EventFeed | None = None  # block events for a router; None when the tiers live in a cache service
+    sessions: SessionRegistry | None = None  # live agent sessions; None when session.enabled is false
+
+    def note_outcome(self, job: Job, outcome: Outcome) -> None:
+        """A finished turn's prompt and cached tokens count toward its session's hit rate."""
+        if job.session is not None and self.sessions is not None:
+            self.sessions.served(job.tenant.namespace, job.session, outcome.prompt_tokens, outcome.cached_tokens)

@@ -1,0 +1,174 @@
+"""The server's side of agent sessions and of explain: request -> session, turns, prefetch, the why-miss answer.
+
+A request names its session by an ``X-Session-ID`` header or the OpenAI
+``user`` field (the header wins: a proxy can set it without touching the
+body). Sessions are keyed by the caller's namespace, so a tenant only ever
+reaches its own.
+
+Session ids may be sensitive (people put user names and e-mail addresses
+in ``user``). ``GET /v1/sessions`` shows the caller its own sessions with
+their ids as given (it sent them); the open ``/stats`` shows every session
+under a keyed hash of (namespace, id), with a key that never leaves the
+process: an operator can follow one session from scrape to scrape, and
+nobody can confirm a guessed id. Neither ever shows token text.
+
+Explain and prefetch need the manager in this process (they read its
+eviction log and policies); with the tiers in a node's cache service they
+answer 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+
+import numpy as np
+from fastapi import Request
+
+from kvtier.explain import ExplainReason, Explanation, divergence
+from kvtier.manager import CacheManager
+from kvtier.server.auth import Tenant
+from kvtier.server.errors import APIError, ErrorType
+from kvtier.server.inference import chat_ids, prompt_ids
+from kvtier.server.schemas import (
+    DivergenceReport,
+    EvictionReport,
+    ExplainRequest,
+    ExplainResponse,
+    SessionCountsReport,
+    SessionPrefetchResponse,
+    SessionsReport,
+)
+from kvtier.server.state import ServerState
+from kvtier.sessions import Session, SessionCounts, SessionRegistry
+from kvtier.tiers.base import TierKind
+
+HEADER = "X-Session-ID"
+MAX_ID = 256
+WINDOW_TOKENS = 8
+"""Tokens decoded on each side of a divergence: enough to read a timestamp, too few to leak a transcript."""
+
+_STATS_KEY = secrets.token_bytes(16)
+
+
+def session_of(request: Request, user: str | None) -> str | None:
+    """The session a request names: the header, else the body's ``user``; None for an anonymous request."""
+    given = request.headers.get(HEADER) or user
+    if given is not None and not 0 < len(given) <= MAX_ID:
+        raise APIError(400, f"a session id has 1 to {MAX_ID} characters", param=HEADER)
+    return given
+
+
+def registry(state: ServerState) -> SessionRegistry:
+    if state.sessions is None:
+        raise APIError(404, "sessions are off (session.enabled: false)", type=ErrorType.NOT_FOUND)
+    return state.sessions
+
+
+def _local(state: ServerState) -> tuple[SessionRegistry, CacheManager]:
+    sessions = registry(state)
+    if not isinstance(state.cache, CacheManager):
+        raise APIError(404, "the tiers live in the node's cache service, not here", type=ErrorType.NOT_FOUND)
+    return sessions, state.cache
+
+
+async def begin_turn(state: ServerState, tenant: Tenant, session: str | None, ids: list[int]) -> None:
+    """Make the session live with this transcript before the engine stores it, so its blocks land protected."""
+    if session is None or state.sessions is None:
+        return
+    keys = await asyncio.to_thread(state.cache.hasher.keys, ids, tenant.namespace)
+    state.sessions.turn(tenant.namespace, session, ids, keys)
+
+
+async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> SessionPrefetchResponse:
+    """Promote a live session's transcript to host memory (the agent's tool call is about to return)."""
+    known, cache = _local(state)
+    session = known.get(tenant.namespace, session_id)
+    if session is None:
+        raise APIError(404, "no live session by that id", type=ErrorType.NOT_FOUND, param="session_id")
+    moved = await asyncio.to_thread(cache.prefetch, session.tokens, tenant.namespace)
+    held = await asyncio.to_thread(cache.probe, session.tokens, tenant.namespace)
+    host = next((i for i, kind in enumerate(held.tiers) if kind is not TierKind.HOST), len(held.tiers))
+    return SessionPrefetchResponse(
+        session=session_id,
+        transcript_tokens=len(session.tokens),
+        promoted_tokens=moved,
+        host_tokens=host * held.block_size,
+    )
+
+
+def _counts(c: SessionCounts) -> SessionCountsReport:
+    return SessionCountsReport(**vars(c))
+
+
+def _hashed(s: Session) -> str:
+    return hashlib.blake2b(f"{s.namespace}\0{s.session_id}".encode(), key=_STATS_KEY, digest_size=8).hexdigest()
+
+
+def report(registry: SessionRegistry, namespace: str | None) -> SessionsReport:
+    """/stats (``namespace`` None: every tenant, ids hashed) or GET /v1/sessions (one tenant, ids as given)."""
+    name = _hashed if namespace is None else (lambda s: s.session_id)
+    listed = [_counts(c) for c in registry.counts(namespace, name)]
+    return SessionsReport(
+        live=len(listed) if namespace is not None else len(registry),
+        expired=registry.expired,
+        protected_blocks=registry.protected_blocks,
+        sessions=listed,
+    )
+
+
+async def explain(state: ServerState, tenant: Tenant, body: ExplainRequest, session: str | None) -> ExplainResponse:
+    """Where this request's cached run would stop and why; a probe (no eviction order or stats change)."""
+    known, cache = _local(state)
+    if body.messages is not None:
+        ids = await chat_ids(state, body.messages)
+    else:
+        assert body.prompt is not None
+        ids = await prompt_ids(state, body.prompt)
+    earlier = known.get(tenant.namespace, session) if session is not None else None
+    reference, at = _diverged(earlier, ids)
+    why = await asyncio.to_thread(cache.explain, ids, tenant.namespace, diverged_at=at)
+    if body.model is not None and body.model != state.model_name:  # keys bind the model: none of its KV is here
+        why = Explanation(why.result, ExplainReason.OTHER_MODEL, 0)
+    text = None if reference is None or at is None else await asyncio.to_thread(_window, state, reference, ids, at)
+    return _response(why, text)
+
+
+def _diverged(session: Session | None, ids: list[int]) -> tuple[np.ndarray | None, int | None]:
+    """The session transcript this request leaves, and where; or the last turn's own divergence from the one before.
+
+    Asked before the next turn, the request is compared with the last turn;
+    asked after it was sent (the request extends the last turn), the last
+    turn is compared with the turn before, which is where its miss came from.
+    """
+    if session is None:
+        return None, None
+    at = divergence(session.tokens, ids)
+    if at is not None or session.previous is None:
+        return session.tokens, at
+    return session.previous, divergence(session.previous, session.tokens)
+
+
+def _window(state: ServerState, reference: np.ndarray, ids: list[int], at: int) -> DivergenceReport:
+    decode = state.loaded.tokenizer.decode
+    lo = max(0, at - WINDOW_TOKENS)
+    before = reference[lo : at + WINDOW_TOKENS].tolist()
+    return DivergenceReport(position=at, before=decode(before), now=decode(ids[lo : at + WINDOW_TOKENS]))
+
+
+def _response(why: Explanation, text: DivergenceReport | None) -> ExplainResponse:
+    eviction = None
+    if why.eviction is not None:
+        ago = why.eviction_age_s or 0.0
+        eviction = EvictionReport(tier=why.eviction.tier, policy=why.eviction.policy.value, seconds_ago=ago)
+    return ExplainResponse(
+        prompt_tokens=why.result.num_tokens,
+        cached_tokens=why.result.cached_tokens,
+        tiers=why.result.tokens_by_tier(),
+        reason=why.reason,
+        first_miss_token=why.first_miss_token,
+        eviction=eviction,
+        other_namespace=why.other_namespace is not None,
+        divergence=text,
+    )
