@@ -40,6 +40,7 @@ def key(i: int) -> BlockKey:
 
 
 def open_tier(cluster: RedisCluster, clock: Clock, **over: object) -> RemoteTier:
+    over = {"timeout_ms": 5000, **over}  # a loaded machine must not turn a slow answer into a miss here
     cfg = RemoteConfig(**remote_section(cluster.urls, cluster=True, **over))
     return RemoteTier.open(cfg, LAYOUT, Secret(b"s" * 32), "toy-model", clock=clock)
 
