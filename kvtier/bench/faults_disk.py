@@ -15,12 +15,15 @@ tmpfs where the fault is about the filesystem) at the toy shape of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
 import random
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,9 +71,84 @@ def _host_only(cache: CacheManager) -> None:
 
 
 # -- disk full ---------------------------------------------------------------------------------------------------------
+HOLD_READ_TXN = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=2)
+txn = env.begin()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def _index_reader(index: Path) -> Iterator[None]:
+    """Another process holding a read transaction on the index, as a backup (``mdb_copy``) does.
+
+    LMDB cannot reuse pages a live reader may still see, so every commit
+    meanwhile needs fresh pages from the filesystem: on a full disk the
+    index commit itself fails, after the block's bytes were written.
+    """
+    reader = subprocess.Popen(
+        [sys.executable, "-c", HOLD_READ_TXN, str(index)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "held"
+        yield
+    finally:
+        if reader.stdin is not None:
+            reader.stdin.close()
+        reader.wait(timeout=60)
+
+
+def _fill(fs: Path) -> None:
+    """Take every free byte of ``fs`` with one file, the way a neighbour filling the disk would."""
+    fd = os.open(fs / "neighbour", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (64 * 1024, 4096, 1):  # down to the last byte
+            try:
+                while True:
+                    os.write(fd, bytes(chunk))
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)
+
+
+def _index_commit_fails(workdir: Path) -> tuple[dict[str, int], int]:
+    """Slabs preallocated and written, then the index cannot commit: the blocks must not be indexed."""
+    with tmpfs(workdir / "commit-fs", 1024**2) as fs, kvtier_log() as log:
+        cfg = toy_config(
+            workdir / "commit", host_blocks=PROMPTS * BLOCKS, disk_blocks=16, file_blocks=16, disk_path=fs / "disk"
+        )
+        with toy_cache(cfg) as cache:
+            assert cache.disk is not None
+            _store_all(cache, prompts=4)  # 8 blocks on disk, and the one slab file preallocated whole: 16 slots
+            with _index_reader(cfg.disk_path / "index.lmdb"):
+                _fill(fs)
+                stored = sum(cache.store_now(tokens(p, BLOCKS), kv(p, BLOCKS)) for p in range(4, 8))
+                failed, indexed = cache.disk.stats.write_errors, len(cache.disk)
+            _host_only(cache)
+            served, wrong = _serve_all(cache, prompts=8)
+        with toy_cache(cfg) as again:
+            assert again.disk is not None
+            after_restart = len(again.disk)
+            _, wrong_restart = _serve_all(again, prompts=8)
+        said = log.count("mdb_txn_commit")  # the index commit failed, not a slab write
+    figures = {
+        "commit_log_lines": said,
+        "commit_stored": stored,
+        "commit_write_errors": failed,
+        "commit_indexed": indexed,
+        "commit_served_from_disk": served,
+        "commit_indexed_after_restart": after_restart,
+    }
+    return figures, wrong + wrong_restart
+
+
 @fault(Fault.DISK_FULL)
 def disk_full(workdir: Path) -> FaultOutcome:
-    """Write-through stores into a disk tier configured larger than its (real, tmpfs) filesystem."""
+    """Write-through stores into a disk tier larger than its (real, tmpfs) filesystem; then a full index."""
     with tmpfs(workdir / "small-fs", FULL_FS_BYTES) as fs, kvtier_log() as log:
         cfg = toy_config(workdir, host_blocks=PROMPTS * BLOCKS, disk_blocks=64, disk_path=fs / "disk")
         with toy_cache(cfg) as cache:
@@ -86,6 +164,7 @@ def disk_full(workdir: Path) -> FaultOutcome:
             after_restart = len(again.disk)
             _, wrong_restart = _serve_all(again)
         said = log.count("disk tier write failed")
+    commit, wrong_commit = _index_commit_fails(workdir)
     blocks = PROMPTS * BLOCKS
     figures = {
         "blocks_stored": stored,
@@ -95,10 +174,16 @@ def disk_full(workdir: Path) -> FaultOutcome:
         "served_after_host_cleared": from_disk,
         "indexed_after_restart": after_restart,
         "log_lines": said,
+        **commit,
     }
-    wrong = wrong_host + wrong_disk + wrong_restart
+    wrong = wrong_host + wrong_disk + wrong_restart + wrong_commit
     held = (
         stored == from_host == blocks
+        and commit["commit_stored"] == 8
+        and commit["commit_write_errors"] > 0
+        and commit["commit_log_lines"] == 1
+        and commit["commit_indexed"] == commit["commit_indexed_after_restart"] < 16
+        and commit["commit_served_from_disk"] <= commit["commit_indexed"]
         and 0 < indexed < blocks
         and stats.write_errors > 0
         and from_disk <= indexed
@@ -108,10 +193,14 @@ def disk_full(workdir: Path) -> FaultOutcome:
     )
     return FaultOutcome(
         Fault.DISK_FULL,
-        injected=f"a {FULL_FS_BYTES // 1024} KiB tmpfs under a 64-slot disk tier; {blocks} blocks stored write-through",
+        injected=(
+            f"a {FULL_FS_BYTES // 1024} KiB tmpfs under a 64-slot disk tier, {blocks} blocks stored write-through; "
+            "then a disk filled by a neighbour while a backup's read transaction pins the index's pages"
+        ),
         outcome=(
             f"{indexed} blocks indexed, {stats.write_errors} failed writes never indexed; every lookup answered "
-            f"({from_host} blocks from host, then {from_disk} from disk, the rest recomputed); said once in the log"
+            f"({from_host} blocks from host, then {from_disk} from disk, the rest recomputed); said once in the log; "
+            f"{commit['commit_write_errors']} blocks written whose index commit failed were never indexed"
         ),
         held=held,
         wrong_bytes_served=wrong,
