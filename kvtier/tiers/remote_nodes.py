@@ -301,6 +301,13 @@ class ProtocolError(redis.ConnectionError):
     """A reply that is not RESP: the connection is dropped (a network error, for the breaker)."""
 
 
+LINE_READ = 256
+"""Bytes asked of the socket while a reply's first line is sought. Small on purpose: whatever else arrives
+with the line is staged in the buffer and copied again, so the bulk body after it is left in the socket, to
+be read straight into its destination. (A larger read saves one system call per value and copies the
+start of every value twice.)"""
+
+
 class RespReader:
     """RESP replies read off a socket: lines through a small buffer, bulk bodies into the caller's memory."""
 
@@ -309,7 +316,7 @@ class RespReader:
         self._buf = bytearray()
 
     def _fill(self) -> None:
-        chunk = self._sock.recv(65536)
+        chunk = self._sock.recv(LINE_READ)
         if not chunk:
             raise redis.ConnectionError("connection closed by the server")
         self._buf += chunk

@@ -305,15 +305,37 @@ def test_the_reply_reader_lands_bulk_bodies_where_asked_and_refuses_garbage() ->
 
     from redis.exceptions import ResponseError
 
-    from kvtier.tiers.remote_nodes import ProtocolError, RespReader
+    from kvtier.tiers.remote_nodes import LINE_READ, ProtocolError, RespReader
 
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        theirs.sendall(b"$5\r\nhello\r\n$-1\r\n-WRONGTYPE not a string\r\n$zz\r\n")
+        long_error = b"-ERR " + b"x" * 3 * LINE_READ  # a line longer than one line read
+        theirs.sendall(b"$5\r\nhello\r\n$-1\r\n-WRONGTYPE not a string\r\n" + long_error + b"\r\n$zz\r\n")
         reader = RespReader(ours)
         slot = bytearray(5)
         assert reader.reply(lambda n: reader.read_into(memoryview(slot)[:n])) is None and slot == b"hello"
         assert reader.reply(lambda n: pytest.fail("nil has no body")) is None
         assert isinstance(reader.reply(lambda n: pytest.fail("an error has no body")), ResponseError)
+        assert str(reader.reply(lambda n: pytest.fail("an error has no body"))) == long_error[1:].decode()
         with pytest.raises(ProtocolError):
             reader.reply(lambda n: pytest.fail("garbage has no body"))
+
+
+def test_the_reply_reader_types_redirects_as_redis_py_does() -> None:
+    """MOVED and ASK come back as redis-py's own error types, with the node to follow; a malformed one is garbage."""
+    import socket
+
+    from kvtier.tiers.remote_nodes import ProtocolError, Redirect, RespReader, redirect_of
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"-MOVED 12 127.0.0.1:7000\r\n-ASK 13 127.0.0.1:7001\r\n-ERR other\r\n-MOVED nowhere\r\n")
+        reader = RespReader(ours)
+        replies = [reader.reply(lambda n: pytest.fail("an error has no body")) for _ in range(3)]
+        assert [redirect_of(r) for r in replies] == [
+            ("127.0.0.1:7000", Redirect.MOVED),
+            ("127.0.0.1:7001", Redirect.ASK),
+            None,
+        ]
+        with pytest.raises(ProtocolError):
+            reader.reply(lambda n: pytest.fail("an error has no body"))
