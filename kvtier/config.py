@@ -220,6 +220,24 @@ class EngineDevice(enum.StrEnum):
     CUDA = "cuda"
 
 
+class SpeculativeConfig(_Section):
+    """Prompt-lookup decoding for greedy requests: drafts copied from earlier in the context, verified in one forward.
+
+    Output is what one-token steps give; only the number of forwards changes.
+    """
+
+    prompt_lookup: bool = Field(True, description="Draft tokens from n-gram matches; false: one token per step.")
+    num_draft_tokens: int = Field(4, ge=1, le=32, description="Most drafts verified per request per step.")
+    min_ngram: int = Field(1, ge=1, description="Shortest tail of the reply looked up in the context.")
+    max_ngram: int = Field(3, ge=1, description="Longest tail looked up; the longest match wins.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpeculativeConfig:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
+        return self
+
+
 class EngineConfig(_Section):
     model_path: Path | None = Field(None, description="A Llama GGUF file; null: the embedded SmolLM2-135M-Instruct.")
     device: EngineDevice = Field(EngineDevice.AUTO, description="auto: cuda when a GPU is visible, else cpu.")
@@ -233,6 +251,7 @@ class EngineConfig(_Section):
         description="Tokens one step computes: a token per decoding request, then prompt chunks (chunked prefill).",
     )
     keep_resident: bool = Field(True, description="Keep finished requests' blocks in the pool (device tier).")
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("model_path")
     @classmethod

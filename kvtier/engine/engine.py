@@ -17,6 +17,14 @@ so a running request never runs out of pages mid-decode (no preemption);
 resident blocks of finished requests are released, least recent first, to
 make that room. :meth:`Engine.abort` ends a request between two steps (its
 client went away) and gives its pages back.
+
+With prompt lookup on (``speculative``), a greedy decoding request's step
+carries its next token plus drafts found earlier in its context
+(:mod:`kvtier.engine.speculate`), each a decode row of the same forward;
+the drafts the model agrees with are kept with its own next token, and the
+positions of the rest are simply not counted in ``table.num_tokens``: their
+pages were reserved at admission anyway, nothing reads past
+``num_tokens``, and the next step writes over them.
 """
 
 from __future__ import annotations
@@ -34,12 +42,14 @@ import numpy as np
 import torch
 
 from kvtier.breakeven import FetchPlan
+from kvtier.engine import quant
 from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.onboard import LayerwiseLoad
 from kvtier.engine.pool import BlockTable, KVPool, blocks_for
 from kvtier.engine.resident import ResidentBlocks
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.engine.schedule import oldest_share, prefill_budget, prefill_chunks
+from kvtier.engine.speculate import PromptLookup
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
@@ -111,6 +121,19 @@ class PrefetchCounters:
     cancelled: int = 0  # fetches dropped because the pool already held the prefix
 
 
+@dataclass
+class SpeculationCounters:
+    """What prompt-lookup drafting did, since the engine started (the server reports them in /stats)."""
+
+    verify_steps: int = 0  # request-steps that carried drafts
+    drafted: int = 0  # draft tokens run through the model
+    accepted: int = 0  # of those, tokens equal to the model's own choice (kept)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
 @dataclass(frozen=True)
 class StepOutput:
     request_id: str
@@ -149,6 +172,7 @@ class Engine:
         prefetch: bool = True,
         layerwise: bool = True,
         max_step_tokens: int = 512,
+        speculative: PromptLookup | None = None,
     ) -> None:
         want = model.kv_layout(block_size)
         if cache is not None and cache.layout != want:
@@ -181,6 +205,8 @@ class Engine:
         self._storing: list[tuple[JobId, list[int]]] = []  # stores reading pool blocks, which they hold a ref on
         # Prompt blocks a running request is about to compute: a request sharing that prefix waits for them.
         self._producing: dict[BlockKey, Request] = {}
+        self.speculative = speculative  # None: one token per decoding request per step
+        self.speculation = SpeculationCounters()
 
     # -- requests --------------------------------------------------------------
     def add_request(
@@ -253,8 +279,9 @@ class Engine:
         batch = self._running + self._admit()  # admission order: the oldest first
         if not batch:
             return []
-        work = self._plan(batch)
-        seqs = [SeqInput(req.all_ids[req.table.num_tokens :][:n], req.table.num_tokens, req.table) for req, n in work]
+        drafts = self._draft(batch)
+        work = self._plan(batch, drafts)
+        seqs = [self._input(req, n, drafts.get(req, [])) for req, n in work]
         loads, self._loads = self._loads, []
         onboarding = LayerwiseLoad(self.pool, loads, self._onboard) if loads else None
         started = time.perf_counter()
@@ -269,7 +296,12 @@ class Engine:
             if onboarding is not None:
                 self.cache.costs.observe_fetch(TierKind.HOST, onboarding.nbytes, onboarding.seconds)
         outputs = []
-        for (req, n), row in zip(work, logits, strict=True):
+        rows = iter(logits)
+        for req, n in work:
+            if req in drafts:
+                outputs.append(self._verify(req, drafts[req], [next(rows) for _ in range(n)]))
+                continue
+            row = next(rows)
             if req.prefilling:
                 self.prefill_tokens_computed += n
                 self._publish_blocks(req)
@@ -283,11 +315,11 @@ class Engine:
                 self._retire(req)
         return outputs
 
-    def _plan(self, batch: list[Request]) -> list[tuple[Request, int]]:
-        """This step's work: one token per decoding request, then prompt chunks within the token budget."""
-        decodes = [r for r in batch if not r.prefilling]
+    def _plan(self, batch: list[Request], drafts: dict[Request, list[int]]) -> list[tuple[Request, int]]:
+        """This step's work: one token (plus drafts) per decoding request, then prompt chunks within the budget."""
+        decodes = [(r, 1 + len(drafts.get(r, []))) for r in batch if not r.prefilling]
         prefills = [r for r in batch if r.prefilling]
-        budget = prefill_budget(self.max_step_tokens, len(decodes), self.block_size)
+        budget = prefill_budget(self.max_step_tokens, sum(n for _, n in decodes), self.block_size)
         last = prefills[0].last_chunk if prefills else None
         grants = prefill_chunks(
             [len(r.prompt_ids) - r.table.num_tokens for r in prefills],
@@ -298,7 +330,72 @@ class Engine:
         )
         for req, n in zip(prefills, grants, strict=True):
             req.last_chunk = n
-        return [(r, 1) for r in decodes] + [(r, n) for r, n in zip(prefills, grants, strict=True) if n > 0]
+        return decodes + [(r, n) for r, n in zip(prefills, grants, strict=True) if n > 0]
+
+    @staticmethod
+    def _input(req: Request, n: int, drafts: list[int]) -> SeqInput:
+        """The forward's view of one request: its uncomputed tokens, then its drafts (verified row by row)."""
+        new = req.all_ids[req.table.num_tokens :][: n - len(drafts)] + drafts
+        return SeqInput(new, req.table.num_tokens, req.table, verify=bool(drafts))
+
+    # -- prompt-lookup speculation -----------------------------------------------------
+    def _draft(self, batch: list[Request]) -> dict[Request, list[int]]:
+        """Drafts for the greedy decoding requests, oldest first, while the step stays a quantized decode step.
+
+        A decode step's rows all go through the GGUF-block matmuls only up to
+        :data:`~kvtier.engine.quant.MAX_ROWS`; past that every row would take
+        the dense path, slower and rounded differently. A sampled request gets
+        none: accepting drafts would need its distribution, not one argmax.
+        """
+        if self.speculative is None:
+            return {}
+        decodes = [r for r in batch if not r.prefilling]
+        room = quant.MAX_ROWS - len(decodes)
+        drafts: dict[Request, list[int]] = {}
+        for req in decodes:
+            if room <= 0:
+                break
+            if not req.params.greedy:
+                continue
+            left = min(req.params.max_tokens - len(req.output_ids), self.model.config.context_length - len(req.all_ids))
+            proposed = self.speculative.propose(req.all_ids, min(left - 1, room))  # the model's own token comes too
+            if proposed:
+                drafts[req] = proposed
+                room -= len(proposed)
+        return drafts
+
+    def _verify(self, req: Request, drafts: list[int], rows: list[torch.Tensor]) -> StepOutput:
+        """Keep the drafts equal to the model's greedy choice, then its own next token; uncount the rest.
+
+        Row *i* holds the logits after draft *i-1* (row 0: after the last real
+        token), so the tokens taken are exactly those one-token steps would
+        have produced, up to the first draft the model disagrees with. The K/V
+        written for drafts after that one lie past ``num_tokens``, where
+        nothing reads them and the next forward writes over them.
+        """
+        tokens: list[int] = []
+        for i, row in enumerate(rows):
+            tokens.append(req.sampler(row))
+            if i == len(drafts) or tokens[-1] != drafts[i]:
+                break
+        out = self._advance_all(req, tokens)
+        req.table.num_tokens = min(req.table.num_tokens, len(req.all_ids) - 1)  # the last token's K/V is next step's
+        counters = self.speculation
+        counters.verify_steps += 1
+        counters.drafted += len(drafts)
+        counters.accepted += len(tokens) - 1
+        return out
+
+    def _advance_all(self, req: Request, tokens: list[int]) -> StepOutput:
+        """:meth:`_advance` token by token until the request ends; one output for the lot."""
+        outs: list[StepOutput] = []
+        for token in tokens:
+            outs.append(self._advance(req, token))
+            if outs[-1].finished:
+                break
+        last = outs[-1]
+        ids = [t for o in outs for t in o.token_ids]
+        return StepOutput(req.id, ids, "".join(o.text for o in outs), last.finished, last.finish_reason)
 
     # -- admission: resident pool blocks, then kvtier, then fresh blocks ----------
     def _admit(self) -> list[Request]:

@@ -68,11 +68,18 @@ class SeqInput:
     pool) and ``table`` must already hold blocks for ``start + len(token_ids)``
     positions (:meth:`KVPool.grow`): allocation is the scheduler's decision,
     never a side effect of the forward.
+
+    ``verify``: the tokens are a decoding sequence's next token and its
+    drafts (:mod:`kvtier.engine.speculate`). Each runs as a decode row that
+    attends to the positions up to its own, with the weights and kernel a
+    one-token decode uses, and the forward returns logits for every one of
+    them, not only the last.
     """
 
     token_ids: Sequence[int] | torch.Tensor
     start: int
     table: BlockTable
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,8 @@ class LlamaModel:
     def forward(
         self, seqs: Sequence[SeqInput], pool: KVPool, *, layer_ready: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """Run the new tokens of ``seqs``; float32 logits of each sequence's last new token, ``[S, vocab]``.
+        """Run the new tokens of ``seqs``; float32 logits of each sequence's last new token, ``[S, vocab]``
+        (of each of its tokens for a ``verify`` sequence, in order).
 
         The lm_head runs on the last rows only: on a long prefill it would
         otherwise cost as much as several layers. Those few rows are a
@@ -263,6 +271,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward_all(self, seqs: Sequence[SeqInput], pool: KVPool) -> list[torch.Tensor]:
         """Like :meth:`forward` but logits at every new position, ``[len(token_ids), vocab]`` per sequence."""
+        if any(s.verify for s in seqs):
+            raise ValueError("forward_all returns every position already: pass the sequences without verify")
         hidden, plan = self._hidden(seqs, pool, None)
         bounds = [0, *(plan.last_rows + 1).tolist()]
         return [self._logits(hidden[a:b]) for a, b in itertools.pairwise(bounds)]
@@ -309,23 +319,23 @@ class LlamaModel:
     def _plan(self, seqs: Sequence[SeqInput], pool: KVPool) -> _Plan:
         ids, positions, slots, last_rows = [], [], [], []
         prefills: list[_Prefill] = []
-        decoding: list[tuple[int, SeqInput]] = []
+        decoding: list[tuple[int, BlockTable, int]] = []  # row, pages, positions it attends to
         row = 0
         for s in seqs:
             n = len(s.token_ids)
             ids.append(torch.as_tensor(s.token_ids, dtype=torch.long).reshape(-1))
             positions.append(torch.arange(s.start, s.start + n))
             slots.append(pool.slots(s.table, s.start, n))
-            if n == 1:
-                decoding.append((row, s))
+            if n == 1 or s.verify:
+                decoding += [(row + i, s.table, s.start + i + 1) for i in range(n)]
             else:
                 native = plan_prefill(pool, s.table, s.start, n, self.config.num_heads)
                 torch_path = s.start > 0 and native is None
                 gather = pool.plan_gather([s.table], [s.start + n]) if torch_path else None
                 mask = self._shifted_causal_mask(s.start, n) if torch_path else None
                 prefills.append(_Prefill(slice(row, row + n), s.start, native, gather, mask))
+            last_rows += range(row, row + n) if s.verify else [row + n - 1]
             row += n
-            last_rows.append(row - 1)
         pos = torch.cat(positions).to(self.device)
         return _Plan(
             ids=torch.cat(ids).to(self.device),
@@ -352,9 +362,9 @@ class LlamaModel:
         mask = torch.zeros(count, total, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, float("-inf"))
 
-    def _plan_decode(self, decoding: list[tuple[int, SeqInput]], pool: KVPool) -> _Decode:
-        tables, lengths = [s.table for _, s in decoding], [s.start + 1 for _, s in decoding]
-        rows = torch.tensor([r for r, _ in decoding], device=self.device)
+    def _plan_decode(self, decoding: list[tuple[int, BlockTable, int]], pool: KVPool) -> _Decode:
+        tables, lengths = [t for _, t, _ in decoding], [n for _, _, n in decoding]
+        rows = torch.tensor([r for r, _, _ in decoding], device=self.device)
         return _Decode(rows, plan_decode(pool, tables, lengths, self.config.num_heads))
 
     def _mlp(self, layer: _Layer, q: _QuantLayer | None, h: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from kvtier.config import Config, ConfigError, DecodeWeights, EngineDevice
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
+from kvtier.engine.speculate import PromptLookup
 from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher
 from kvtier.layout import KVLayout, dtype_from_name
@@ -139,4 +140,13 @@ def make_engine(
         namespace=config.cache.namespace,
         prefetch=config.transfer.prefetch,
         layerwise=config.transfer.layerwise,
+        speculative=prompt_lookup(config),
     )
+
+
+def prompt_lookup(config: Config) -> PromptLookup | None:
+    """The engine's drafting policy, or None where ``engine.speculative.prompt_lookup`` is off."""
+    spec = config.engine.speculative
+    if not spec.prompt_lookup:
+        return None
+    return PromptLookup(spec.num_draft_tokens, spec.min_ngram, spec.max_ngram)

@@ -330,6 +330,7 @@ class EngineLoop:
         """What /stats shows of the engine, as copies the HTTP side may read from any thread."""
         engine = self._engine
         self.metrics.set_prefetch(_plus(self._prefetch_before, engine.prefetch_counters))
+        self.metrics.set_speculation(engine.speculation)
         self.metrics.set_pool(
             PoolSnapshot(
                 num_blocks=engine.pool.num_blocks,

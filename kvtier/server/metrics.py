@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvtier.engine.engine import FinishReason, PrefetchCounters, Request
+from kvtier.engine.engine import FinishReason, PrefetchCounters, Request, SpeculationCounters
 from kvtier.hardware import cpu_isa, gpu_facts
 from kvtier.manager import CacheManager
 from kvtier.server.schemas import (
@@ -40,6 +40,7 @@ from kvtier.server.schemas import (
     LatencyReport,
     PrefetchReport,
     RemoteReport,
+    SpeculationReport,
     StatsReport,
     TierReport,
 )
@@ -92,6 +93,7 @@ class EngineMetrics:
         self._in_flight = 0
         self._pool = PoolSnapshot(0, 0, 0, 0)
         self._prefetch = PrefetchCounters()
+        self._speculation = SpeculationCounters()
 
     def observe_step(self, *, seconds: float, prefill_tokens: int, skipped_tokens: int, batch: int) -> None:
         with self._lock:
@@ -124,6 +126,12 @@ class EngineMetrics:
         with self._lock:
             self._prefetch = copy
 
+    def set_speculation(self, counters: SpeculationCounters) -> None:
+        """Takes a copy, like :meth:`set_prefetch`."""
+        copy = dataclasses.replace(counters)
+        with self._lock:
+            self._speculation = copy
+
     def engine_report(self) -> EngineReport:
         with self._lock:
             per_token = self._prefill_seconds / self._prefill_computed if self._prefill_computed else None
@@ -136,6 +144,7 @@ class EngineMetrics:
                 prefill_seconds_per_token=per_token,
                 prefill_seconds_saved_estimate=(per_token or 0.0) * self._prefill_skipped,
                 prefetch=PrefetchReport.model_validate(dataclasses.asdict(self._prefetch)),
+                speculation=_speculation_report(self._speculation),
             )
 
     def device_report(self) -> TierReport:
@@ -301,6 +310,22 @@ def _tier_families(report: StatsReport) -> Iterator[Metric]:
     yield latency
 
 
+def _speculation_report(c: SpeculationCounters) -> SpeculationReport:
+    return SpeculationReport(
+        verify_steps=c.verify_steps, drafted=c.drafted, accepted=c.accepted, acceptance_rate=c.acceptance_rate
+    )
+
+
+def _speculation_families(report: StatsReport) -> Iterator[Metric]:
+    """Prompt-lookup drafts and acceptances; the rate is their quotient, left to the query."""
+    s = report.engine.speculation
+    if s is None:
+        return
+    yield CounterMetricFamily("kvtier_spec_draft_tokens", "Prompt-lookup draft tokens verified.", s.drafted)
+    yield CounterMetricFamily("kvtier_spec_accepted_tokens", "Draft tokens the model agreed with.", s.accepted)
+    yield CounterMetricFamily("kvtier_spec_verify_steps", "Request-steps that carried drafts.", s.verify_steps)
+
+
 def _hardware_families(report: StatsReport) -> Iterator[Metric]:
     hw = report.hardware
     if hw is None:
@@ -407,6 +432,7 @@ class StatsCollector(Collector):
         yield from _hardware_families(report)
         yield from _tier_families(report)
         yield from _engine_families(report)
+        yield from _speculation_families(report)
         yield from _cost_families(report)
         yield from _remote_families(report)
 

@@ -351,6 +351,15 @@ class PrefetchReport(BaseModel):
     )
 
 
+class SpeculationReport(BaseModel):
+    """Prompt-lookup decoding (:class:`kvtier.engine.engine.SpeculationCounters`), since the engine started."""
+
+    verify_steps: int = Field(description="Request-steps that carried draft tokens.")
+    drafted: int = Field(description="Draft tokens run through the model.")
+    accepted: int = Field(description="Draft tokens equal to the model's own greedy choice, kept.")
+    acceptance_rate: float | None = Field(description="accepted / drafted; null before any draft.")
+
+
 class EngineReport(BaseModel):
     requests: dict[FinishReason, int] = Field(description="Finished requests by finish reason.")
     in_flight: int
@@ -362,6 +371,7 @@ class EngineReport(BaseModel):
     )
     prefill_seconds_saved_estimate: float = Field(description="prefill_tokens_skipped x prefill_seconds_per_token.")
     prefetch: PrefetchReport
+    speculation: SpeculationReport | None = None
 
 
 class TierCostReport(BaseModel):
