@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import selectors
 import socket
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from kvtier.bench.faults_process import stream_then_leave
 from tests.server.live import LiveServer, running
 
 
@@ -26,22 +26,6 @@ def until(server: LiveServer, check: Callable[[dict[str, Any]], bool], timeout_s
 
 def chat_body(text: str, **extra: Any) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": text}], **extra}).encode()
-
-
-def stream_three_chunks_then_leave(server: LiveServer) -> int:
-    url = urlparse(server.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    body = chat_body("Tell me a very long story about a lighthouse.", stream=True, max_tokens=900, temperature=0)
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200
-    chunks = 0
-    while chunks < 3:
-        line = response.fp.readline()
-        chunks += line.startswith(b"data: ")
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
-    return chunks
 
 
 def send_then_leave(server: LiveServer) -> None:
@@ -60,7 +44,7 @@ def send_then_leave(server: LiveServer) -> None:
 def test_clients_that_leave_abort_and_sigterm_keeps_the_host_tier(tmp_path: Path) -> None:
     question = "Explain, in two sentences, why caches make agents faster. " * 8
     with running(tmp_path) as server:
-        assert stream_three_chunks_then_leave(server) == 3
+        assert stream_then_leave(urlparse(server.url).port, 0) == 3  # the chaos run's disconnect, once
         stats = until(server, lambda s: s["engine"]["requests"]["abort"] == 1 and s["engine"]["in_flight"] == 0)
         assert (stats["engine"]["requests"]["abort"], stats["engine"]["in_flight"]) == (1, 0)
         send_then_leave(server)
