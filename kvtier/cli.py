@@ -239,6 +239,20 @@ def _load_progress(at_s: float, requests: int) -> None:
     print(f"  {at_s / 60:5.1f} min: {requests} requests", file=sys.stderr, flush=True)
 
 
+def _bench_agents(args: argparse.Namespace) -> int:
+    from kvtier.bench import agents
+
+    spec = agents.AgentsSpec(agents=args.agents, turns=args.turns, reps=args.reps, spec=not args.no_spec)
+    result = agents.run(spec, progress=None if args.json else lambda what: print(f"  {what}...", file=sys.stderr))
+    path, png = agents.save(result, Path(args.out))
+    if args.json:
+        print(json.dumps(agents.summary(result)))
+    else:
+        print(agents.table(result))
+        print(f"  wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
 def _bench_tenants(args: argparse.Namespace) -> int:
     from kvtier.bench import tenants
 
@@ -478,6 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--max-tokens", type=int, default=2, help="tokens each request generates")
     ld.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     ld.set_defaults(run=_bench_load)
+    ag = which.add_parser(
+        "agents", parents=[common], help="interleaved agent sessions with tool pauses: sessions + prefetch vs LRU"
+    )
+    ag.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    ag.add_argument("--agents", type=int, default=8, help="agents taking turns round-robin")
+    ag.add_argument("--turns", type=int, default=4, help="turns per agent")
+    ag.add_argument("--reps", type=int, default=2, help="runs of each side, alternating; medians are reported")
+    ag.add_argument("--no-spec", action="store_true", help="skip half (b), prompt-lookup decoding")
+    ag.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
+    ag.set_defaults(run=_bench_agents)
     tn = which.add_parser(
         "tenants",
         parents=[common],

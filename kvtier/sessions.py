@@ -129,6 +129,17 @@ class SessionRegistry:
                 session.prompt_tokens += prompt_tokens
                 session.cached_tokens += cached_tokens
 
+    def touch(self, namespace: str, session_id: str) -> Session | None:
+        """The session is about to speak (its tool call is returning): live again, and the newest to protect."""
+        with self._lock:
+            self._expire()
+            session = self._sessions.pop((namespace, session_id), None)
+            if session is not None:
+                session.last_turn = self._clock()
+                self._sessions[(namespace, session_id)] = session
+                self._version += 1
+            return session
+
     def get(self, namespace: str, session_id: str) -> Session | None:
         """The live session, or None (never seen, forgotten, or expired)."""
         with self._lock:

@@ -84,7 +84,7 @@ async def begin_turn(state: ServerState, tenant: Tenant, session: str | None, id
 async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> SessionPrefetchResponse:
     """Promote a live session's transcript to host memory (the agent's tool call is about to return)."""
     known, cache = _local(state)
-    session = known.get(tenant.namespace, session_id)
+    session = known.touch(tenant.namespace, session_id)  # first, so that its promoted blocks land protected
     if session is None:
         raise APIError(404, "no live session by that id", type=ErrorType.NOT_FOUND, param="session_id")
     moved = await asyncio.to_thread(cache.prefetch, session.tokens, tenant.namespace)
