@@ -83,7 +83,7 @@ def test_a_live_reshard_is_followed_and_never_serves_a_wrong_byte(cluster: Redis
     try:
         slot = key_slot(tier.name(key(0)))
         moving = [0, *in_slot(tier, slot, 3, {0})]  # four blocks in the slot that moves: three now, one later
-        others = list(range(500_000, 500_008))  # blocks elsewhere, on every master
+        others = list(range(500_000, 500_008))  # blocks in other slots (not searched: wherever they hash)
         put(tier, moving[:3] + others)
         source = cluster.owner(slot)
         target = next(n for n in cluster.nodes if n is not source)
