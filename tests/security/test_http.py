@@ -29,11 +29,13 @@ class Access(enum.Enum):
 
 
 # Open on purpose: /health; /stats and /metrics, aggregate figures only (no prompt, no tenant's
-# cache: see test_no_prompt_text_or_token_ids_in_stats_metrics_or_the_log); the API's own schema.
+# cache: see test_no_prompt_text_or_token_ids_in_stats_metrics_or_the_log) and the static page that
+# shows them; the API's own schema.
 ACCESS = {
     "/health": Access.OPEN,
     "/stats": Access.OPEN,
     "/metrics": Access.OPEN,
+    "/dashboard": Access.OPEN,  # a static page with no figure of its own: it polls the open /stats
     "/openapi.json": Access.OPEN,
     "/docs": Access.OPEN,
     "/docs/oauth2-redirect": Access.OPEN,
@@ -41,6 +43,9 @@ ACCESS = {
     "/v1/models": Access.API_KEY,
     "/v1/completions": Access.API_KEY,
     "/v1/chat/completions": Access.API_KEY,
+    "/v1/sessions": Access.API_KEY,
+    "/v1/sessions/{session_id}/prefetch": Access.API_KEY,
+    "/v1/cache/explain": Access.API_KEY,
     "/v1/kv-events": Access.ADMIN,
     "/admin/clear": Access.ADMIN,
     "/admin/pin": Access.ADMIN,
