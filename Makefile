@@ -19,6 +19,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+# Headless Chromium for the /dashboard test (tests/server/test_dashboard.py drives it over CDP).
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[bench,test]"

@@ -309,6 +309,16 @@ class ServerConfig(_Section):
         return v
 
 
+class VerifyConfig(_Section):
+    """Shadow verification: a share of hits recomputed while the engine is idle, and compared with what was served."""
+
+    shadow_fraction: float = Field(
+        0.0, ge=0, le=1, description="Share of hits from host/disk/remote checked; 0 turns it off."
+    )
+    queue_size: int = Field(8, ge=1, description="Hits waiting to be checked; more are dropped, counted.")
+    max_tokens: int = Field(2048, ge=1, description="A hit is checked up to this prompt position.")
+
+
 class RoutePolicy(enum.StrEnum):
     """How ``kvtier route`` picks a backend for a request.
 
@@ -472,6 +482,7 @@ class SessionConfig(_Section):
 class Config(_Section):
     data_dir: Path = Field(default_factory=default_data_dir)
     cache: CacheConfig = CacheConfig()
+    verify: VerifyConfig = VerifyConfig()
     host: HostConfig = HostConfig()
     disk: DiskConfig = DiskConfig()
     transfer: TransferConfig = TransferConfig()

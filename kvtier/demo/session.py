@@ -25,6 +25,9 @@ from kvtier.engine.engine import Completion, Engine
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
 
+# Of the cached pass's hits, recomputed between turns and compared with the KV served (kvtier.engine.verify).
+SHADOW_FRACTION = 0.25
+
 
 @dataclass(frozen=True)
 class TurnResult:
@@ -62,6 +65,8 @@ def replay(
         ids = loaded.chat_ids(messages)
         (done,) = engine.generate([ids], params)
         engine.drain_stores()
+        if engine.verifier is not None:  # the tool call's pause is the engine's idle time
+            engine.verifier.drain()
         messages.append({"role": "assistant", "content": done.text})
         out.append((len(ids), done))
         if bar is not None:
@@ -80,6 +85,7 @@ def run_demo(
         tree["data_dir"] = tmp
         tree["disk"] = {**tree["disk"], "path": None, "enabled": True, "capacity_bytes": 1024**3}
         tree["host"] = {**tree["host"], "capacity_bytes": host_bytes}
+        tree["verify"] = {**tree["verify"], "shadow_fraction": SHADOW_FRACTION}
         demo_config = Config.model_validate(tree)
         total = 2 * len(session["turns"])
         with tqdm(total=total, desc="agent session", unit="turn", leave=False) as bar:
@@ -87,9 +93,14 @@ def run_demo(
                 make_engine(loaded, demo_config, cache=None, keep_resident=False), loaded, session, params, bar
             )
             with open_cache(loaded, demo_config) as cache:
-                cached = replay(
-                    make_engine(loaded, demo_config, cache=cache, keep_resident=False), loaded, session, params, bar
-                )
+                engine = make_engine(loaded, demo_config, cache=cache, keep_resident=False)
+                cached = replay(engine, loaded, session, params, bar)
+                if engine.verifier is not None:
+                    c = engine.verifier.counters
+                    tqdm.write(
+                        f"shadow verification: {c.verified} hits ({c.blocks_verified} blocks) recomputed,"
+                        f" {c.mismatched_blocks} mismatched blocks"
+                    )
     results = []
     for i, ((n, a), (_, b)) in enumerate(zip(cold, cached, strict=True), start=1):
         tiers = "+".join(f"{k.value}:{v}" for k, v in b.served_from.items()) or "-"

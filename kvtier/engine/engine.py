@@ -50,6 +50,7 @@ from kvtier.engine.resident import ResidentBlocks
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.engine.schedule import oldest_share, prefill_budget, prefill_chunks
 from kvtier.engine.speculate import PromptLookup
+from kvtier.engine.verify import BlockVerdict, Check, ShadowVerifier
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.keys import BlockKey, KeyHasher, block_tokens
 from kvtier.manager import CacheManager
@@ -94,6 +95,7 @@ class Request:
     last_chunk: int | None = None  # prompt tokens the previous step gave it (None: not planned yet)
     fetch: Fetch | ServiceFetch | None = None  # started on arrival, taken on admission
     fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival
+    verify_span: tuple[int, int] | None = None  # blocks loaded from kvtier that shadow verification checks
 
     @property
     def all_ids(self) -> list[int]:
@@ -199,6 +201,7 @@ class Engine:
         self.prefill_tokens_skipped = 0
         self.prefetch = prefetch and cache is not None
         self.prefetch_counters = PrefetchCounters()
+        self.verifier: ShadowVerifier | None = None  # shadow verification of hits (set by make_engine)
         # One thread copies fetched KV into the pool, layer by layer, while the forward computes.
         self._onboard = ThreadPoolExecutor(1, thread_name_prefix="kvtier-onboard") if layerwise else None
         self._loads: list[tuple[LoadHandle | ClientLoad, list[int]]] = []  # fetched this step, copied in its forward
@@ -290,6 +293,7 @@ class Engine:
         finally:
             if onboarding is not None:
                 onboarding.finish()
+        self._offer_checks(batch)
         now = time.perf_counter()
         if self.cache is not None:
             self.cache.costs.observe_forward([(s.start, len(s.token_ids)) for s in seqs], now - started)
@@ -419,7 +423,9 @@ class Engine:
                 break  # wait for running requests (or stores still reading the pool) to finish
             self._waiting.remove(req)
             if self.cache is not None and len(req.table.block_ids) < usable:
-                self._load_from_cache(req, usable, len(req.table.block_ids))
+                first = len(req.table.block_ids)
+                self._load_from_cache(req, usable, first)
+                self._sample_for_verify(req, first)
             elif req.fetch is not None:
                 req.fetch.cancel()  # the pool already holds what it would bring
                 self.prefetch_counters.cancelled += 1
@@ -516,6 +522,39 @@ class Engine:
                 self._count_served(req, handle)
             req.table.block_ids.extend(fresh)
             at += len(fresh)
+
+    # -- shadow verification: keep what a sampled hit served, recompute it when idle ------
+    def _sample_for_verify(self, req: Request, first: int) -> None:
+        """Right after admission loaded blocks ``first ..`` from kvtier: mark the request if the hit is checked."""
+        verifier = self.verifier
+        end = len(req.table.block_ids)
+        if verifier is None or end <= first or first >= verifier.max_blocks or not verifier.sample():
+            return
+        req.verify_span = (first, min(end, verifier.max_blocks))
+
+    def _offer_checks(self, batch: list[Request]) -> None:
+        """After the forward that onboarded them: copy the sampled hits' pool blocks aside for the verifier."""
+        verifier = self.verifier
+        for req in batch:
+            if verifier is None or req.verify_span is None:
+                continue
+            (first, end), req.verify_span = req.verify_span, None
+            if not verifier.room():
+                continue
+            served = torch.empty((end - first, self.pool.layout.block_bytes), dtype=torch.uint8)
+            for row, block_id in zip(served, req.table.block_ids[first:end], strict=True):
+                self.pool.read_block_to_payload(block_id, row)
+            tiers = tuple(kind for kind in req.served_from if kind is not TierKind.DEVICE)
+            tokens = req.prompt_ids[: end * self.block_size]
+            verifier.offer(Check(req.namespace, tokens, first, req.keys[first:end], served, tiers))
+
+    @property
+    def verify_pending(self) -> bool:
+        return self.verifier is not None and self.verifier.pending
+
+    def verify_idle(self) -> list[BlockVerdict]:
+        """One chunk of shadow verification; the server's loop calls it only while no request waits or runs."""
+        return [] if self.verifier is None else self.verifier.step()
 
     def _count_served(self, req: Request, handle: LoadHandle | ClientLoad) -> None:
         for kind in handle.served_from:

@@ -11,6 +11,7 @@ from kvtier.config import Config, ConfigError, DecodeWeights, EngineDevice
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.speculate import PromptLookup
+from kvtier.engine.verify import ShadowVerifier, VerifySettings
 from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher
 from kvtier.layout import KVLayout, dtype_from_name
@@ -127,7 +128,7 @@ def make_engine(
     block_bytes = loaded.model.kv_layout(config.cache.block_size).block_bytes
     resident = e.keep_resident if keep_resident is None else keep_resident
     hasher = hasher or (cache.hasher if cache is not None else None)
-    return Engine(
+    engine = Engine(
         loaded.model,
         loaded.tokenizer,
         pool_blocks=max(1, int(e.pool_bytes) // block_bytes),
@@ -142,6 +143,15 @@ def make_engine(
         layerwise=config.transfer.layerwise,
         speculative=prompt_lookup(config),
     )
+    if cache is not None and config.verify.shadow_fraction > 0:
+        engine.verifier = shadow_verifier(loaded.model, config)
+    return engine
+
+
+def shadow_verifier(model: LlamaModel, config: Config) -> ShadowVerifier:
+    v = config.verify
+    settings = VerifySettings(v.shadow_fraction, v.queue_size, v.max_tokens)
+    return ShadowVerifier(model, config.cache.block_size, settings, config.engine.max_step_tokens)
 
 
 def prompt_lookup(config: Config) -> PromptLookup | None:

@@ -5,6 +5,8 @@
   caller's API key when keys are configured (:mod:`kvtier.server.auth`).
 * ``/stats`` (JSON), ``/metrics`` (Prometheus), ``/health``: open, and
   aggregate only (:mod:`kvtier.server.metrics`).
+* ``/dashboard``: open like ``/docs``: a static page (``static/dashboard.html``,
+  no build step) that holds no figure itself and only polls the open ``/stats``.
 * ``/admin/clear``, ``/admin/pin``, ``/lookup``: behind the admin token.
   ``/lookup`` is admin-only because "is this prompt cached?" is a timing
   oracle on other people's prompts.
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -183,6 +187,28 @@ def _report(state: ServerState) -> StatsReport:
 @router.get("/stats", response_model=StatsReport)
 async def stats(state: State) -> StatsReport:
     return await asyncio.to_thread(_report, state)
+
+
+DASHBOARD_HEADERS = {
+    # The page's own inline script and style, and fetches to this origin: nothing else loads or runs.
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+        "frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+@functools.cache
+def _dashboard_html() -> str:
+    return resources.files("kvtier.server").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+
+
+@router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+async def dashboard() -> HTMLResponse:
+    """The live page: tier occupancy, hit rate and TTFT saved over time, sessions, break-even, verification."""
+    return HTMLResponse(_dashboard_html(), headers=DASHBOARD_HEADERS)
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})

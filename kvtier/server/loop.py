@@ -34,10 +34,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.engine.engine import Engine, FinishReason, PrefetchCounters, Request
 from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.verify import VerifyCounters
 from kvtier.server.metrics import EngineMetrics, PoolSnapshot
 
 log = logging.getLogger(__name__)
@@ -182,9 +183,16 @@ class EngineUnavailable(RuntimeError):
     pass
 
 
-def _plus(a: PrefetchCounters, b: PrefetchCounters) -> PrefetchCounters:
+Counters = TypeVar("Counters", PrefetchCounters, VerifyCounters)
+
+
+def _plus(a: Counters, b: Counters) -> Counters:
     """Field by field, into a new object."""
-    return PrefetchCounters(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(PrefetchCounters)})
+    return type(a)(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
+
+
+def _verify_counters(engine: Engine) -> VerifyCounters:
+    return engine.verifier.counters if engine.verifier is not None else VerifyCounters()
 
 
 class EngineLoop:
@@ -197,6 +205,7 @@ class EngineLoop:
         self._subs: dict[str, Submission] = {}
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._prefetch_before = PrefetchCounters()  # engines replaced after a failed step: counters never go back
+        self._verify_before = VerifyCounters()
         self._publish()
 
     # -- the HTTP side (any thread) ------------------------------------------------------
@@ -233,9 +242,11 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
-        while self._take(block=not self._engine.has_unfinished()):
+        while self._take(block=not self._engine.has_unfinished() and not self._engine.verify_pending):
             if self._engine.has_unfinished():
                 self._step()
+            elif self._engine.verify_pending:
+                self._verify()  # one chunk, only with nothing waiting or running: new requests come first
         self._fail_all(Failure.SHUTDOWN, "the server is shutting down")
         self._engine.close()
 
@@ -290,6 +301,7 @@ class EngineLoop:
             log.exception("engine step failed: failing %d requests and rebuilding the engine", len(self._subs))
             self._fail_all(Failure.INTERNAL, "internal engine error")
             self._prefetch_before = _plus(self._prefetch_before, engine.prefetch_counters)
+            self._verify_before = _plus(self._verify_before, _verify_counters(engine))
             try:
                 engine.close()  # its pins and pool references; the pool itself goes with it
             except Exception:
@@ -309,6 +321,10 @@ class EngineLoop:
                 sub.stream.put(Delta(out.text, len(out.token_ids)))
         self._collect()
         self.metrics.set_in_flight(len(self._subs))
+        self._publish()
+
+    def _verify(self) -> None:
+        self._engine.verify_idle()
         self._publish()
 
     def _collect(self) -> None:
@@ -331,6 +347,7 @@ class EngineLoop:
         engine = self._engine
         self.metrics.set_prefetch(_plus(self._prefetch_before, engine.prefetch_counters))
         self.metrics.set_speculation(engine.speculation)
+        self.metrics.set_verify(_plus(self._verify_before, _verify_counters(engine)))
         self.metrics.set_pool(
             PoolSnapshot(
                 num_blocks=engine.pool.num_blocks,

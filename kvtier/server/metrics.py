@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvtier.engine.engine import FinishReason, PrefetchCounters, Request, SpeculationCounters
+from kvtier.engine.verify import VerifyCounters
 from kvtier.hardware import cpu_isa, gpu_facts
 from kvtier.manager import CacheManager
 from kvtier.server.schemas import (
@@ -43,6 +44,7 @@ from kvtier.server.schemas import (
     SpeculationReport,
     StatsReport,
     TierReport,
+    VerifyReport,
 )
 from kvtier.service.cache import ServiceCache
 from kvtier.stats import LATENCY_BUCKETS_S, Histogram
@@ -94,6 +96,7 @@ class EngineMetrics:
         self._pool = PoolSnapshot(0, 0, 0, 0)
         self._prefetch = PrefetchCounters()
         self._speculation = SpeculationCounters()
+        self._verify = VerifyCounters()
 
     def observe_step(self, *, seconds: float, prefill_tokens: int, skipped_tokens: int, batch: int) -> None:
         with self._lock:
@@ -126,6 +129,11 @@ class EngineMetrics:
         with self._lock:
             self._prefetch = copy
 
+    def set_verify(self, counters: VerifyCounters) -> None:
+        copy = dataclasses.replace(counters)
+        with self._lock:
+            self._verify = copy
+
     def set_speculation(self, counters: SpeculationCounters) -> None:
         """Takes a copy, like :meth:`set_prefetch`."""
         copy = dataclasses.replace(counters)
@@ -145,6 +153,7 @@ class EngineMetrics:
                 prefill_seconds_saved_estimate=(per_token or 0.0) * self._prefill_skipped,
                 prefetch=PrefetchReport.model_validate(dataclasses.asdict(self._prefetch)),
                 speculation=_speculation_report(self._speculation),
+                verify=VerifyReport.model_validate(dataclasses.asdict(self._verify)),
             )
 
     def device_report(self) -> TierReport:
@@ -388,6 +397,9 @@ def _cost_families(report: StatsReport) -> Iterator[Metric]:
     prefetch = report.engine.prefetch
     for name, field in PrefetchReport.model_fields.items():
         yield CounterMetricFamily(f"kvtier_prefetch_{name}", field.description or name, getattr(prefetch, name))
+    verify = report.engine.verify
+    for name, field in VerifyReport.model_fields.items():
+        yield CounterMetricFamily(f"kvtier_verify_{name}", field.description or name, getattr(verify, name))
 
 
 def _remote_families(report: StatsReport) -> Iterator[Metric]:

@@ -351,6 +351,18 @@ class PrefetchReport(BaseModel):
     )
 
 
+class VerifyReport(BaseModel):
+    """Shadow verification (:class:`kvtier.engine.verify.VerifyCounters`), since the server started."""
+
+    sampled: int = Field(description="Hits from host, disk or remote queued to be recomputed while idle.")
+    dropped: int = Field(description="Sampled hits not queued: the queue was full.")
+    failed: int = Field(description="Checks whose recompute failed (never verified).")
+    verified: int = Field(description="Hits recomputed and compared with the KV that was served.")
+    blocks_verified: int = Field(description="Blocks compared.")
+    mismatched_blocks: int = Field(description="Blocks whose served KV differed from their recompute.")
+    mismatched_hits: int = Field(description="Verified hits with at least one mismatched block.")
+
+
 class SpeculationReport(BaseModel):
     """Prompt-lookup decoding (:class:`kvtier.engine.engine.SpeculationCounters`), since the engine started."""
 
@@ -372,6 +384,7 @@ class EngineReport(BaseModel):
     prefill_seconds_saved_estimate: float = Field(description="prefill_tokens_skipped x prefill_seconds_per_token.")
     prefetch: PrefetchReport
     speculation: SpeculationReport | None = None
+    verify: VerifyReport
 
 
 class TierCostReport(BaseModel):
