@@ -1,7 +1,7 @@
 """/dashboard in real headless Chromium, against a real ``kvtier serve``: its figures move with the server's.
 
-Chromium is driven over the DevTools protocol (its websocket, found through
-the ``DevToolsActivePort`` file in its profile directory). The test reads the
+Chromium is driven over the DevTools protocol (its page's websocket, found
+through the port it announces and its ``/json/list``). The test reads the
 page's figures from the DOM (each carries its raw number in ``data-value``),
 sends requests, waits on the DOM changing (polled with Runtime.evaluate under
 a deadline), checks the page agrees with ``/stats``, and saves a screenshot
@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import requests
 import websocket
 
-from tests.server.live import ROOT, SIZES, LiveServer, running
+from tests.server.live import ROOT, SIZES, LiveServer, metric_values, running
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(
@@ -81,19 +82,20 @@ class Page:
         return figures
 
 
-def _devtools_port(profile: Path, process: subprocess.Popen[bytes]) -> int:
-    """The port Chromium chose (``--remote-debugging-port=0``): it writes it to the profile once it listens.
+def _devtools_port(process: subprocess.Popen[bytes]) -> int:
+    """The port Chromium chose (``--remote-debugging-port=0``), from the line it prints once it listens.
 
-    Chromium's stderr announces the same moment ("DevTools listening on ..."),
-    so the test blocks on that line instead of polling for the file.
+    It also writes the port to ``DevToolsActivePort`` in the profile, but
+    after that line, so the file can be missing when the line arrives: the
+    line is the event to block on, and it carries the same port.
     """
     assert process.stderr is not None
     seen = []
     for line in process.stderr:
         text = line.decode(errors="replace").strip()
         seen.append(text)
-        if text.startswith("DevTools listening on"):
-            return int((profile / "DevToolsActivePort").read_text().split()[0])
+        if text.startswith("DevTools listening on "):
+            return urlsplit(text.removeprefix("DevTools listening on ")).port or 0
     pytest.skip(f"chromium cannot run here; it exited with: {' | '.join(seen[-3:])}")
 
 
@@ -120,7 +122,7 @@ def browser(tmp_path: Path) -> Iterator[Page]:
     )
     ws = None
     try:
-        port = _devtools_port(profile, process)
+        port = _devtools_port(process)
         targets = requests.get(f"http://127.0.0.1:{port}/json/list", timeout=30).json()
         page = next(t for t in targets if t["type"] == "page")
         ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
@@ -192,6 +194,9 @@ def test_the_dashboard_follows_the_server_in_real_chromium(server: LiveServer, b
     assert after["ttft-saved"] == pytest.approx(e["prefill_seconds_saved_estimate"]) and after["ttft-saved"] > 0
     assert (after["verify-sampled"], after["verify-blocks"]) == (v["sampled"], v["blocks_verified"])
     assert after["verify-mismatched"] == v["mismatched_blocks"] == 0
+    metrics = metric_values(server.get("/metrics").text)
+    assert metrics[("kvtier_verify_verified_total", ())] == v["verified"]
+    assert metrics[("kvtier_verify_mismatched_blocks_total", ())] == 0
     assert after["updates"] > before["updates"]
     host_used = browser.evaluate("document.getElementById('tier-host').dataset.usedBytes")
     assert int(host_used) == stats["tiers"]["host"]["used_bytes"] > 0
