@@ -227,8 +227,10 @@ class SpeculativeConfig(_Section):
     """
 
     prompt_lookup: bool = Field(True, description="Draft tokens from n-gram matches; false: one token per step.")
-    num_draft_tokens: int = Field(4, ge=1, le=32, description="Most drafts verified per request per step.")
-    min_ngram: int = Field(1, ge=1, description="Shortest tail of the reply looked up in the context.")
+    num_draft_tokens: int = Field(
+        3, ge=1, le=32, description="Most drafts per request per step (3: with the next token, 4 decode rows)."
+    )
+    min_ngram: int = Field(2, ge=1, description="Shortest tail of the reply looked up in the context.")
     max_ngram: int = Field(3, ge=1, description="Longest tail looked up; the longest match wins.")
 
     @model_validator(mode="after")

@@ -95,6 +95,7 @@ class Request:
     last_chunk: int | None = None  # prompt tokens the previous step gave it (None: not planned yet)
     fetch: Fetch | ServiceFetch | None = None  # started on arrival, taken on admission
     fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival
+    draft_width: int | None = None  # drafts its next step may carry (prompt lookup; None: not drafted for yet)
     verify_span: tuple[int, int] | None = None  # blocks loaded from kvtier that shadow verification checks
 
     @property
@@ -362,7 +363,8 @@ class Engine:
             if not req.params.greedy:
                 continue
             left = min(req.params.max_tokens - len(req.output_ids), self.model.config.context_length - len(req.all_ids))
-            proposed = self.speculative.propose(req.all_ids, min(left - 1, room))  # the model's own token comes too
+            width = req.draft_width or self.speculative.num_draft_tokens
+            proposed = self.speculative.propose(req.all_ids, min(left - 1, room, width))  # its own token comes too
             if proposed:
                 drafts[req] = proposed
                 room -= len(proposed)
@@ -388,6 +390,9 @@ class Engine:
         counters.verify_steps += 1
         counters.drafted += len(drafts)
         counters.accepted += len(tokens) - 1
+        lookup = self.speculative
+        assert lookup is not None  # drafts come from it
+        req.draft_width = lookup.adapt(req.draft_width or lookup.num_draft_tokens, len(drafts), len(tokens) - 1)
         return out
 
     def _advance_all(self, req: Request, tokens: list[int]) -> StepOutput:

@@ -26,8 +26,8 @@ import numpy as np
 class PromptLookup:
     """How drafts are proposed: up to ``num_draft_tokens`` after a matching ``min_ngram..max_ngram``-token tail."""
 
-    num_draft_tokens: int = 4
-    min_ngram: int = 1
+    num_draft_tokens: int = 3
+    min_ngram: int = 2
     max_ngram: int = 3
 
     def __post_init__(self) -> None:
@@ -49,6 +49,18 @@ class PromptLookup:
             if at is not None:
                 return arr[at + n : at + n + want].tolist()
         return []
+
+    def adapt(self, width: int, drafted: int, accepted: int) -> int:
+        """A request's next draft count: wider while every draft lands, narrower after a miss.
+
+        Copies come in runs: a reply copies a passage, then writes its own
+        words. Widening by two while all drafts land reaches a long run's
+        pace in a few steps; narrowing by one after a rejection stops paying
+        for rows the model throws away between runs (HF's "heuristic" schedule).
+        """
+        if accepted == drafted:
+            return min(width + 2, self.num_draft_tokens)
+        return max(1, width - 1)
 
 
 def _last_match(arr: np.ndarray, n: int) -> int | None:

@@ -37,13 +37,21 @@ def test_no_recurring_tail_gives_no_drafts_and_limit_caps_them() -> None:
     assert lookup.propose([7]) == []
 
 
+def test_the_draft_width_grows_while_drafts_land_and_shrinks_after_a_miss() -> None:
+    lookup = PromptLookup(num_draft_tokens=8)
+    assert lookup.adapt(4, drafted=4, accepted=4) == 6
+    assert lookup.adapt(7, drafted=3, accepted=3) == 8  # capped at num_draft_tokens
+    assert lookup.adapt(4, drafted=4, accepted=2) == 3
+    assert lookup.adapt(1, drafted=1, accepted=0) == 1  # never below one draft
+
+
 def test_config_orders_the_ngram_bounds_and_switches_off(tmp_path: Path) -> None:
     with pytest.raises(ValidationError):
         config(tmp_path, speculative={"min_ngram": 3, "max_ngram": 2})
     with pytest.raises(ValidationError):
         config(tmp_path, speculative={"draft_tokens": 3})  # unknown keys are refused
     assert prompt_lookup(config(tmp_path, speculative={"prompt_lookup": False})) is None
-    assert prompt_lookup(config(tmp_path)) == PromptLookup(4, 1, 3)
+    assert prompt_lookup(config(tmp_path)) == PromptLookup(3, 2, 3)
 
 
 # -- the real model ---------------------------------------------------------------------------

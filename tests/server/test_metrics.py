@@ -11,10 +11,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtier.breakeven import BreakEvenModel
-from kvtier.engine.engine import PrefetchCounters
+from kvtier.engine.engine import PrefetchCounters, SpeculationCounters
 from kvtier.manager import CacheManager
 from kvtier.server.metrics import EngineMetrics, StatsCollector, build_report
-from kvtier.server.schemas import BreakEvenReport, PrefetchReport, StatsReport
+from kvtier.server.schemas import BreakEvenReport, PrefetchReport, SpeculationReport, StatsReport
 from kvtier.tiers.base import TierKind
 from tests.helpers import make_config, toy_layout
 from tests.server.live import metric_values
@@ -93,3 +93,20 @@ def test_a_quarantined_index_and_lost_blocks_show_in_stats_and_metrics(tmp_path:
     assert got[("kvtier_tier_quarantined_total", (("tier", "disk"),))] == 1
     assert got[("kvtier_tier_lost_blocks_total", (("tier", "disk"),))] == 3
     assert got[("kvtier_tier_write_errors_total", (("tier", "disk"),))] == 2
+
+
+def test_speculation_shows_drafted_accepted_and_the_rate_in_stats_and_metrics(tmp_path: Path) -> None:
+    metrics = EngineMetrics()
+    assert metrics.engine_report().speculation == SpeculationReport(
+        verify_steps=0, drafted=0, accepted=0, acceptance_rate=None
+    )
+    counters = SpeculationCounters(verify_steps=5, drafted=12, accepted=9)
+    metrics.set_speculation(counters)
+    counters.drafted = 99  # a copy was published
+    with CacheManager(make_config(tmp_path), toy_layout(), model_fingerprint="toy-model") as cache:
+        report = build_report("toy", cache, metrics)
+    assert report.engine.speculation == SpeculationReport(verify_steps=5, drafted=12, accepted=9, acceptance_rate=0.75)
+    got = scrape(report)
+    assert got[("kvtier_spec_draft_tokens_total", ())] == 12
+    assert got[("kvtier_spec_accepted_tokens_total", ())] == 9
+    assert got[("kvtier_spec_verify_steps_total", ())] == 5
