@@ -56,6 +56,7 @@ class AgentsSpec:
     max_tokens: int = 2
     block_size: int = 16
     reps: int = 2  # lru, sessions, lru, sessions, ...: a load change on a shared machine hits both
+    disk_io: str = "buffered"  # disk.io for both runs; "direct": a disk tier the page cache does not hold
     spec: bool = True  # include prompt-lookup decoding's run_spec (half b)
 
     @property
@@ -68,7 +69,7 @@ class AgentsSpec:
         return {
             "cache": {"block_size": self.block_size},
             "host": {"capacity_bytes": int(self.host_agents * self.longest * KV_BYTES_PER_TOKEN)},
-            "disk": {"capacity_bytes": 4 * self.agents * self.longest * KV_BYTES_PER_TOKEN},
+            "disk": {"capacity_bytes": 4 * self.agents * self.longest * KV_BYTES_PER_TOKEN, "io": self.disk_io},
             "engine": {"pool_bytes": pool_tokens * KV_BYTES_PER_TOKEN},
             "session": {"enabled": sessions},
         }
