@@ -489,6 +489,7 @@ class SessionPrefetchResponse(BaseModel):
     transcript_tokens: int
     promoted_tokens: dict[TierKind, int] = Field(description="Tokens moved to host memory, by the tier they left.")
     host_tokens: int = Field(description="Leading transcript tokens host memory holds now.")
+    device_tokens: int = Field(description="Leading transcript tokens resident in the engine's pool now.")
 
 
 class ExplainRequest(_PromptOrMessages):

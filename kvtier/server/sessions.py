@@ -26,6 +26,7 @@ import secrets
 import numpy as np
 from fastapi import Request
 
+from kvtier.engine.warm import warm
 from kvtier.explain import ExplainReason, Explanation, divergence
 from kvtier.manager import CacheManager
 from kvtier.server.auth import Tenant
@@ -89,12 +90,14 @@ async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> Sessi
         raise APIError(404, "no live session by that id", type=ErrorType.NOT_FOUND, param="session_id")
     moved = await asyncio.to_thread(cache.prefetch, session.tokens, tenant.namespace)
     held = await asyncio.to_thread(cache.probe, session.tokens, tenant.namespace)
+    pool = await asyncio.wrap_future(state.loop.call(lambda engine: warm(engine, session.tokens, tenant.namespace)))
     host = next((i for i, kind in enumerate(held.tiers) if kind is not TierKind.HOST), len(held.tiers))
     return SessionPrefetchResponse(
         session=session_id,
         transcript_tokens=len(session.tokens),
         promoted_tokens=moved,
         host_tokens=host * held.block_size,
+        device_tokens=pool,
     )
 
 

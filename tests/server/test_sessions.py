@@ -78,14 +78,17 @@ def test_prefetch_promotes_a_session_to_host(server: LiveServer) -> None:
     messages = transcript("prefetch")
     turn(server, ALPHA, messages, session="agent-2")
     stored(server, ALPHA, messages)
-    assert server.admin_post("/admin/clear", {"tier": "host"}).status_code == 200
+    for tier in ("host", "device"):
+        assert server.admin_post("/admin/clear", {"tier": tier}).status_code == 200
     cold = explain(server, ALPHA, {"messages": messages})
     assert cold["tiers"].get("host", 0) == 0 and cold["tiers"]["disk"] > 0
     done = server.post("/v1/sessions/agent-2/prefetch", headers=auth(ALPHA)).json()
     assert done["promoted_tokens"]["disk"] == cold["tiers"]["disk"]
-    assert done["host_tokens"] == done["transcript_tokens"] // 16 * 16
+    assert done["host_tokens"] == done["device_tokens"] == done["transcript_tokens"] // 16 * 16
     assert explain(server, ALPHA, {"messages": messages})["tiers"] == {"host": done["host_tokens"]}
     assert server.post("/v1/sessions/agent-2/prefetch", headers=auth(BETA)).status_code == 404  # alpha's session
+    after = turn(server, ALPHA, messages, session="agent-2")  # the next turn finds it all in the pool
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == done["device_tokens"]
 
 
 def test_sessions_show_counts_never_text(server: LiveServer) -> None:
