@@ -1145,10 +1145,12 @@ done:
 /* A unit covers at least this many blocks: below it, setting up and merging a
  * partial costs more than the blocks it spreads. */
 #define ATTN_MIN_UNIT_BLOCKS 8
-/* Sequences are cut into about this many runs of blocks in all (times the KV heads),
- * enough for dynamic claiming to even out two threads. The cut depends on the
- * lengths alone, never on the thread count, so a result is the same bits whoever
- * computes it. */
+/* Each sequence is cut into about this many runs of blocks (times the KV heads),
+ * enough for dynamic claiming to even out two threads. A sequence's cut depends on
+ * its own length alone, never on the thread count nor on the other sequences of the
+ * call, so its result is the same bits whoever computes it and whatever it is
+ * batched with (prompt lookup verifies drafts as extra rows of a decode step, and
+ * must get the logits a step of its own would). */
 #define ATTN_TARGET_RUNS 8
 
 typedef struct {
@@ -1953,16 +1955,13 @@ static const char *attn_check(const attn_job_t *j, Py_ssize_t num_blocks, int th
     return NULL;
 }
 
-/* Units of about the same number of blocks, (sequence, head) pairs adjacent; with
- * j->units NULL, only counts them. */
+/* Units of blocks, (sequence, head) pairs adjacent; with j->units NULL, only counts them. */
 static size_t attn_plan_units(attn_job_t *j) {
-    int64_t work = 0;
-    for (int s = 0; s < j->num_seqs; s++) work += (j->lengths[s] + j->block - 1) / j->block;
-    int64_t per = (work + ATTN_TARGET_RUNS - 1) / ATTN_TARGET_RUNS;
-    per = per < ATTN_MIN_UNIT_BLOCKS ? ATTN_MIN_UNIT_BLOCKS : per;
     size_t n = 0;
     for (int s = 0; s < j->num_seqs; s++) {
         const int nb = (j->lengths[s] + j->block - 1) / j->block;
+        int64_t per = (nb + ATTN_TARGET_RUNS - 1) / ATTN_TARGET_RUNS;
+        per = per < ATTN_MIN_UNIT_BLOCKS ? ATTN_MIN_UNIT_BLOCKS : per;
         const int cuts = nb == 0 ? 1 : (int)((nb + per - 1) / per);
         for (int h = 0; h < j->kv_heads; h++)
             for (int c = 0; c < cuts; c++) {

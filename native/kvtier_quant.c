@@ -17,7 +17,8 @@
  * out[i, r] = sum_j w[r, j] * x[i, j], in float32, for i < n rows of x. Per block,
  * sum_j (d q_j + m) x_j = d * (q . x) + m * sum(x): the sums of x per block are taken
  * once per call and shared by all rows. Every output row is computed by one thread in a
- * fixed order, so the result does not depend on the thread count. It differs from a
+ * fixed order, the same whether x has one row or many, so the result depends neither on
+ * the thread count nor on the other rows of the call. It differs from a
  * float32 matmul of the dequantized weights only in summation order (a few ulps).
  */
 #define PY_SSIZE_T_CLEAN
@@ -123,6 +124,24 @@ QV_AVX2 static inline __m256 qv_block_dot(const __m256 f[4], const float *x) {
     return _mm256_add_ps(a, b);
 }
 
+/* A row's sum from its two block accumulators (even blocks, odd blocks) and, for Q4_1, the
+ * minimums' share. One function for one row of x and for several, so that a row's result is
+ * the same bits whether it was multiplied alone or with others (a decode step and a verify
+ * step of prompt lookup give a token the same logits). */
+QV_AVX2 static inline float qv_total(const qv_job_t *j, int64_t r, __m256 acc0, __m256 acc1, const float *xsum) {
+    float total = qv_hsum(_mm256_add_ps(acc0, acc1));
+    if (j->kind == QV_Q4_1) {
+        const float *m = j->m + r * j->blocks;
+        __m256 bias = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= j->blocks; k += 8) bias = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(xsum + k), bias);
+        float rest = 0.0f;
+        for (; k < j->blocks; k++) rest += m[k] * xsum[k];
+        total += qv_hsum(bias) + rest;
+    }
+    return total;
+}
+
 QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, int64_t qb) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
@@ -141,17 +160,7 @@ QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, 
             qv_unpack(j->kind, q + b * qb, f);
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qv_block_dot(f, j->x + b * QV_BLOCK), acc0);
         }
-        float total = qv_hsum(_mm256_add_ps(acc0, acc1));
-        if (j->kind == QV_Q4_1) {
-            const float *m = j->m + r * j->blocks;
-            __m256 bias = _mm256_setzero_ps();
-            int64_t k = 0;
-            for (; k + 8 <= j->blocks; k += 8) bias = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(j->xsum + k), bias);
-            float rest = 0.0f;
-            for (; k < j->blocks; k++) rest += m[k] * j->xsum[k];
-            total += qv_hsum(bias) + rest;
-        }
-        j->out[r] = total;
+        j->out[r] = qv_total(j, r, acc0, acc1, j->xsum);
     }
 }
 
@@ -167,31 +176,23 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
         const float *d = j->d + r * j->blocks;
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
             const int g = j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP;
-            __m256 acc[QV_GROUP];
-            for (int i = 0; i < QV_GROUP; i++) acc[i] = _mm256_setzero_ps();
+            __m256 acc0[QV_GROUP], acc1[QV_GROUP];  /* even and odd blocks, as qv_rows_avx2_one sums them */
+            for (int i = 0; i < QV_GROUP; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
             for (int64_t b = 0; b < j->blocks; b++) {
                 __m256 f[4];
                 qv_unpack(j->kind, q + b * qb, f);
                 const __m256 scale = _mm256_set1_ps(d[b]);
                 for (int i = 0; i < g; i++) {
-                    const float *x = j->x + (int64_t)(i0 + i) * j->cols + b * QV_BLOCK;
-                    __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
-                    t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), t);
-                    t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), t);
-                    t = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), t);
-                    acc[i] = _mm256_fmadd_ps(scale, t, acc[i]);
+                    const __m256 dot = qv_block_dot(f, j->x + (int64_t)(i0 + i) * j->cols + b * QV_BLOCK);
+                    if (b & 1)
+                        acc1[i] = _mm256_fmadd_ps(scale, dot, acc1[i]);
+                    else
+                        acc0[i] = _mm256_fmadd_ps(scale, dot, acc0[i]);
                 }
             }
-            for (int i = 0; i < g; i++) {
-                float total = qv_hsum(acc[i]);
-                if (j->kind == QV_Q4_1) {
-                    const float *m = j->m + r * j->blocks, *xs = j->xsum + (int64_t)(i0 + i) * j->blocks;
-                    float bias = 0.0f;
-                    for (int64_t b = 0; b < j->blocks; b++) bias += m[b] * xs[b];
-                    total += bias;
-                }
-                j->out[(int64_t)(i0 + i) * j->rows + r] = total;
-            }
+            for (int i = 0; i < g; i++)
+                j->out[(int64_t)(i0 + i) * j->rows + r] =
+                    qv_total(j, r, acc0[i], acc1[i], j->xsum + (int64_t)(i0 + i) * j->blocks);
         }
     }
 }

@@ -5,9 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
+from kvtier.engine import kernels, quant
 from kvtier.engine.engine import Engine
+from kvtier.engine.llama import SeqInput
+from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache, prompt_lookup
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.speculate import PromptLookup
@@ -58,6 +62,21 @@ def test_config_orders_the_ngram_bounds_and_switches_off(tmp_path: Path) -> None
 def engine(loaded: LoadedModel, tmp: Path, *, on: bool, **kw: object) -> Engine:
     cfg = config(tmp, speculative={"prompt_lookup": on, "num_draft_tokens": 4, "min_ngram": 1, "max_ngram": 3})
     return make_engine(loaded, cfg, **{"cache": None, "keep_resident": False} | kw)
+
+
+@pytest.mark.skipif(not (quant.NATIVE and kernels.NATIVE), reason="exact per row only in the native decode kernels")
+def test_a_verify_row_has_the_bits_of_a_one_token_step(loaded_model: LoadedModel) -> None:
+    """Identical by construction: each draft row is computed as its own decode step would compute it."""
+    model = loaded_model.model
+    pool = model.make_pool(16, 8)
+    table = BlockTable()
+    pool.grow(table, 80)
+    model([SeqInput(list(range(100, 160)), 0, table)], pool)
+    tokens = [7, 11, 12, 13, 14]
+    alone = [model([SeqInput([tok], 60 + i, table)], pool)[0] for i, tok in enumerate(tokens)]
+    table.num_tokens = 60
+    rows = model([SeqInput(tokens, 60, table, verify=True)], pool)
+    assert torch.equal(rows, torch.stack(alone))
 
 
 def test_greedy_output_is_identical_alone_and_batched(loaded_model: LoadedModel, tmp_path: Path) -> None:
