@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import procs
 from kvtier.bench.peer import machine
 from kvtier.bench.soak import text_ids
 
@@ -93,17 +93,6 @@ class _Lines:
             raise TimeoutError(f"no output for {timeout:.0f} s") from None
 
 
-def _stop(proc: subprocess.Popen[str], timeout: float) -> None:
-    """SIGTERM, then SIGKILL past ``timeout``: the process and nothing else, by its PID."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class ServiceProcess:
     """``kvtier cache serve`` for one engine's KV identity, in a subprocess of this venv."""
 
@@ -133,7 +122,7 @@ class ServiceProcess:
 
     def stop(self, timeout: float = 60.0) -> None:
         """A planned stop: the service flushes its host tier to disk before it exits."""
-        _stop(self.proc, timeout)
+        procs.stop(self.proc, timeout)
 
     def __enter__(self) -> ServiceProcess:
         return self
@@ -191,7 +180,7 @@ class EngineProcess:
                 self.proc.wait(timeout)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        _stop(self.proc, 10.0)
+        procs.stop(self.proc, 10.0)
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.bench import procs
 from kvtier.bench.faults import Fault, FaultOutcome, fault
 
 READY = "kvtier serving on"  # logged once the model is loaded and the cache is open, just before serving
@@ -37,12 +38,6 @@ SIZES: dict[str, Any] = {
     "host": {"capacity_bytes": "64MiB"},
     "disk": {"capacity_bytes": "128MiB"},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -101,7 +96,7 @@ def serving(workdir: Path) -> Iterator[Served]:
 
     Readiness is the server's own log line, read as it is written: no polling, no sleep.
     """
-    port = free_port()
+    port = procs.free_port()
     served = Served(start(write_config(workdir), port), port)
     try:
         assert served.process.stdout is not None
@@ -114,12 +109,7 @@ def serving(workdir: Path) -> Iterator[Served]:
         threading.Thread(target=_drain, args=(served,), daemon=True).start()
         yield served
     finally:
-        served.process.terminate()
-        try:
-            served.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            served.process.kill()
-            served.process.wait()
+        procs.stop(served.process)
 
 
 def _complete(served: Served, prompt: str, max_tokens: int) -> int:
@@ -134,7 +124,7 @@ def _complete(served: Served, prompt: str, max_tokens: int) -> int:
 def two_servers(workdir: Path) -> FaultOutcome:
     """A second ``kvtier serve`` started on the data directory a first one serves from."""
     with serving(workdir) as first:
-        second = start(workdir / "kvtier.yaml", free_port())
+        second = start(workdir / "kvtier.yaml", procs.free_port())
         out, _ = second.communicate(timeout=START_S)
         said = [line for line in out.splitlines() if "in use by pid" in line]
         first_answers = _complete(first, "The lighthouse keeper", 4)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,10 @@ from typing import Any
 import requests
 import yaml
 
+from kvtier.bench import procs
 from kvtier.keys import SECRET_BYTES, SECRET_FILE
 
 READY_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -46,13 +40,7 @@ class Proc:
         return requests.post(self.url + path, timeout=120, **kw)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        procs.stop(self.process)
 
 
 def data_dir(where: Path, secret: bytes) -> Path:
@@ -71,7 +59,7 @@ def start(where: Path, tree: dict[str, Any], args: list[str], env: dict[str, str
     where.mkdir(parents=True, exist_ok=True)
     config = where / "kvtier.yaml"
     config.write_text(yaml.safe_dump(tree))
-    port = free_port()
+    port = procs.free_port()
     log = where / "process.log"
     with log.open("wb") as out:
         process = subprocess.Popen(

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from kvtier.bench import procs
 from kvtier.bench.faults import FAULTS, Fault
-from kvtier.bench.faults_process import READY, free_port, start, write_config
+from kvtier.bench.faults_process import READY, start, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_the_ready_line_is_written_once_connections_are_accepted(tmp_path: Path)
     Before, the line came before uvicorn listened: a supervisor (or the chaos
     run) that connected on seeing it was refused.
     """
-    port = free_port()
+    port = procs.free_port()
     process = start(write_config(tmp_path), port)
     try:
         assert process.stdout is not None
@@ -36,12 +36,7 @@ def test_the_ready_line_is_written_once_connections_are_accepted(tmp_path: Path)
             pass
     finally:
         os.kill(process.pid, signal.SIGCONT)
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        procs.stop(process)
 
 
 def test_a_second_server_on_one_data_directory_refuses_naming_the_first(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ resident), so any difference the cache or batching made would show.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.bench import procs
 from kvtier.config import Config, load_config
 from kvtier.engine.engine import Completion
 from kvtier.engine.runtime import LoadedModel, make_engine
@@ -36,12 +36,6 @@ SIZES: dict[str, Any] = {
     "host": {"capacity_bytes": "64MiB"},
     "disk": {"capacity_bytes": "128MiB"},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -99,7 +93,7 @@ def running(
     ``verbose``: ``kvtier -v``, INFO logs (what a test that reads the log wants to see all of).
     """
     config = write_config(tmp, server, sections)
-    port = free_port()
+    port = procs.free_port()
     log = tmp / "server.log"
     flags = ["-v"] if verbose else []
     with log.open("wb") as out:
@@ -114,12 +108,7 @@ def running(
         _wait_healthy(live, timeout_s=120)
         yield live
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        procs.stop(process)
 
 
 # -- the reference -------------------------------------------------------------------------------------
