@@ -105,7 +105,13 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def restart(self) -> None:
-        """Start the process (again, on the same port) and wait until it answers PING."""
+        """Start the process (again, on the same port) and wait until it answers PING.
+
+        A process still running is ended first: a second redis-server on the
+        port would fail to bind while the old one answered the PING, leaving
+        the old one untracked (a later ``kill`` would miss it) and not empty.
+        """
+        self._end()
         args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log"), *self.extra]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -126,7 +132,7 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
 
-    def stop(self) -> None:
+    def _end(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -135,6 +141,9 @@ class RedisServer:
                 self.kill()
         if self.proc is not None and self.proc.stderr is not None:
             self.proc.stderr.close()
+
+    def stop(self) -> None:
+        self._end()
         if self.own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
