@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -152,7 +152,9 @@ async def _turn(
 
 # -- agent sessions ------------------------------------------------------------------------------
 @router.post("/v1/sessions/{session_id}/prefetch", response_model=SessionPrefetchResponse, responses=ERRORS)
-async def prefetch_session(session_id: str, state: State, tenant: Caller) -> SessionPrefetchResponse:
+async def prefetch_session(
+    session_id: Annotated[str, Path(min_length=1, max_length=sessions.MAX_ID)], state: State, tenant: Caller
+) -> SessionPrefetchResponse:
     """Move a live session's transcript up to host memory while its agent waits on a tool call."""
     return await sessions.prefetch(state, tenant, session_id)
 

@@ -28,10 +28,15 @@ OPERATIONS = [
     ("POST", "/admin/clear"),
     ("POST", "/admin/pin"),
     ("POST", "/lookup"),
+    ("GET", "/v1/sessions"),
+    ("POST", "/v1/sessions/{session_id}/prefetch"),
+    ("POST", "/v1/cache/explain"),
 ]
 # Served, never fuzzed: an endless stream (block events for `kvtier route`) would hold each case open forever.
 # Its contents are tested in tests/route.
 ENDLESS = [("GET", "/v1/kv-events")]
+# A generated session id mostly names no live session (404); one the fuzzed completions opened answers 200.
+UNKNOWN_IS_404 = {("POST", "/v1/sessions/{session_id}/prefetch")}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +83,9 @@ def test_no_operation_answers_5xx(api_schema, method: str, path: str, mode: Gene
 
     statuses: list[int] = []
     fuzz()
-    if mode is GenerationMode.POSITIVE:
+    if mode is GenerationMode.POSITIVE and (method, path) in UNKNOWN_IS_404:
+        assert 404 in statuses and set(statuses) <= {200, 404}, f"sessions answered {sorted(set(statuses))}"
+    elif mode is GenerationMode.POSITIVE:
         assert any(200 <= s < 300 for s in statuses), f"no schema-valid case was served: {sorted(set(statuses))}"
 
 
