@@ -39,10 +39,21 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvtier.config import ConfigError, load_config
 from kvtier.errors import KVTierError
 from kvtier.layout import LayoutOrder
+
+
+def _answer(args: argparse.Namespace, summary: Any, table: str, *written: Path | None) -> int:
+    """A bench's answer: its summary as one JSON line under ``--json``, else its table and the files it wrote."""
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(table)
+        print("  wrote " + " and ".join(str(p) for p in written if p is not None))
+    return 0
 
 
 def _bench_tiers(args: argparse.Namespace) -> int:
@@ -69,12 +80,7 @@ def _bench_remote(args: argparse.Namespace) -> int:
     )
     result = remote.run(config, spec)
     path = remote.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(remote.table(result))
-        print(f"  wrote {path}")
-    return 0
+    return _answer(args, result, remote.table(result), path)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -155,12 +161,7 @@ def _bench_route(args: argparse.Namespace) -> int:
     spec = route.RouteSpec(sessions=args.sessions, turns=args.turns, clients=args.clients)
     result = route.run(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
     path = route.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
-    else:
-        print(route.table(result))
-        print(f"  wrote {path}")
-    return 0
+    return _answer(args, {k: v for k, v in result.items() if k != "setup"}, route.table(result), path)
 
 
 def _bench_ttft(args: argparse.Namespace) -> int:
@@ -171,12 +172,13 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     loaded = load_model(config)
     result = ttft.run(loaded, config, ttft.TTFTSpec(tokens=args.tokens, reps=args.reps))
     path, png = ttft.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "setup"} | {"ratios": ttft.ratios(result)}))
-    else:
-        print(ttft.table(result))
-        print(f"  wrote {path}" + (f" and {png}" if png else ""))
-    return 0
+    return _answer(
+        args,
+        {k: v for k, v in result.items() if k != "setup"} | {"ratios": ttft.ratios(result)},
+        ttft.table(result),
+        path,
+        png,
+    )
 
 
 def _bench_peer(args: argparse.Namespace) -> int:
@@ -213,12 +215,7 @@ def _bench_chaos(args: argparse.Namespace) -> int:
 
     result = chaos.run(args.kills, args.seed, faults=not args.no_faults, progress=not args.json)
     path, png = chaos.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "restarts"}))
-    else:
-        print(chaos.table(result))
-        print(f"  wrote {path}" + (f" and {png}" if png else ""))
-    return 0
+    return _answer(args, {k: v for k, v in result.items() if k != "restarts"}, chaos.table(result), path, png)
 
 
 def _bench_load(args: argparse.Namespace) -> int:
@@ -227,12 +224,7 @@ def _bench_load(args: argparse.Namespace) -> int:
     spec = load.LoadSpec(clients=args.clients, minutes=args.minutes, requests=args.requests, max_tokens=args.max_tokens)
     result = load.run(spec, progress=None if args.json else _load_progress)
     path, png = load.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps(result["summary"]))
-    else:
-        print(load.table(result))
-        print(f"  wrote {path}" + (f" and {png}" if png else ""))
-    return 0
+    return _answer(args, result["summary"], load.table(result), path, png)
 
 
 def _load_progress(at_s: float, requests: int) -> None:
@@ -247,12 +239,7 @@ def _bench_agents(args: argparse.Namespace) -> int:
     )
     result = agents.run(spec, progress=None if args.json else lambda what: print(f"  {what}...", file=sys.stderr))
     path, png = agents.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps(agents.summary(result)))
-    else:
-        print(agents.table(result))
-        print(f"  wrote {path}" + (f" and {png}" if png else ""))
-    return 0
+    return _answer(args, agents.summary(result), agents.table(result), path, png)
 
 
 def _bench_tenants(args: argparse.Namespace) -> int:
@@ -260,12 +247,7 @@ def _bench_tenants(args: argparse.Namespace) -> int:
 
     result = tenants.run(tenants.TenantSpec(rounds=args.rounds))
     path = tenants.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "samples_s"}))
-    else:
-        print(tenants.table(result))
-        print(f"  wrote {path}")
-    return 0
+    return _answer(args, {k: v for k, v in result.items() if k != "samples_s"}, tenants.table(result), path)
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
@@ -274,12 +256,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
     spec = soak.SoakSpec(long_tokens=args.long_tokens, burst=args.burst, reps=args.reps, source=args.source)
     result = soak.run(spec)
     path, png = soak.save(result, Path(args.out))
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "engine"}))
-    else:
-        print(soak.table(result))
-        print(f"  wrote {path}" + (f" and {png}" if png else ""))
-    return 0
+    return _answer(args, {k: v for k, v in result.items() if k != "engine"}, soak.table(result), path, png)
 
 
 def _bench_engines(args: argparse.Namespace) -> int:
@@ -295,12 +272,7 @@ def _bench_engines(args: argparse.Namespace) -> int:
         out_dir=Path(args.out),
         bf16=args.vllm_bf16,
     )
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(engines.table(result))
-        print(f"  wrote {Path(args.out) / 'engines-latest.json'}")
-    return 0
+    return _answer(args, result, engines.table(result), Path(args.out) / "engines-latest.json")
 
 
 def _cache_check(args: argparse.Namespace) -> int:
