@@ -31,7 +31,6 @@ import json
 import statistics
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import results
+from kvtier.bench.client import stream_completion
 from kvtier.bench.peer.machine import describe
 from kvtier.bench.soak import Server, serving, text_ids
 
@@ -100,24 +100,10 @@ def _post(port: int, path: str, body: dict[str, Any] | None, headers: dict[str, 
 
 def ttft(port: int, prompt: list[int], max_tokens: int, session: str | None) -> tuple[float, int]:
     """Seconds to the first streamed event, and the cached tokens the usage chunk reports."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    body["stream_options"] = {"include_usage": True}
     headers = {} if session is None else {"X-Session-ID": session}
-    started = time.perf_counter()
-    response = _post(port, "/v1/completions", body, headers)
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
-    first, cached = None, 0
-    for line in response:
-        if not line.startswith(b"data: "):
-            continue
-        first = first if first is not None else time.perf_counter() - started
-        if b'"usage"' in line and line.strip() != b"data: [DONE]":
-            usage = json.loads(line[6:]).get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
-    if first is None:
-        raise RuntimeError("the stream carried no event")
-    return first, cached
+    got = stream_completion(port, prompt, max_tokens, headers).checked()
+    assert got.ttft_s is not None
+    return got.ttft_s, got.cached_tokens
 
 
 def prefetch(port: int, session: str) -> dict[str, Any]:

@@ -23,8 +23,6 @@ pinned count must come back to 0.
 
 from __future__ import annotations
 
-import http.client
-import json
 import statistics
 import tempfile
 import threading
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import results
+from kvtier.bench.client import stream_completion
 from kvtier.bench.peer.machine import describe
 from kvtier.bench.soak import Server, serving, text_ids
 
@@ -123,49 +122,6 @@ class Agents:
         return self._shared + transcript
 
 
-def _stream(port: int, prompt: list[int], max_tokens: int) -> tuple[float | None, dict[str, Any], str | None]:
-    """One streamed completion: (TTFT, usage, error). An error is any end but finish, usage, ``[DONE]``."""
-    body = json.dumps(
-        {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    started = time.perf_counter()
-    ttft: float | None = None
-    usage: dict[str, Any] = {}
-    try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            return None, usage, f"HTTP {response.status}: {response.read()[:200]!r}"
-        done = False
-        for line in response:
-            if not line.startswith(b"data: "):
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - started
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                return ttft, usage, f"error event: {event['error'].get('message', '')[:200]}"
-            usage = event.get("usage") or usage
-        if not done or not usage:
-            return ttft, usage, "the stream ended without usage and [DONE]"
-        return ttft, usage, None
-    except (OSError, http.client.HTTPException, json.JSONDecodeError) as err:
-        return ttft, usage, f"{type(err).__name__}: {err}"
-    finally:
-        conn.close()
-
-
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -213,7 +169,8 @@ class Run:
         session, turn = 0, 0
         while self._take_turn():
             prompt = self.agents.prompt(c, session, turn)
-            ttft, usage, error = _stream(self.server.port, prompt, self.spec.max_tokens)
+            got = stream_completion(self.server.port, prompt, self.spec.max_tokens, timeout=600)
+            ttft, usage, error = got.ttft_s, got.usage, got.error
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             sample = Sample(c, self._now(), ttft, usage.get("prompt_tokens", len(prompt)), cached, error)
             with self._lock:

@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from kvtier.bench import results
+from kvtier.bench.client import stream_completion
 from kvtier.bench.peer.machine import describe
 from kvtier.config import EngineConfig
 from kvtier.demo.session import load_session
@@ -133,23 +134,9 @@ def _wait_started(server: Server, timeout_s: float = 300) -> None:
 
 def stream_ttft(port: int, prompt: list[int], max_tokens: int = 1) -> float:
     """Seconds from sending a streamed completion to its first server-sent event; the stream is read to its end."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True})
-    try:
-        started = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
-        first = None
-        for line in response:
-            if line.startswith(b"data: ") and first is None:
-                first = time.perf_counter() - started
-        if first is None:
-            raise RuntimeError("the stream carried no event")
-        return first
-    finally:
-        conn.close()
+    ttft = stream_completion(port, prompt, max_tokens).checked().ttft_s
+    assert ttft is not None
+    return ttft
 
 
 def text_ids(n: int, offset: int = 0) -> list[int]:

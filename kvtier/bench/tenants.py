@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench import results
+from kvtier.bench.client import stream_completion
 from kvtier.bench.peer.machine import describe
 from kvtier.bench.soak import Server, serving, text_ids
 
@@ -65,40 +66,31 @@ def mann_whitney_p(x: list[float], y: list[float]) -> float:
     return math.erfc(max(0.0, abs(u - n1 * n2 / 2) - 0.5) / sigma / math.sqrt(2))
 
 
-def _post(port: int, path: str, body: dict[str, Any], key: str, *, stream: bool) -> tuple[float, bytes]:
-    """(seconds to the first body line of a stream, or to the whole answer; the answer)."""
+def _post(port: int, path: str, body: dict[str, Any], key: str) -> bytes:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     try:
-        started = time.perf_counter()
-        conn.request("POST", path, json.dumps(body), headers)
+        conn.request(
+            "POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+        )
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"{path}: HTTP {response.status}: {response.read()[:300]!r}")
-        if not stream:
-            data = response.read()
-            return time.perf_counter() - started, data
-        first = None
-        for line in response:
-            if first is None and line.startswith(b"data: "):
-                first = time.perf_counter() - started
-        if first is None:
-            raise RuntimeError("the stream carried no event")
-        return first, b""
+        return response.read()
     finally:
         conn.close()
 
 
 def ttft(port: int, prompt: list[int], key: str) -> float:
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
-    return _post(port, "/v1/completions", body, key, stream=True)[0]
+    got = stream_completion(port, prompt, 1, {"Authorization": f"Bearer {key}"}, timeout=600).checked()
+    assert got.ttft_s is not None
+    return got.ttft_s
 
 
 def _stored(server: Server, prompt: list[int], tenant: str, tokens: int, timeout_s: float = 120) -> None:
     """Poll the admin /lookup until ``tenant`` holds ``tokens`` of ``prompt`` (stores land after the answer)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        _, raw = _post(server.port, "/lookup", {"prompt": prompt, "tenant": tenant}, ADMIN, stream=False)
+        raw = _post(server.port, "/lookup", {"prompt": prompt, "tenant": tenant}, ADMIN)
         if json.loads(raw)["cached_tokens"] >= tokens:
             return
         if time.monotonic() > deadline:
