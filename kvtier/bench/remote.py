@@ -6,7 +6,7 @@ them per repetition, medians over ``reps`` with the cases interleaved:
 
 * ``get_gbps``: :meth:`RemoteTier.get_many` in batches of the manager's
   promotion size, each value checked end to end (MAC, layout, tokens,
-  BLAKE3 of the payload) and landed in its host buffer; ``raw_get_gbps``:
+  the payload's tag) and landed in its host buffer; ``raw_get_gbps``:
   pipelined plain ``GET`` of the same keys with the same client (redis-py's
   own reply parser, no checks), the faster of two pipeline sizes (the
   promotion batch, and 4: redis-py reads a pipeline of large replies

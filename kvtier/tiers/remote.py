@@ -15,7 +15,7 @@ per-node circuit breaker (:mod:`kvtier.tiers.remote_nodes`):
   tokens like any other tier's record, before a payload byte moves.
 * :meth:`RemoteTier.get_many` (on a fetch): pipelined ``GET`` per node;
   each value's header is checked before its payload lands in its host
-  slot, and the payload is hashed as it lands. Hits have
+  slot, and the payload is authenticated as it lands. Hits have
   their TTL refreshed behind the request.
 * :meth:`RemoteTier.put_many`: never on the caller's time. Payloads are
   copied onto a bounded queue and framed and written (``SET .. PX ttl``) by
@@ -51,7 +51,7 @@ log = logging.getLogger("kvtier")
 PROBE_FIRST = 4  # keys in the first probe of a run; each next probe asks for 4x more
 SEEN_MAX = 65_536  # authentic headers remembered from probes (~100 B each)
 READ_CHUNK = 8  # blocks per round trip of a read: Redis streams a few large replies faster than many
-HASH_STEP = 1 << 17  # payload bytes landed before they are hashed: still in the core's cache, few calls a block
+MAC_STEP = 1 << 17  # payload bytes landed before they are fed to the MAC: still in the core's cache, few calls a block
 WRITE_BATCH = 8  # blocks one writer round trip carries at most
 STOP_WAIT_S = 5.0  # how long close() lets queued writes drain
 
@@ -203,9 +203,9 @@ class RemoteTier:
 
         A block is served only if a probe saw its authentic header (whose
         digest the manager confirmed against the request's tokens) and the
-        value read now carries the same digest and a payload that hashes to
-        its header. Payloads go from the socket straight into ``outs``
-        (:meth:`Nodes.get_into`) and are hashed as they land (:meth:`_receive`).
+        value read now carries the same digest and a payload that matches
+        its header's tag. Payloads go from the socket straight into ``outs``
+        (:meth:`Nodes.get_into`) and are authenticated as they land (:meth:`_receive`).
         """
         expect = [self.record(k) for k in keys]
         names = [self.name(k) for k in keys]
@@ -239,14 +239,14 @@ class RemoteTier:
 
         The header is checked first (MAC, key, layout, the request's
         tokens); a value that fails it is skipped and not a byte of it
-        lands. The payload then goes straight into ``out``, hashed in pieces
-        of :data:`HASH_STEP` as each lands, while it is still in the core's
+        lands. The payload then goes straight into ``out``, fed to its MAC in
+        pieces of :data:`MAC_STEP` as each lands, while it is still in the core's
         cache: one pass over memory instead of a copy and a later re-read,
         and no hand-off to another thread (which, on a machine without a
         spare core, only added the hand-off to the same work). Over a real
-        network the next bytes arrive while a piece is hashed.
+        network the next bytes arrive while a piece is authenticated.
 
-        On a payload that fails its hash, ``out`` holds refused bytes: the
+        On a payload that fails its tag, ``out`` holds refused bytes: the
         manager reads into a reserved host slot and aborts it, so they are
         never served.
         """
@@ -268,13 +268,13 @@ class RemoteTier:
         return self._receive_payload(header, reader, memoryview(out.numpy()))
 
     def _receive_payload(self, header: Header, reader: RespReader, payload: memoryview) -> bool:
-        hasher = self._framer.payload_hasher()
-        for at in range(0, len(payload), HASH_STEP):
-            piece = payload[at : at + HASH_STEP]
+        mac = self._framer.payload_mac(header)
+        for at in range(0, len(payload), MAC_STEP):
+            piece = payload[at : at + MAC_STEP]
             reader.read_into(piece)
-            hasher.update(piece)
+            mac.update(piece)
         try:
-            self._framer.verify_hash(header, hasher.digest())
+            self._framer.verify_tag(header, mac.tag())
         except FrameError as err:
             self.stats.add(**{err.why.value: 1})
             return False

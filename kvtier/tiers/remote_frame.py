@@ -9,22 +9,29 @@ every value read back is hostile until proven otherwise. One value is::
         || block key (16) || parent key (16; zeros when none)
         || token digest (32: :meth:`kvtier.keys.KeyHasher.digest`, or a named block's digest)
         || layout id (32: :func:`layout_id`, binds the model fingerprint and the KV layout)
-        || BLAKE3-256 of the payload (32)
+        || salt (16, random for each value written) || payload tag (16)
     || MAC (32): HMAC-SHA256, keyed with :attr:`kvtier.keys.Secret.remote_mac_key`, of the header
     || payload (the block's KV bytes)
 
-Why the MAC covers the payload's BLAKE3 digest rather than the payload
-itself: HMAC-SHA256 over a 737 KB block runs at about the speed of the
-network read, which would halve the tier's throughput, while BLAKE3 hashes it
-several times faster. Forging a value still needs either the HMAC key or a
-second BLAKE3 preimage. The header is authenticated on its own, so a probe
-that reads only the header (``GETRANGE``) already knows whether the value is
-ours, for this key, this model and these tokens, before any payload moves.
+The payload tag is AES-256-GMAC of the payload under a key of its own:
+keyed BLAKE2b of the salt under the MAC key. So the whole value is
+authenticated by the deployment's secret in two keyed steps: the header by
+HMAC, the payload by a MAC whose tag the header carries. Why not one HMAC
+over everything: the payload is hundreds of KB and must be checked at the
+speed it arrives; HMAC-SHA256 and BLAKE3 both cost the reading core more
+than the read itself, while GMAC runs on the carry-less multiply and AES
+instructions several times faster (``bench/README.md``). GMAC is a MAC only
+while a key never tags two messages, which the random salt guarantees: two
+writes of one block, even with different bytes, have different keys.
+
+The header is authenticated on its own, so a probe that reads only the
+header (``GETRANGE``) already knows whether the value is ours, for this key,
+this model and these tokens, before any payload moves.
 
 Any mismatch (short, long, another magic or version, a bad MAC, another
 key's value copied here, another layout, other tokens, a payload that does
-not hash to its header) is a :class:`Rejection`: the caller counts a miss and
-never serves a byte of it. The next store of that block overwrites it.
+not match its header's tag) is a :class:`Rejection`: the caller counts a miss
+and never serves a byte of it. The next store of that block overwrites it.
 """
 
 from __future__ import annotations
@@ -32,23 +39,27 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import os
 import struct
 from dataclasses import dataclass
 
-import blake3
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvtier.keys import KEY_BYTES, BlockDigest, BlockKey
 from kvtier.tiers.base import BlockRecord
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sBB2xI16s16s32s32s32s")
+FORMAT_VERSION = 2  # 2: a salted AES-GMAC payload tag; 1: BLAKE3 of the payload
+_HEADER = struct.Struct("<4sBB2xI16s16s32s32s16s16s")
+SALT_BYTES = 16
 MAC_BYTES = 32
 HEADER_BYTES = _HEADER.size + MAC_BYTES  # what a probe reads
 _HAS_PARENT = 1
 _NO_PARENT = bytes(KEY_BYTES)
 _LAYOUT_LABEL = b"kvtier-remote-layout"
+_PAYLOAD_KEY_PERSON = b"kvtier-payload"  # BLAKE2b personalisation: this derivation, nothing else
+_GMAC_NONCE = bytes(12)  # every payload key tags one message, so a fixed nonce never repeats under a key
 
 
 class Rejection(enum.StrEnum):
@@ -60,7 +71,7 @@ class Rejection(enum.StrEnum):
     WRONG_KEY = "wrong_key"  # an authentic value of another block, copied under this key
     WRONG_LAYOUT = "wrong_layout"  # written for another model or KV layout
     FOREIGN_TOKENS = "foreign_tokens"  # this key, but other token ids (the lookup's digest disagrees)
-    BAD_PAYLOAD = "bad_payload"  # the payload does not hash to what its authentic header says
+    BAD_PAYLOAD = "bad_payload"  # the payload does not match the tag its authentic header carries
 
 
 class FrameError(Exception):
@@ -89,7 +100,27 @@ class Header:
     key: BlockKey
     record: BlockRecord
     payload_len: int
-    payload_hash: bytes
+    salt: bytes
+    payload_tag: bytes
+
+
+class PayloadMac:
+    """AES-256-GMAC of one payload, fed piece by piece, under the key its value's salt derives.
+
+    The remote tier feeds each piece as it lands off the socket, while it
+    is still in the core's cache, and compares :meth:`tag` with the header's.
+    """
+
+    def __init__(self, mac_key: bytes, salt: bytes) -> None:
+        key = hashlib.blake2b(salt, key=mac_key, digest_size=32, person=_PAYLOAD_KEY_PERSON).digest()
+        self._gmac = Cipher(algorithms.AES(key), modes.GCM(_GMAC_NONCE)).encryptor()
+
+    def update(self, piece: memoryview | bytes | np.ndarray) -> None:
+        self._gmac.authenticate_additional_data(piece)
+
+    def tag(self) -> bytes:
+        self._gmac.finalize()
+        return self._gmac.tag
 
 
 class Framer:
@@ -113,6 +144,7 @@ class Framer:
 
     def _head(self, key: BlockKey, record: BlockRecord, payload: memoryview) -> bytes:
         parent = record.parent
+        salt = os.urandom(SALT_BYTES)
         return _HEADER.pack(
             MAGIC,
             FORMAT_VERSION,
@@ -122,7 +154,8 @@ class Framer:
             parent if parent is not None else _NO_PARENT,
             record.digest,
             self._layout,
-            blake3.blake3(payload).digest(),
+            salt,
+            self._tag(salt, payload),
         )
 
     def blank(self) -> bytearray:
@@ -145,7 +178,7 @@ class Framer:
         if len(value) < HEADER_BYTES:
             raise FrameError(Rejection.BAD_LENGTH)
         head = bytes(value[: _HEADER.size])
-        magic, version, flags, length, k, parent, digest, layout, payload_hash = _HEADER.unpack(head)
+        magic, version, flags, length, k, parent, digest, layout, salt, tag = _HEADER.unpack(head)
         if magic != MAGIC or version != FORMAT_VERSION:
             raise FrameError(Rejection.BAD_HEADER)
         if not hmac.compare_digest(self._mac(head), bytes(value[_HEADER.size : HEADER_BYTES])):
@@ -157,7 +190,7 @@ class Framer:
         if length != self.payload_bytes:
             raise FrameError(Rejection.BAD_LENGTH)
         record = BlockRecord(BlockDigest(digest), BlockKey(parent) if flags & _HAS_PARENT else None)
-        return Header(key, record, length, payload_hash)
+        return Header(key, record, length, salt, tag)
 
     def open(self, key: BlockKey, value: bytes, digest: BlockDigest) -> tuple[Header, memoryview]:
         """``value``'s authentic header, checked against ``key`` and the request's token ``digest``, and its
@@ -169,21 +202,18 @@ class Framer:
             raise FrameError(Rejection.BAD_LENGTH)
         return header, memoryview(value)[HEADER_BYTES:]
 
-    @staticmethod
-    def verify(header: Header, payload: memoryview | bytes | np.ndarray) -> None:
-        """:class:`FrameError` unless ``payload`` hashes to what its authentic header says."""
-        Framer.verify_hash(header, blake3.blake3(payload).digest())
+    def verify(self, header: Header, payload: memoryview | bytes | np.ndarray) -> None:
+        """:class:`FrameError` unless ``payload`` matches the tag its authentic header carries."""
+        self.verify_tag(header, self._tag(header.salt, payload))
+
+    def payload_mac(self, header: Header) -> PayloadMac:
+        """The MAC of :meth:`verify`, to be fed piece by piece; check its tag with :meth:`verify_tag`."""
+        return PayloadMac(self._mac_key, header.salt)
 
     @staticmethod
-    def payload_hasher() -> blake3.blake3:
-        """The hash of :meth:`verify`, to be fed piece by piece: the remote tier hashes a payload as it lands,
-        each piece while it is still in the core's cache, then checks the result with :meth:`verify_hash`."""
-        return blake3.blake3()
-
-    @staticmethod
-    def verify_hash(header: Header, payload_hash: bytes) -> None:
-        """:class:`FrameError` unless ``payload_hash`` (of the bytes that would be served) is the header's."""
-        if not hmac.compare_digest(payload_hash, header.payload_hash):
+    def verify_tag(header: Header, tag: bytes) -> None:
+        """:class:`FrameError` unless ``tag`` (of the bytes that would be served) is the header's."""
+        if not hmac.compare_digest(tag, header.payload_tag):
             raise FrameError(Rejection.BAD_PAYLOAD)
 
     def payload(self, key: BlockKey, value: bytes, digest: BlockDigest) -> memoryview:
@@ -191,6 +221,11 @@ class Framer:
         header, body = self.open(key, value, digest)
         self.verify(header, body)
         return body
+
+    def _tag(self, salt: bytes, payload: memoryview | bytes | np.ndarray) -> bytes:
+        mac = PayloadMac(self._mac_key, salt)
+        mac.update(payload)
+        return mac.tag()
 
     def _mac(self, head: bytes) -> bytes:
         return hmac.digest(self._mac_key, head, "sha256")

@@ -14,7 +14,7 @@ from kvtier.keys import BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.breaker import BreakerState
-from kvtier.tiers.remote import HASH_STEP, RemoteTier
+from kvtier.tiers.remote import MAC_STEP, RemoteTier
 from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Rejection, layout_id
 from tests.helpers import as_bytes, payload, record, toy_layout
 from tests.remote import remote_section
@@ -97,6 +97,27 @@ def test_every_hostile_value_is_rejected(hostile, why: Rejection) -> None:
     with pytest.raises(FrameError) as err:
         FRAMER.payload(key(1), hostile(value(1)), record(1).digest)
     assert err.value.why is why
+
+
+def _other_payload(v: bytes) -> bytes:
+    """The same authentic header with the payload of another write of this block (other bytes)."""
+    other = FRAMER.encode(key(1), record(1, key(0)), memoryview(as_bytes(payload(LAYOUT, 7)).numpy()))
+    return v[:HEADER_BYTES] + other[HEADER_BYTES:]
+
+
+def test_a_payload_is_bound_to_its_own_write() -> None:
+    """Each write draws its own salt, so its own payload key: one header never vouches for another write's bytes,
+    and two writes of the same bytes carry different tags (a payload key never tags two messages)."""
+    with pytest.raises(FrameError) as err:
+        FRAMER.payload(key(1), _other_payload(value(1)), record(1).digest)
+    assert err.value.why is Rejection.BAD_PAYLOAD
+    first, second = FRAMER.header(key(1), value(1)), FRAMER.header(key(1), value(1))
+    assert first.salt != second.salt and first.payload_tag != second.payload_tag
+    mac = FRAMER.payload_mac(first)
+    body = memoryview(as_bytes(payload(LAYOUT, 1)).numpy())
+    for at in range(0, len(body), 1000):  # fed in pieces, as the tier feeds what lands
+        mac.update(body[at : at + 1000])
+    FRAMER.verify_tag(first, mac.tag())
 
 
 def test_foreign_tokens_are_rejected() -> None:
@@ -217,10 +238,10 @@ def test_hostile_values_in_redis_are_counted_misses_and_never_served(redis_serve
         client.close()
 
 
-def test_a_block_larger_than_a_hash_step_is_hashed_in_pieces_as_it_lands(redis_server) -> None:
-    """Pieces of HASH_STEP bytes, a short last one: a good block is served whole, a byte changed in any piece is not."""
+def test_a_block_larger_than_a_mac_step_is_authenticated_in_pieces_as_it_lands(redis_server) -> None:
+    """Pieces of MAC_STEP bytes, a short last one: a good block is served whole, a byte changed in any piece is not."""
     big = KVLayout(num_layers=11, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
-    assert big.block_bytes > 2 * HASH_STEP and big.block_bytes % HASH_STEP
+    assert big.block_bytes > 2 * MAC_STEP and big.block_bytes % MAC_STEP
     cfg = RemoteConfig(**remote_section(redis_server.url))
     tier = RemoteTier.open(cfg, big, Secret(b"s" * 32), "toy-model", clock=Clock())
     client = redis.Redis(port=redis_server.port)
@@ -228,7 +249,7 @@ def test_a_block_larger_than_a_hash_step_is_hashed_in_pieces_as_it_lands(redis_s
         blocks = [payload(big, i) for i in range(3)]
         assert all(tier.put_many([key(i) for i in range(3)], blocks, [record(i) for i in range(3)]))
         assert tier.flush()
-        for i, at in ((1, HEADER_BYTES + HASH_STEP + 7), (2, HEADER_BYTES + big.block_bytes - 1)):
+        for i, at in ((1, HEADER_BYTES + MAC_STEP + 7), (2, HEADER_BYTES + big.block_bytes - 1)):
             client.set(tier.name(key(i)), _flip(client.get(tier.name(key(i))), at))
         assert tier.probe([key(i) for i in range(3)]) == [record(i) for i in range(3)]
         outs = [torch.zeros(big.block_bytes, dtype=torch.uint8) for _ in range(3)]
