@@ -437,7 +437,11 @@ class RemoteConfig(_Section):
     timeout_ms: float = Field(100.0, gt=0, description="Longest wait for one connect, send or receive.")
     write_on: RemoteWriteOn = RemoteWriteOn.STORE
     write_queue_blocks: int = Field(64, ge=1, description="Blocks waiting to be written; more are dropped, counted.")
-    breaker_failures: int = Field(3, ge=1, description="Consecutive failures that open a node's circuit breaker.")
+    breaker_failures: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failures that open a node's circuit breaker (one timed-out call opens it at once).",
+    )
     breaker_retry_s: float = Field(5.0, gt=0, description="An open breaker lets one trial call through this often.")
 
     @field_validator("urls", mode="before")

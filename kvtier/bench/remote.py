@@ -21,13 +21,22 @@ them per repetition, medians over ``reps`` with the cases interleaved:
   Redis), the second's time to first token with that prompt hit from Redis
   (``hit_s``) against its own full recompute (``recompute_s``), and whether
   their greedy continuations are the same.
+* ``remote_down``: the same prompts (``down_requests`` of ``down_tokens``
+  tokens, no shared prefix) sent in turn to two instances with the same
+  host tier, one without a remote and one whose Redis hangs (a throwaway
+  ``redis-server`` stopped with SIGSTOP: it accepts connections and never
+  answers, the worst way for a remote to fail), and each request's TTFT
+  over the first's (``extra_s``): what a dead remote costs a request, to be
+  read against ``remote.timeout_ms`` (paid once, then the breaker skips it).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import secrets
+import signal
 import statistics
 import tempfile
 import time
@@ -42,7 +51,7 @@ from tqdm import tqdm
 
 from kvtier.bench import results
 from kvtier.bench.peer.machine import describe
-from kvtier.bench.redis_server import redis_or_url
+from kvtier.bench.redis_server import RedisServer, redis_or_url
 from kvtier.config import Config, RemoteConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.keys import SECRET_BYTES, BlockDigest, BlockKey, Secret
@@ -64,6 +73,9 @@ class RemoteSpec:
     reps: int = 5
     tokens: int = 4096
     cross_node: bool = True
+    down_requests: int = 6
+    down_tokens: int = 512
+    down_timeout_ms: int = 250
 
 
 def _median_gbps(nbytes: int, times: list[float]) -> float:
@@ -224,6 +236,60 @@ def cross_node(url: str, config: Config, spec: RemoteSpec) -> dict[str, Any]:
     }
 
 
+def remote_down(config: Config, spec: RemoteSpec) -> dict[str, Any]:
+    """Per-request TTFT of an instance whose Redis hangs against the same instance with no remote."""
+    from kvtier.bench.ttft import text_tokens
+    from kvtier.engine.runtime import load_model, make_engine, open_cache
+
+    loaded = load_model(config)
+    text = text_tokens(loaded, spec.down_tokens * spec.down_requests)
+    prompts = [text[i * spec.down_tokens : (i + 1) * spec.down_tokens] for i in range(spec.down_requests)]
+    first_token = SamplingParams(max_tokens=1, ignore_eos=True)
+    with tempfile.TemporaryDirectory(prefix="bench-remote-down-") as tmp, RedisServer.start() as hung:
+
+        def node(name: str, remote: bool) -> Config:
+            tree = config.model_dump()
+            tree["data_dir"] = str(Path(tmp) / name)
+            tree["disk"] = {**tree["disk"], "enabled": False}
+            tree["remote"] = {
+                **tree["remote"],
+                "enabled": remote,
+                "urls": [hung.url],
+                "timeout_ms": spec.down_timeout_ms,
+            }
+            return Config.model_validate(tree)
+
+        os.kill(hung.proc.pid, signal.SIGSTOP)
+        try:
+            with (
+                open_cache(loaded, node("none", False)) as none_cache,
+                open_cache(loaded, node("down", True)) as down_cache,
+            ):
+                none = make_engine(loaded, node("none", False), cache=none_cache, keep_resident=False)
+                down = make_engine(loaded, node("down", True), cache=down_cache, keep_resident=False)
+                none_s, down_s = [], []
+                for ids in prompts:  # interleaved, so both see the machine in the same state
+                    (a,) = none.generate([ids], first_token)
+                    (b,) = down.generate([ids], first_token)
+                    none_s.append(a.ttft_s)
+                    down_s.append(b.ttft_s)
+                assert down_cache.remote is not None
+                snap = down_cache.remote.snapshot()
+        finally:
+            os.kill(hung.proc.pid, signal.SIGCONT)
+    extra = [d - n for d, n in zip(down_s, none_s, strict=True)]
+    return {
+        "timeout_ms": spec.down_timeout_ms,
+        "tokens": spec.down_tokens,
+        "no_remote_s": [round(t, 4) for t in none_s],
+        "down_s": [round(t, 4) for t in down_s],
+        "extra_s": [round(t, 4) for t in extra],
+        "remote_timeouts": snap["timeouts"],
+        "remote_skipped": snap["skipped"],
+        "breaker_opens": snap["breaker_opens"],
+    }
+
+
 def run(config: Config, spec: RemoteSpec) -> dict[str, Any]:
     with redis_or_url(spec.url) as url:
         result: dict[str, Any] = {
@@ -238,6 +304,7 @@ def run(config: Config, spec: RemoteSpec) -> dict[str, Any]:
         }
         if spec.cross_node:
             result["cross_node"] = cross_node(url, config, spec)
+            result["remote_down"] = remote_down(config, spec)
     return result
 
 
@@ -257,5 +324,12 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"cross-node TTFT at {cross['tokens']} tokens: hit from Redis {cross['hit_s']:.3f} s, "
             f"recompute {cross['recompute_s']:.3f} s ({cross['speedup_x']}x), same output: {cross['same_output']}"
+        )
+    down = result.get("remote_down")
+    if down:
+        lines.append(
+            f"Redis hung ({down['timeout_ms']} ms timeout), TTFT over no remote per request: "
+            + ", ".join(f"{x * 1000:+.0f} ms" for x in down["extra_s"])
+            + f"; breaker opened {down['breaker_opens']}x"
         )
     return "\n".join(lines)

@@ -325,7 +325,9 @@ class RemoteReport(BaseModel):
     """The shared remote tier beyond its tier counters (those are under ``tiers.remote``)."""
 
     breakers: dict[str, BreakerState] = Field(description="Each Redis node's circuit breaker, by host:port.")
-    breaker_opens: int = Field(description="Times a breaker opened (a node failed breaker_failures calls in a row).")
+    breaker_opens: int = Field(
+        description="Times a breaker opened (a node failed breaker_failures calls in a row, or one timed out)."
+    )
     skipped: int = Field(description="Calls not made because a breaker was open (each a miss).")
     timeouts: int = Field(description="Calls that ran into remote.timeout_ms (also counted in errors).")
     redirects: int = Field(description="Keys a cluster node sent to another (MOVED/ASK, a reshard), followed once.")

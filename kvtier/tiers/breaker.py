@@ -3,10 +3,14 @@
 A remote that is down or hung would otherwise cost every request a full
 timeout. Closed, every call goes through; ``failures`` consecutive failures
 open it, and for ``retry_s`` no call is made (the caller counts a miss and
-recomputes). Then one call is let through as a trial: success closes the
-breaker, failure keeps it open for another ``retry_s``. Each opening is
-counted and logged once; the close that follows is logged too, so a log
-shows one line per outage, never one per request.
+recomputes). A failure that cost its caller the whole timeout opens it at
+once: a refused connection is cheap to retry, but a node that let one call
+wait out its timeout would make the next callers wait too, and a request
+should pay that wait once, not once per remote call on its path. Then one
+call is let through as a trial: success closes the breaker, failure keeps it
+open for another ``retry_s``. Each opening is counted and logged once; the
+close that follows is logged too, so a log shows one line per outage, never
+one per request.
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ class Breaker:
             self._state = BreakerState.CLOSED
         log.warning("remote %s answers again: circuit breaker closed", self.name)
 
-    def failure(self, err: BaseException) -> None:
+    def failure(self, err: BaseException, *, timed_out: bool = False) -> None:
+        """Count a failed call; ``timed_out`` (it waited the whole timeout) opens the breaker at once."""
         with self._lock:
             self._failures += 1
             if self._state is BreakerState.OPEN:
                 self._retry_at = self._clock() + self._retry_s
                 return
-            if self._failures < self._threshold:
+            if self._failures < self._threshold and not timed_out:
                 return
             self._state = BreakerState.OPEN
             self._retry_at = self._clock() + self._retry_s
@@ -79,7 +84,7 @@ class Breaker:
         log.warning(
             "remote %s failed %d times in a row (%s): circuit breaker open, skipping it for %.1f s at a time",
             self.name,
-            self._threshold,
+            self._failures,
             err,
             self._retry_s,
         )

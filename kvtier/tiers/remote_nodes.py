@@ -169,8 +169,9 @@ class Nodes:
         try:
             result = fn(node.client)
         except NETWORK_ERRORS as err:
-            node.breaker.failure(err)
-            self._stats.add(errors=1, timeouts=int(isinstance(err, redis.TimeoutError)))
+            timed_out = isinstance(err, redis.TimeoutError)
+            node.breaker.failure(err, timed_out=timed_out)
+            self._stats.add(errors=1, timeouts=int(timed_out))
             if self._config.cluster:
                 self.refresh()  # a failover may have moved this node's slots to a promoted replica
             return None
