@@ -19,6 +19,14 @@ and each worker's operations, write mode and fsync mode) is drawn from one
 seeded RNG: the same seed gives the same schedule; where exactly in the code
 a kill lands depends on timing, which is the point.
 
+Workers on the remote surface also write to and promote from one real
+``redis-server`` that the driver keeps for the whole loop, and in a quarter
+of their lives the driver SIGKILLs that server too, at a random report, and
+starts it again (empty, as a cache's Redis runs) after the worker's kill:
+a worker that meets a dead remote must answer every operation regardless
+(an exception is a worker failure), and whatever the remote serves is
+checked like any other block.
+
 Then every fault registered in :mod:`kvtier.bench.faults` (each
 ``kvtier.bench.faults_*`` module registers its own on import) runs in a
 directory of its own; a fault that raises is reported as not held, with its
@@ -38,7 +46,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -50,10 +58,12 @@ from tqdm import tqdm
 from kvtier.bench import chaos_worker as w
 from kvtier.bench import results
 from kvtier.bench.faults import FAULTS, Fault, FaultOutcome, FaultSkipped
+from kvtier.bench.redis_server import RedisServer
 from kvtier.config import FsyncMode, WriteMode
 
 DEFAULT_KILLS = 200
 MAX_EVENTS = 40  # a worker is killed after 1..MAX_EVENTS reports; 1 lands in its open and recovery
+REDIS_KILL_SHARE = 0.25  # of remote lives, those that kill the redis-server too (it restarts empty)
 
 
 @dataclass
@@ -64,6 +74,8 @@ class Ledger:
     durable: set[str] = field(default_factory=set)
     acknowledged_blocks_checked: int = 0
     served_blocks_checked: int = 0
+    served_from_remote: int = 0
+    redis_kills: int = 0
     wrong_blocks: int = 0
     lost: int = 0
     restarts: list[float] = field(default_factory=list)
@@ -82,6 +94,7 @@ class Ledger:
             self.durable.difference_update(report.keys)
         elif isinstance(report, w.ServedBlocks):
             self.served_blocks_checked += len(report.blocks)
+            self.served_from_remote += report.from_remote
             self.wrong_blocks += sum(self.contents.get(k) != d for k, d in report.blocks)
         elif isinstance(report, w.Present):
             self.present.update(report.blocks)
@@ -140,33 +153,48 @@ class Incarnation:
 
     start: w.Start
     kill_after: int | None  # reports before the kill; None: killed once it has opened and been checked
+    redis_kill_after: int | None = None  # reports before the remote's redis-server is killed too; None: it lives
 
 
-def schedule(seed: int, kills: int) -> list[Incarnation]:
+def schedule(
+    seed: int, kills: int, remote_url: str, surfaces: Sequence[w.Surface] = tuple(w.Surface)
+) -> list[Incarnation]:
     rng = np.random.default_rng(seed)
     lives = []
     for _ in range(kills):
-        surface = [w.Surface.EMBEDDED, w.Surface.SERVICE][int(rng.integers(2))]
+        surface = surfaces[int(rng.integers(len(surfaces)))]
         mode = [WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK][int(rng.integers(2))]
         fsync = [FsyncMode.BATCH, FsyncMode.ALWAYS, FsyncMode.NEVER][int(rng.integers(3))]
-        start = w.Start(int(rng.integers(2**31)), surface, mode, fsync)
-        lives.append(Incarnation(start, int(rng.integers(1, MAX_EVENTS + 1))))
+        url = remote_url if surface is w.Surface.REMOTE else None
+        start = w.Start(int(rng.integers(2**31)), surface, mode, fsync, url)
+        kill_after = int(rng.integers(1, MAX_EVENTS + 1))
+        redis_kill_after = int(rng.integers(1, kill_after + 1)) if url and rng.random() < REDIS_KILL_SHARE else None
+        lives.append(Incarnation(start, kill_after, redis_kill_after))
     lives.append(
         Incarnation(w.Start(0, w.Surface.EMBEDDED, WriteMode.WRITE_THROUGH, FsyncMode.BATCH), None)
     )  # the final check
     return lives
 
 
-def live(zygote: Zygote, life: Incarnation, ledger: Ledger, stream: Iterator[w.Report]) -> None:
-    """Start one worker, kill it by pid after its ``kill_after``-th report, and fold in all it said."""
+def live(zygote: Zygote, life: Incarnation, ledger: Ledger, stream: Iterator[w.Report], redis: RedisServer) -> None:
+    """Start one worker, kill it by pid after its ``kill_after``-th report, and fold in all it said.
+
+    If the life kills the remote too, its redis-server dies at that report
+    and is started again only after the worker is gone.
+    """
     zygote.send(life.start)
     forked = next(stream)
     assert isinstance(forked, w.Forked), forked
     killed = False
     for heard, report in enumerate(stream, start=1):
         if isinstance(report, w.Exited):
+            if life.redis_kill_after is not None:
+                redis.restart()
             return
         ledger.hear(report)
+        if heard == life.redis_kill_after:
+            redis.kill()
+            ledger.redis_kills += 1
         due = heard == life.kill_after or (life.kill_after is None and isinstance(report, w.Ready))
         if not killed and (due or isinstance(report, w.Failed)):
             os.kill(forked.pid, signal.SIGKILL)  # reaped only after this, so the pid is still the worker's
@@ -176,14 +204,16 @@ def live(zygote: Zygote, life: Incarnation, ledger: Ledger, stream: Iterator[w.R
                 ledger.kill_points[report.__struct_config__.tag] += 1
 
 
-def kill_loop(workdir: Path, kills: int, seed: int, progress: bool) -> Ledger:
+def kill_loop(workdir: Path, kills: int, seed: int, progress: bool, surfaces: Sequence[w.Surface]) -> Ledger:
     ledger = Ledger()
-    with open(workdir / "worker.log", "wb") as log:
+    with open(workdir / "worker.log", "wb") as log, RedisServer.start(workdir=workdir / "redis") as redis:
         zygote = Zygote(workdir / "data", log)
         stream = zygote.reports()
         try:
-            for life in tqdm(schedule(seed, kills), desc="chaos kills", disable=not progress, unit="kill"):
-                live(zygote, life, ledger, stream)
+            for life in tqdm(
+                schedule(seed, kills, redis.url, surfaces), desc="chaos kills", disable=not progress, unit="kill"
+            ):
+                live(zygote, life, ledger, stream, redis)
         finally:
             zygote.close()
     ledger.slabs_left = len(list(w.slab_dir(workdir / "data").glob("*.slab")))
@@ -236,6 +266,8 @@ def summary(ledger: Ledger, kills: int) -> dict[str, Any]:
         "kills": kills,
         "acknowledged_blocks_checked": ledger.acknowledged_blocks_checked,
         "served_blocks_checked": ledger.served_blocks_checked,
+        "served_from_remote": ledger.served_from_remote,
+        "redis_kills": ledger.redis_kills,
         "wrong_bytes_served": ledger.wrong_blocks * w.LAYOUT.block_bytes,
         "lost_acknowledged_blocks": ledger.lost,
         "restart_s": {
@@ -262,8 +294,9 @@ def setup(kills: int, seed: int) -> dict[str, Any]:
         "disk_blocks": w.DISK_BLOCKS,
         "distinct_blocks": w.CONVERSATIONS * w.TURN_BLOCKS,
         "kill_after_reports": [1, MAX_EVENTS],
-        "modes": "embedded manager or cache service + client; write-through or write-back; fsync batch, always "
-        "or never; drawn per worker",
+        "modes": "embedded manager, cache service + client, or embedded manager + remote tier on a redis-server "
+        "(killed too in a quarter of those lives); write-through or write-back; fsync batch, always or never; "
+        "drawn per worker",
     }
 
 
@@ -274,11 +307,12 @@ def run(
     faults: bool = True,
     progress: bool = False,
     workdir: Path | None = None,
+    surfaces: Sequence[w.Surface] = tuple(w.Surface),
 ) -> dict[str, Any]:
     """The kill loop, then every registered fault; one JSON-ready dict."""
     with tempfile.TemporaryDirectory(prefix="kvtier-chaos-") as tmp:
         started = time.perf_counter()
-        ledger = kill_loop(Path(tmp), kills, seed, progress)
+        ledger = kill_loop(Path(tmp), kills, seed, progress, surfaces)
         loop_s = time.perf_counter() - started
         entries = run_faults(Path(tmp), progress) if faults else []
     result = {"setup": setup(kills, seed), **summary(ledger, kills), "kill_loop_s": loop_s, "faults": entries}
@@ -314,7 +348,8 @@ def table(result: dict[str, Any]) -> str:
     r = result["restart_s"]
     lines = [
         f"kills {result['kills']}: acknowledged blocks checked {result['acknowledged_blocks_checked']}, "
-        f"served blocks checked {result['served_blocks_checked']}",
+        f"served blocks checked {result['served_blocks_checked']} ({result['served_from_remote']} from Redis, "
+        f"which was killed {result['redis_kills']} times)",
         f"  wrong bytes served {result['wrong_bytes_served']}, lost acknowledged blocks "
         f"{result['lost_acknowledged_blocks']}, restart p50 {r['p50'] * 1000:.1f} ms p99 {r['p99'] * 1000:.1f} ms",
     ]

@@ -27,7 +27,10 @@ driver whole (lines stay under ``PIPE_BUF``):
 
 A block's payload is a pure function of (universe seed, conversation, block
 index), and a block's key is a function of the same tokens, so one key can
-only ever carry one content: any other digest is a wrong byte served.
+only ever carry one content: any other digest is a wrong byte served. On the
+remote surface the manager also writes to and promotes from a real
+``redis-server`` that outlives the workers (and that the driver kills too):
+blocks the disk tier evicted come back from it, and are checked the same way.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Surface(enum.StrEnum):
 
     EMBEDDED = "embedded"  # a CacheManager in the worker, as kvtier serve runs it by default
     SERVICE = "service"  # the node's cache service (kvtier cache serve) and a CacheClient over its socket
+    REMOTE = "remote"  # the embedded manager with the remote tier on, over the driver's redis-server
 
 
 class Start(msgspec.Struct, tag="start"):
@@ -84,6 +88,7 @@ class Start(msgspec.Struct, tag="start"):
     surface: Surface
     write_mode: WriteMode
     fsync: FsyncMode
+    remote_url: str | None = None  # the remote surface's Redis
 
 
 class Reap(msgspec.Struct, tag="reap"):
@@ -140,6 +145,7 @@ class Evicting(msgspec.Struct, tag="evicting"):
 
 class ServedBlocks(msgspec.Struct, tag="served"):
     blocks: list[tuple[str, str]]
+    from_remote: int = 0  # of them, promoted from the remote tier by this fetch
 
 
 class Failed(msgspec.Struct, tag="failed"):
@@ -180,12 +186,15 @@ def digest(data: torch.Tensor | np.ndarray) -> str:
     return hashlib.blake2b(view.tobytes(), digest_size=16).hexdigest()
 
 
-def config(data_dir: Path, write_mode: WriteMode, fsync: FsyncMode) -> Config:
+def config(data_dir: Path, start: Start) -> Config:
     cfg = load_config(environ={"KVTIER_DATA_DIR": str(data_dir), "KVTIER_CACHE__BLOCK_SIZE": str(BLOCK)})
     tree = cfg.model_dump()
     tree["host"]["capacity_bytes"] = HOST_BLOCKS * LAYOUT.block_bytes
-    tree["cache"]["write_mode"] = write_mode
-    tree["disk"].update(capacity_bytes=DISK_BLOCKS * SLOT, file_bytes=FILE_BLOCKS * SLOT, fsync=fsync)
+    tree["cache"]["write_mode"] = start.write_mode
+    tree["disk"].update(capacity_bytes=DISK_BLOCKS * SLOT, file_bytes=FILE_BLOCKS * SLOT, fsync=start.fsync)
+    if start.surface is Surface.REMOTE:
+        # a killed Redis is found out by refused connections; retried soon, so the restarted one is used again
+        tree["remote"].update(enabled=True, urls=[start.remote_url], timeout_ms=1000, breaker_retry_s=0.2)
     return Config.model_validate(tree)
 
 
@@ -231,10 +240,11 @@ class Embedded:
     def store(self, toks: np.ndarray, payloads: list[torch.Tensor]) -> None:
         self.manager.store_now(toks, payloads)
 
-    def fetch(self, toks: np.ndarray) -> list[tuple[str, str]]:
+    def fetch(self, toks: np.ndarray) -> ServedBlocks:
         result = self.manager.lookup(toks)
         with self.manager.load(result) as handle:
-            return [(bytes(k).hex(), digest(b)) for k, b in zip(handle.keys, handle.blocks, strict=True)]
+            served = [(bytes(k).hex(), digest(b)) for k, b in zip(handle.keys, handle.blocks, strict=True)]
+        return ServedBlocks(served, sum(t is TierKind.REMOTE for t in result.tiers[: len(served)]))
 
     def close(self) -> None:
         self.manager.close(self.cfg.cache.flush_on_exit_s)
@@ -261,10 +271,10 @@ class Served:
     def store(self, toks: np.ndarray, payloads: list[torch.Tensor]) -> None:
         self.client.store(toks, payloads, NAMESPACE)
 
-    def fetch(self, toks: np.ndarray) -> list[tuple[str, str]]:
+    def fetch(self, toks: np.ndarray) -> ServedBlocks:
         keys = self.manager.keys(toks, NAMESPACE)
         with self.client.load(toks, NAMESPACE) as handle:
-            return [(bytes(k).hex(), digest(b)) for k, b in zip(keys, handle.blocks, strict=False)]
+            return ServedBlocks([(bytes(k).hex(), digest(b)) for k, b in zip(keys, handle.blocks, strict=False)])
 
     def close(self) -> None:
         self.client.close()
@@ -272,7 +282,11 @@ class Served:
 
 
 Cache = Embedded | Served
-SURFACES: dict[Surface, type[Embedded] | type[Served]] = {Surface.EMBEDDED: Embedded, Surface.SERVICE: Served}
+SURFACES: dict[Surface, type[Embedded] | type[Served]] = {
+    Surface.EMBEDDED: Embedded,
+    Surface.SERVICE: Served,
+    Surface.REMOTE: Embedded,
+}
 
 
 def slab_dir(data_dir: Path) -> Path:
@@ -315,14 +329,14 @@ def store(cache: Cache, conversation: int, blocks: int) -> None:
 
 def fetch(cache: Cache, conversation: int, blocks: int) -> None:
     served = cache.fetch(tokens(conversation, blocks))
-    if served:
-        emit(ServedBlocks(served))
+    if served.blocks:
+        emit(served)
 
 
 def run(data_dir: Path, start: Start) -> None:
     """Operations drawn from ``start.seed`` until killed: stores, fetches, and now and then a clean restart."""
     rng = np.random.default_rng(start.seed)
-    cfg = config(data_dir, start.write_mode, start.fsync)
+    cfg = config(data_dir, start)
     cache = open_cache(cfg, data_dir, start.surface)
     while True:
         draw = rng.random()

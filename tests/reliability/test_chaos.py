@@ -17,6 +17,8 @@ from kvtier.bench import chaos
 from kvtier.bench import chaos_worker as w
 from kvtier.bench.faults import FAULTS, Fault, FaultOutcome
 
+URL = "redis://127.0.0.1:1"  # a schedule only names the remote surface's Redis
+
 
 def test_twenty_kills_serve_no_wrong_byte_and_lose_no_acknowledged_block() -> None:
     result = chaos.run(20, seed=7, faults=False)
@@ -29,10 +31,18 @@ def test_twenty_kills_serve_no_wrong_byte_and_lose_no_acknowledged_block() -> No
     assert result["restart_s"]["opens"] >= 21  # one open per worker, clean restarts on top
 
 
+def test_remote_lives_serve_blocks_from_redis_and_survive_its_kills() -> None:
+    """Only the remote surface: blocks the disk evicted come back from Redis, checked; Redis dies and returns."""
+    result = chaos.run(40, seed=5, faults=False, surfaces=[w.Surface.REMOTE])
+    assert result["served_from_remote"] > 0 and result["redis_kills"] > 0
+    assert result["wrong_bytes_served"] == 0 and result["lost_acknowledged_blocks"] == 0
+    assert result["worker_failures"] == []  # a dead remote is never an error
+
+
 def test_the_schedule_is_a_function_of_the_seed() -> None:
-    assert chaos.schedule(3, 50) == chaos.schedule(3, 50)
-    assert chaos.schedule(3, 50) != chaos.schedule(4, 50)
-    assert chaos.schedule(3, 50)[-1].kill_after is None  # the last worker only opens and is checked
+    assert chaos.schedule(3, 50, URL) == chaos.schedule(3, 50, URL)
+    assert chaos.schedule(3, 50, URL) != chaos.schedule(4, 50, URL)
+    assert chaos.schedule(3, 50, URL)[-1].kill_after is None  # the last worker only opens and is checked
 
 
 def test_the_ledger_counts_a_lost_block_and_a_wrong_one() -> None:
