@@ -270,7 +270,15 @@ class ServerConfig(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="Bind address; a non-loopback one needs admin_token.")
     port: int = Field(8000, ge=1, le=65535)
     admin_token: SecretStr | None = Field(
-        None, description="Bearer token of the admin routes (null: they always answer 401)."
+        None,
+        description="Bearer token of the admin routes (null: they always answer 401); it also reads the figures.",
+    )
+    read_token: SecretStr | None = Field(
+        None,
+        description=(
+            "Bearer token that reads /stats, /metrics, /dashboard and the schema, and nothing else. With neither "
+            "token set those are open (the server then binds loopback only); else they need one of the two."
+        ),
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
@@ -293,11 +301,11 @@ class ServerConfig(_Section):
         """``[::1]`` (URL form) is the address ``::1``: the form sockets and uvicorn take."""
         return v[1:-1] if v.startswith("[") and v.endswith("]") else v
 
-    @field_validator("admin_token")
+    @field_validator("admin_token", "read_token")
     @classmethod
     def _check_token(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and len(v.get_secret_value()) < 16:
-            raise ValueError("the admin token needs at least 16 characters")
+            raise ValueError("a token needs at least 16 characters")
         return v
 
     @field_validator("api_keys")
@@ -342,7 +350,7 @@ class RouteConfig(_Section):
     backends: list[str] = Field(default_factory=list, description="Backend base URLs (http://host:port).")
     policy: RoutePolicy = RoutePolicy.KVTIER
     backend_token: SecretStr | None = Field(
-        None, description="The backends' server.admin_token, which their block event streams ask for."
+        None, description="The backends' server.admin_token, which their block event streams and /stats ask for."
     )
     health_interval_s: float = Field(1.0, gt=0, description="How often each backend's /health is asked.")
     retries: int = Field(1, ge=0, description="Other backends a request is sent to when one fails before a byte.")

@@ -148,7 +148,8 @@ def create_app(state: RouterState) -> FastAPI:
             state.client = client
             token = state.config.route.backend_token
             secret = token.get_secret_value() if token is not None else None
-            tasks = [asyncio.create_task(health_loop(state.fleet, client, state.config.route.health_interval_s))]
+            interval = state.config.route.health_interval_s
+            tasks = [asyncio.create_task(health_loop(state.fleet, client, interval, secret))]
             tasks += [asyncio.create_task(_follow(state, b, client, secret)) for b in state.fleet.backends.values()]
             try:
                 yield

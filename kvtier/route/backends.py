@@ -111,8 +111,12 @@ class Fleet:
         backend.up = True
 
 
-async def check(fleet: Fleet, backend: Backend, client: httpx.AsyncClient) -> None:
-    """One health check: ``/health``, then its load from ``/stats``."""
+async def check(fleet: Fleet, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:
+    """One health check: ``/health``, then its load from ``/stats``, which a backend with a token asks for.
+
+    A ``/stats`` refused (the router holds the wrong token) takes the backend
+    out, loudly, rather than reading the error body as an idle backend.
+    """
     try:
         health = await client.get(backend.url + "/health")
         if health.status_code != 200:
@@ -120,14 +124,18 @@ async def check(fleet: Fleet, backend: Backend, client: httpx.AsyncClient) -> No
             return
         fleet.bring_in(backend)
         open_now = backend.open_requests
-        stats = await client.get(backend.url + "/stats")
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        stats = await client.get(backend.url + "/stats", headers=auth)
+        if stats.status_code != 200:
+            fleet.take_out(backend, f"/stats answered {stats.status_code}")
+            return
         in_flight = int(stats.json().get("engine", {}).get("in_flight", 0))
         backend.others = max(0, in_flight - max(open_now, backend.open_requests))
     except (httpx.HTTPError, ValueError, TypeError) as err:
         fleet.take_out(backend, f"/health: {type(err).__name__}: {err}")
 
 
-async def health_loop(fleet: Fleet, client: httpx.AsyncClient, interval_s: float) -> None:
+async def health_loop(fleet: Fleet, client: httpx.AsyncClient, interval_s: float, token: str | None) -> None:
     while True:
-        await asyncio.gather(*(check(fleet, b, client) for b in fleet.backends.values()))
+        await asyncio.gather(*(check(fleet, b, client, token) for b in fleet.backends.values()))
         await asyncio.sleep(interval_s)

@@ -3,13 +3,16 @@
 * ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``: OpenAI-
   compatible inference (:mod:`kvtier.server.inference`), behind the
   caller's API key when keys are configured (:mod:`kvtier.server.auth`).
-* ``/stats`` (JSON), ``/metrics`` (Prometheus), ``/health``: open, and
-  aggregate only (:mod:`kvtier.server.metrics`).
-* ``/dashboard``: open like ``/docs``: a static page (``static/dashboard.html``,
-  no build step) that holds no figure itself and only polls the open ``/stats``.
-* ``/admin/clear``, ``/admin/pin``, ``/lookup``: behind the admin token.
-  ``/lookup`` is admin-only because "is this prompt cached?" is a timing
-  oracle on other people's prompts.
+* ``/health``: open, so a load balancer needs no secret.
+* ``/stats`` (JSON), ``/metrics`` (Prometheus), aggregate only
+  (:mod:`kvtier.server.metrics`); ``/dashboard``, a static page
+  (``static/dashboard.html``, no build step) that polls ``/stats``; the
+  schema pages ``/docs``, ``/redoc``, ``/openapi.json``: for readers
+  (:class:`~kvtier.server.auth.Readers`), the admin or the read-only token,
+  or anyone when neither is configured (the server then binds loopback only).
+* ``/admin/clear``, ``/admin/pin``, ``/lookup``, ``/v1/kv-events``: behind
+  the admin token. ``/lookup`` is admin-only because "is this prompt
+  cached?" is a timing oracle on other people's prompts.
 
 Routes run on the event loop and never do model work there: tokenizing,
 cache probes and stats snapshots go to worker threads, generation to the
@@ -27,10 +30,12 @@ from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
-from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvtier.config import ServerConfig
 from kvtier.engine.engine import Engine
 from kvtier.server import inference, sessions
 from kvtier.server.auth import Tenant
@@ -63,6 +68,10 @@ from kvtier.tiers.base import TierKind
 
 _api_key = HTTPBearer(auto_error=False, scheme_name="APIKey", description="Needed when server.api_keys is set.")
 _admin_key = HTTPBearer(auto_error=False, scheme_name="AdminToken", description="server.admin_token.")
+_read_key = HTTPBearer(
+    auto_error=False, scheme_name="ReadToken", description="server.read_token or server.admin_token, when set."
+)
+TOKEN_COOKIE = "kvtier_token"  # set by GET /dashboard?token=, for a browser, which sends no bearer header on load
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 500, 503)
@@ -89,8 +98,25 @@ async def _admin(state: State, creds: Annotated[HTTPAuthorizationCredentials | N
         raise unauthorized("the admin token is required: Authorization: Bearer <server.admin_token>")
 
 
+ReadCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_read_key)]
+
+
+async def _reader(state: State, request: Request, creds: ReadCredentials) -> None:
+    """The readers' routes take the bearer header, or the cookie that ``/dashboard?token=`` set.
+
+    The cookie counts here only: these are GET routes that change nothing, so
+    a forged cross-site request that carries it gains nothing (and
+    SameSite=Strict keeps the browser from sending it anyway).
+    """
+    if state.readers.open:
+        return
+    if not state.readers.allows(creds.credentials if creds else None, request.cookies.get(TOKEN_COOKIE)):
+        raise unauthorized("a token is required: Authorization: Bearer <server.read_token or server.admin_token>")
+
+
 Caller = Annotated[Tenant, Depends(_caller)]
 Admin = Depends(_admin)
+Reader = Depends(_reader)
 
 router = APIRouter()
 
@@ -186,7 +212,7 @@ def _report(state: ServerState) -> StatsReport:
     return out
 
 
-@router.get("/stats", response_model=StatsReport)
+@router.get("/stats", response_model=StatsReport, responses=ERRORS, dependencies=[Reader])
 async def stats(state: State) -> StatsReport:
     return await asyncio.to_thread(_report, state)
 
@@ -208,12 +234,54 @@ def _dashboard_html() -> str:
 
 
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
-async def dashboard() -> HTMLResponse:
-    """The live page: tier occupancy, hit rate and TTFT saved over time, sessions, break-even, verification."""
-    return HTMLResponse(_dashboard_html(), headers=DASHBOARD_HEADERS)
+async def dashboard(state: State, request: Request, creds: ReadCredentials, token: str | None = None) -> Response:
+    """The live page: tier occupancy, hit rate and TTFT saved over time, sessions, break-even, verification.
+
+    A browser sends no bearer header when it opens a page, so ``?token=`` is
+    taken once and answered with a redirect that moves it into an HttpOnly
+    cookie: the token leaves the address bar and the history, and the page's
+    own fetches of ``/stats`` carry the cookie.
+    """
+    if token is None or state.readers.open:
+        await _reader(state, request, creds)
+        return HTMLResponse(_dashboard_html(), headers=DASHBOARD_HEADERS)
+    if not state.readers.allows(token):
+        raise unauthorized("that token opens nothing here: /dashboard?token=<server.read_token or server.admin_token>")
+    url = request.url.remove_query_params("token")
+    response = RedirectResponse(f"{url.path}?{url.query}" if url.query else url.path, status_code=303)
+    secure = request.url.scheme == "https"
+    response.set_cookie(TOKEN_COOKIE, token, path="/", httponly=True, samesite="strict", secure=secure)
+    return response
 
 
-@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+@router.get("/openapi.json", include_in_schema=False, dependencies=[Reader])
+async def openapi_schema(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
+
+
+@router.get("/docs", include_in_schema=False, dependencies=[Reader])
+async def swagger_ui() -> HTMLResponse:
+    return get_swagger_ui_html(
+        openapi_url="/openapi.json", title="kvtier - Swagger UI", oauth2_redirect_url="/docs/oauth2-redirect"
+    )
+
+
+@router.get("/docs/oauth2-redirect", include_in_schema=False, dependencies=[Reader])
+async def swagger_ui_redirect() -> HTMLResponse:
+    return get_swagger_ui_oauth2_redirect_html()
+
+
+@router.get("/redoc", include_in_schema=False, dependencies=[Reader])
+async def redoc() -> HTMLResponse:
+    return get_redoc_html(openapi_url="/openapi.json", title="kvtier - ReDoc")
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={**ERRORS, 200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+    dependencies=[Reader],
+)
 async def metrics(request: Request) -> Response:
     registry: CollectorRegistry = request.app.state.registry
     return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
@@ -330,30 +398,49 @@ def _cap_max_tokens(schema: dict[str, Any], limit: int) -> None:
                     sub["maximum"] = limit
 
 
-def create_app(state: ServerState) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if not state.loop.alive:
-            state.loop.start()
-        yield
-        # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal once this shutdown ends.
-        await asyncio.to_thread(state.loop.stop)
-        await asyncio.to_thread(state.cache.close, state.config.cache.flush_on_exit_s)
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.kvtier
+    if not state.loop.alive:
+        state.loop.start()
+    yield
+    # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal once this shutdown ends.
+    await asyncio.to_thread(state.loop.stop)
+    await asyncio.to_thread(state.cache.close, state.config.cache.flush_on_exit_s)
 
-    app = FastAPI(title="kvtier", version="0.1.0", lifespan=lifespan, description=__doc__)
-    app.state.kvtier = state
-    registry = CollectorRegistry()
-    registry.register(StatsCollector(lambda: _report(state)))
-    app.state.registry = registry
+
+def build_app(config: ServerConfig) -> FastAPI:
+    """Every route, middleware and schema of the server, with no state yet: the table a route scan reads.
+
+    FastAPI's own schema pages are off; the router serves them, behind the readers' token like the figures.
+    """
+    app = FastAPI(
+        title="kvtier",
+        version="0.1.0",
+        lifespan=_lifespan,
+        description=__doc__,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=int(state.config.server.max_body_bytes))
+    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_bytes))
     app.include_router(router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            _cap_max_tokens(FastAPI.openapi(app), state.config.server.max_tokens_limit)
+            _cap_max_tokens(FastAPI.openapi(app), config.max_tokens_limit)
         assert app.openapi_schema is not None
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = build_app(state.config.server)
+    app.state.kvtier = state
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(lambda: _report(state)))
+    app.state.registry = registry
     return app

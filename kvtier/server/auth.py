@@ -1,4 +1,4 @@
-"""Who is calling: the tenant behind an API key, and whether a caller holds the admin token.
+"""Who is calling: the tenant behind an API key, whether a caller holds the admin token, and who may read figures.
 
 The cache namespace of a request (bound into the root of its block keys, so
 two namespaces never share a block) is the tenant's, and the tenant comes
@@ -69,12 +69,16 @@ class Tenants:
         return self._default if name is None else self._by_name.get(name)
 
 
+def _secret(token: SecretStr | None) -> bytes | None:
+    value = None if token is None else token.get_secret_value()
+    return value.encode() if value else None
+
+
 class AdminToken:
     """The admin bearer token; without one configured, nobody is admin."""
 
     def __init__(self, token: SecretStr | None) -> None:
-        value = None if token is None else token.get_secret_value()
-        self._token = value.encode() if value else None
+        self._token = _secret(token)
 
     @property
     def configured(self) -> bool:
@@ -84,3 +88,29 @@ class AdminToken:
         if self._token is None or key is None:
             return False
         return hmac.compare_digest(self._token, key.encode())
+
+
+class Readers:
+    """Who may read the figures, the dashboard and the schema: the admin token, or the read-only one.
+
+    The read token is for a metrics scraper or a dashboard viewer that must
+    not be able to clear, pin or probe the cache. With neither configured,
+    reading is open: the server then listens on loopback only (see
+    :func:`kvtier.server.main.check_bind`), and local scripts read ``/stats``
+    as they always did.
+    """
+
+    def __init__(self, admin: SecretStr | None, read: SecretStr | None) -> None:
+        self._tokens = [t for t in (_secret(admin), _secret(read)) if t is not None]
+
+    @property
+    def open(self) -> bool:
+        return not self._tokens
+
+    def allows(self, *keys: str | None) -> bool:
+        """True when one of ``keys`` (a bearer header, a cookie) is a token; every pair is compared, no early exit."""
+        found = False
+        for key in (k.encode() for k in keys if k is not None):
+            for known in self._tokens:
+                found |= hmac.compare_digest(known, key)
+        return found

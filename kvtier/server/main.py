@@ -30,7 +30,7 @@ from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cac
 from kvtier.errors import BindError
 from kvtier.manager import CacheManager
 from kvtier.server.app import create_app
-from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.auth import AdminToken, Readers, Tenants
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.limits import read_timeout_protocol
 from kvtier.server.loop import EngineLoop
@@ -165,6 +165,7 @@ def build_state(config: Config) -> ServerState:
         loop=loop,
         tenants=Tenants(config.server.api_keys, config.cache.namespace),
         admin=AdminToken(config.server.admin_token),
+        readers=Readers(config.server.admin_token, config.server.read_token),
         created=int(time.time()),
         events=feed,
         sessions=_sessions(cache, config),

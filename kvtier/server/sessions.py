@@ -7,10 +7,11 @@ reaches its own.
 
 Session ids may be sensitive (people put user names and e-mail addresses
 in ``user``). ``GET /v1/sessions`` shows the caller its own sessions with
-their ids as given (it sent them); the open ``/stats`` shows every session
-under a keyed hash of (namespace, id), with a key that never leaves the
-process: an operator can follow one session from scrape to scrape, and
-nobody can confirm a guessed id. Neither ever shows token text.
+their ids as given (it sent them); ``/stats`` (every reader's, and anyone's
+with no token configured) shows every session under a keyed hash of
+(namespace, id), with a key that never leaves the process: an operator
+can follow one session from scrape to scrape, and nobody can confirm a
+guessed id. Neither ever shows token text.
 
 Explain and prefetch need the manager in this process (they read its
 eviction log and policies); with the tiers in a node's cache service they

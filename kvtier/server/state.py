@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel
 from kvtier.manager import CacheManager
-from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.auth import AdminToken, Readers, Tenants
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
 from kvtier.service.cache import ServiceCache
@@ -28,6 +28,7 @@ class ServerState:
     loop: EngineLoop
     tenants: Tenants
     admin: AdminToken
+    readers: Readers  # of /stats, /metrics, /dashboard and the schema
     created: int  # unix time the server started, reported as the model's ``created``
     events: EventFeed | None = None  # block events for a router; None when the tiers live in a cache service
     sessions: SessionRegistry | None = None  # live agent sessions; None when session.enabled is false

@@ -1,9 +1,10 @@
 """The HTTP surface of a real ``kvtier serve``: every route scanned without credentials, and no prompt in what it shows.
 
-The routes come from the app itself (its router and its served schema), so a
-route added later is scanned, or fails :func:`test_every_route_is_classified`
-until someone says who may call it. The server has tenant API keys and an
-admin token, and logs at INFO (``kvtier -v``), so the log holds all it would.
+The routes come from the app's own route table
+(:func:`kvtier.server.app.build_app`), so a route added later is scanned, or
+fails :func:`test_every_route_is_classified` until someone says who may call
+it. The server has tenant API keys, an admin token and a read token, and logs
+at INFO (``kvtier -v``), so the log holds all it would.
 """
 
 from __future__ import annotations
@@ -14,32 +15,33 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-from fastapi.routing import APIRoute
+from fastapi.routing import iter_route_contexts
 
-from kvtier.server.app import router
+from kvtier.config import ServerConfig
+from kvtier.server.app import TOKEN_COOKIE, build_app
 from tests.server.live import ADMIN, LiveServer, running
 
 KEY = "sk-security-0123456789"
+READ = "read-token-for-tests-0123456789"
 
 
 class Access(enum.Enum):
     OPEN = "anyone"
     API_KEY = "a tenant's API key (the OpenAI routes' own auth, with server.api_keys set)"
+    READ = "the read token or the admin token; on these GET routes, also as the cookie /dashboard?token= sets"
     ADMIN = "the admin token"
 
 
-# Open on purpose: /health; /stats and /metrics, aggregate figures only (no prompt, no tenant's
-# cache: see test_no_prompt_text_or_token_ids_in_stats_metrics_or_the_log) and the static page that
-# shows them; the API's own schema.
+# With an admin token set, only /health is open (a load balancer's probe needs no secret).
 ACCESS = {
     "/health": Access.OPEN,
-    "/stats": Access.OPEN,
-    "/metrics": Access.OPEN,
-    "/dashboard": Access.OPEN,  # a static page with no figure of its own: it polls the open /stats
-    "/openapi.json": Access.OPEN,
-    "/docs": Access.OPEN,
-    "/docs/oauth2-redirect": Access.OPEN,
-    "/redoc": Access.OPEN,
+    "/stats": Access.READ,
+    "/metrics": Access.READ,
+    "/dashboard": Access.READ,
+    "/openapi.json": Access.READ,
+    "/docs": Access.READ,
+    "/docs/oauth2-redirect": Access.READ,
+    "/redoc": Access.READ,
     "/v1/models": Access.API_KEY,
     "/v1/completions": Access.API_KEY,
     "/v1/chat/completions": Access.API_KEY,
@@ -51,76 +53,121 @@ ACCESS = {
     "/admin/pin": Access.ADMIN,
     "/lookup": Access.ADMIN,
 }
-BUILT_IN = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}  # FastAPI's, not in the router
 MARKER = "Zq7Plum4412Marker"  # typed by a client; must never come back out
 IDS = [31337, 27182, 16180, 14142, 17320, 22360, 26457, 28284, 30000, 31622, 33166, 34641, 36055, 37416, 38729, 40000]
 
 
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with running(tmp_path_factory.mktemp("security"), verbose=True, api_keys={KEY: "sec"}, max_tokens_limit=4) as live:
+    tmp = tmp_path_factory.mktemp("security")
+    with running(tmp, verbose=True, api_keys={KEY: "sec"}, read_token=READ, max_tokens_limit=4) as live:
         yield live
 
 
-def served_routes(server: LiveServer) -> set[tuple[str, str]]:
-    """(method, path) of every route: the router's, and the served schema's (which also sees app-level routes)."""
-    out = {(m, r.path) for r in router.routes if isinstance(r, APIRoute) for m in r.methods}
-    schema = server.get("/openapi.json").json()
-    out |= {(m.upper(), path) for path, ops in schema["paths"].items() for m in ops}
-    return out | {("GET", path) for path in BUILT_IN}
+def app_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route in the app's route table; anything there that is no HTTP route fails here."""
+    out: set[tuple[str, str]] = set()
+    for route in iter_route_contexts(build_app(ServerConfig()).routes):  # included routers' routes too
+        assert route.methods, f"{route.original_route!r} is no HTTP route: say here who may call it"
+        out |= {(m, str(route.path)) for m in route.methods}
+    return sorted(out)
 
 
 def test_every_route_is_classified(server: LiveServer) -> None:
-    assert {path for _, path in served_routes(server)} == set(ACCESS)
+    routes = app_routes()
+    assert {path for _, path in routes} == set(ACCESS)
+    served = server.get("/openapi.json", headers=bearer(READ)).json()["paths"]
+    assert {(m.upper(), path) for path, ops in served.items() for m in ops} <= set(routes)  # this app is the one served
 
 
-CREDENTIALS = {
+REFUSED = {
     "none": {},
-    "wrong token": {"Authorization": "Bearer sk-wrong-0123456789"},
+    "wrong token": bearer("sk-wrong-0123456789"),
     "basic auth": {"Authorization": "Basic eDp5"},
     "token in a query": {},
+}
+# Per route kind, the other kinds' credentials: each must open nothing here. The cookie holds the admin
+# token itself, and still opens no admin route, no POST, and no inference.
+OTHERS = {
+    Access.OPEN: {},
+    Access.READ: {"a tenant's API key": bearer(KEY)},
+    Access.API_KEY: {
+        "the admin token": bearer(ADMIN),
+        "the read token": bearer(READ),
+        "the admin token as the dashboard's cookie": {"Cookie": f"{TOKEN_COOKIE}={ADMIN}"},
+    },
+    Access.ADMIN: {
+        "a tenant's API key": bearer(KEY),
+        "the read token": bearer(READ),
+        "the admin token as the dashboard's cookie": {"Cookie": f"{TOKEN_COOKIE}={ADMIN}"},
+    },
 }
 
 
 def call(server: LiveServer, method: str, path: str, headers: dict[str, str], *, query: str = "") -> int:
     """The status of one call with an empty body; streamed, so an open endless route cannot hold the test."""
-    response = requests.request(method, f"{server.url}{path}{query}", headers=headers, json={}, timeout=60, stream=True)
+    url = f"{server.url}{path}{query}"
+    response = requests.request(method, url, headers=headers, json={}, timeout=60, stream=True, allow_redirects=False)
     with response:
         return response.status_code
 
 
 def test_every_route_needs_its_credential(server: LiveServer) -> None:
-    """No token, a wrong one, the wrong scheme, the token as a query parameter: 401 everywhere but the open routes.
+    """No token, a wrong one, the wrong scheme, the token as a query parameter, another kind's: 401 but on /health.
 
-    A tenant's API key opens no admin route, and the admin token is no API key.
+    The one exception is the dashboard's sign-in: ``/dashboard?token=`` with a
+    valid token answers 303 (see the cookie test below).
     """
     wrong: dict[str, int] = {}
-    for method, path in sorted(served_routes(server)):
+    for method, path in app_routes():
         access = ACCESS[path]
-        tries = dict(CREDENTIALS)
-        if access is Access.ADMIN:
-            tries["a tenant's API key"] = {"Authorization": f"Bearer {KEY}"}
-        if access is Access.API_KEY:
-            tries["the admin token"] = {"Authorization": f"Bearer {ADMIN}"}
-        for what, headers in tries.items():
+        for what, headers in {**REFUSED, **OTHERS[access]}.items():
             query = f"?token={ADMIN}&api_key={KEY}" if what == "token in a query" else ""
             status = call(server, method, path, headers, query=query)
-            if (status == 401) is (access is Access.OPEN):
+            expected = 303 if (path, what) == ("/dashboard", "token in a query") else 401
+            if (status == expected) is (access is Access.OPEN):
                 wrong[f"{method} {path} with {what}"] = status
     assert wrong == {}
 
 
+def test_the_read_token_opens_the_readers_routes(server: LiveServer) -> None:
+    statuses = {path: call(server, m, path, bearer(READ)) for m, path in app_routes() if ACCESS[path] is Access.READ}
+    assert statuses == dict.fromkeys(statuses, 200)
+
+
+def test_the_dashboards_token_moves_into_a_cookie_that_opens_reading_only(server: LiveServer) -> None:
+    """A browser cannot send a bearer header on page load: ``?token=`` once, then an HttpOnly cookie.
+
+    The cookie here holds the admin token, and still opens no admin route.
+    """
+    browser = requests.Session()
+    wrong = browser.get(f"{server.url}/dashboard?token=sk-wrong-0123456789", allow_redirects=False, timeout=60)
+    assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
+    signed_in = browser.get(f"{server.url}/dashboard?token={ADMIN}&interval=250", allow_redirects=False, timeout=60)
+    assert signed_in.status_code == 303 and signed_in.headers["location"] == "/dashboard?interval=250"
+    attributes = {a.strip().lower() for a in signed_in.headers["set-cookie"].split(";")}
+    assert {f"{TOKEN_COOKIE}={ADMIN}", "httponly", "samesite=strict", "path=/"} <= attributes
+    assert browser.get(f"{server.url}/dashboard", timeout=60).status_code == 200
+    assert browser.get(f"{server.url}/stats", timeout=60).json()["engine"]  # a real report, read with the cookie
+    assert browser.post(f"{server.url}/admin/clear", json={}, timeout=60).status_code == 401
+
+
 def test_the_right_credentials_open_their_routes(server: LiveServer) -> None:
     """The control: the same calls with the right credential are not 401 (so a 401 above was the credential's)."""
-    admin = {"Authorization": f"Bearer {ADMIN}"}
+    admin = bearer(ADMIN)
     assert server.post("/admin/clear", json={}, headers=admin).status_code == 200
     assert server.post("/lookup", json={"prompt": "x"}, headers=admin).status_code == 400  # names no tenant
-    assert server.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert server.get("/v1/models", headers=bearer(KEY)).status_code == 200
+    assert server.get("/stats", headers=admin).status_code == 200
 
 
 def test_no_prompt_text_or_token_ids_in_stats_metrics_or_the_log(server: LiveServer) -> None:
     """A marker sent every way a prompt can arrive (text, token ids, chat, streamed, refused) appears nowhere after."""
-    auth = {"Authorization": f"Bearer {KEY}"}
+    auth = bearer(KEY)
     text = f"Remember the code word {MARKER}. " * 8
     chat = [{"role": "system", "content": text}, {"role": "user", "content": f"What is {MARKER}?"}]
     sent = [
@@ -135,8 +182,8 @@ def test_no_prompt_text_or_token_ids_in_stats_metrics_or_the_log(server: LiveSer
     assert statuses == [200, 200, 200, 200, 400, 422]
     assert sum(server.stats()["engine"]["requests"].values()) >= 4  # the four answered ones are in the figures
     pages = {
-        "/stats": server.get("/stats").text,
-        "/metrics": server.get("/metrics").text,
+        "/stats": server.read("/stats").text,
+        "/metrics": server.read("/metrics").text,
         "log": server.log.read_text(),
     }
     assert "POST /v1/completions" in pages["log"]  # the log is at INFO: requests are logged, not their bodies

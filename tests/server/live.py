@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 B = 16  # block_size, the default
 BLOCK_BYTES = 46080 * B  # one fp32 block of SmolLM2-135M: 30 layers x K and V x 3 heads x 64 x 4 bytes, per token
 ADMIN = "admin-token-for-tests-0123456789"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}  # the admin token also opens /stats, /metrics and the schema
 SIZES: dict[str, Any] = {
     "engine": {"pool_bytes": 400 * BLOCK_BYTES, "dtype": "float32"},  # 400 blocks
     "host": {"capacity_bytes": "64MiB"},
@@ -51,13 +52,17 @@ class LiveServer:
         return requests.post(self.url + path, timeout=120, **kw)
 
     def admin_post(self, path: str, body: dict[str, Any] | None = None) -> requests.Response:
-        return self.post(path, json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+        return self.post(path, json=body, headers=ADMIN_AUTH)
+
+    def read(self, path: str) -> requests.Response:
+        """GET a readers' route (``/stats``, ``/metrics``, the schema) with the token they ask for."""
+        return self.get(path, headers=ADMIN_AUTH)
 
     def client(self, api_key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
     def stats(self) -> dict[str, Any]:
-        response = self.get("/stats")
+        response = self.read("/stats")
         response.raise_for_status()
         return response.json()
 

@@ -7,7 +7,8 @@ sends requests, waits on the DOM changing (polled with Runtime.evaluate under
 a deadline), checks the page agrees with ``/stats``, and saves a screenshot
 to bench/results/dashboard.png. Shadow verification is on at every hit, and
 the engine keeps nothing resident, so the repeated prompt is served from the
-host tier and then verified while the engine is idle.
+host tier and then verified while the engine is idle. The server has a read
+token, which the browser hands over the only way it can, ``?token=`` once.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.skipif(
 SCREENSHOT = ROOT / "bench" / "results" / "dashboard.png"
 PROMPT = "An agent reads a file, calls a tool, and resends its whole transcript every turn. " * 6
 DEADLINE_S = 120.0
+READ = "read-token-for-the-dashboard-0123"
 
 FIGURES_JS = """JSON.stringify(Object.fromEntries(
   [...document.querySelectorAll('[data-value]')].map(e => [e.id, e.dataset.value])))"""
@@ -145,7 +147,7 @@ def server(tmp_path: Path) -> Iterator[LiveServer]:
         "cache": {"write_mode": "write_through"},
         "verify": {"shadow_fraction": 1.0},
     }
-    with running(tmp_path / "serve", sections) as live:
+    with running(tmp_path / "serve", sections, read_token=READ) as live:
         yield live
 
 
@@ -167,13 +169,16 @@ def _wait_stats(server: LiveServer, what: str, ok: Callable[[dict[str, Any]], bo
 
 
 def test_the_dashboard_follows_the_server_in_real_chromium(server: LiveServer, browser: Page) -> None:
-    page = server.get("/dashboard")
+    page = server.get("/dashboard", headers={"Authorization": f"Bearer {READ}"})
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'none'" in page.headers["content-security-policy"]
 
     browser.send("Emulation.setDeviceMetricsOverride", width=1280, height=800, deviceScaleFactor=1, mobile=False)
-    browser.send("Page.navigate", url=f"{server.url}/dashboard?interval=250")
+    browser.send("Page.navigate", url=f"{server.url}/dashboard?token={READ}&interval=250")
     before = browser.wait_for("a first update", lambda f: (f.get("updates") or 0) >= 1)
+    # The token left the address for an HttpOnly cookie, which the page's fetches of /stats carry.
+    assert browser.evaluate("location.pathname + location.search") == "/dashboard?interval=250"
+    assert browser.evaluate("document.cookie") == ""
     assert before["requests"] == 0 and before["verify-verified"] == 0
 
     _complete(server, "agent-1")
@@ -194,7 +199,7 @@ def test_the_dashboard_follows_the_server_in_real_chromium(server: LiveServer, b
     assert after["ttft-saved"] == pytest.approx(e["prefill_seconds_saved_estimate"]) and after["ttft-saved"] > 0
     assert (after["verify-sampled"], after["verify-blocks"]) == (v["sampled"], v["blocks_verified"])
     assert after["verify-mismatched"] == v["mismatched_blocks"] == 0
-    metrics = metric_values(server.get("/metrics").text)
+    metrics = metric_values(server.read("/metrics").text)
     assert metrics[("kvtier_verify_verified_total", ())] == v["verified"]
     assert metrics[("kvtier_verify_mismatched_blocks_total", ())] == 0
     assert after["updates"] > before["updates"]

@@ -2,7 +2,7 @@
 
 The server under test caps max_tokens at 4 (``server.max_tokens_limit``),
 which its served schema shows, so generated requests stay fast; the admin
-token is sent so the admin routes are fuzzed past their 401.
+token is sent so the admin and readers' routes are fuzzed past their 401.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 
-from tests.server.live import ADMIN, LiveServer, running
+from tests.server.live import ADMIN_AUTH, LiveServer, running
 
 EXAMPLES = 20
 OPERATIONS = [
@@ -47,7 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def api_schema(server: LiveServer):
-    return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    return schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=ADMIN_AUTH)
 
 
 def test_every_operation_is_fuzzed(api_schema) -> None:
@@ -65,9 +65,9 @@ RUNS = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [
 def test_no_operation_answers_5xx(api_schema, method: str, path: str, mode: GenerationMode) -> None:
     """Hypothesis drives schemathesis' strategy directly (its pytest plugin does not run on this pytest)."""
     operation = api_schema[path][method]
-    auth = {"Authorization": f"Bearer {ADMIN}"}  # past the admin routes' 401; inference is open here
 
-    @given(case=operation.as_strategy(generation_mode=mode, headers=auth))
+    # The admin token takes the admin and readers' routes past their 401; inference is open here.
+    @given(case=operation.as_strategy(generation_mode=mode, headers=ADMIN_AUTH))
     @settings(
         max_examples=EXAMPLES,
         deadline=None,

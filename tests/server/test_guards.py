@@ -1,4 +1,4 @@
-"""The server's guards, without a model: tenants, the admin token, the body limit, the bind, the connection cap."""
+"""The server's guards, without a model: tenants, the tokens, the body limit, the bind, the connection cap."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import uvicorn
 from pydantic import SecretStr
 
 from kvtier.config import ConfigError, load_config
-from kvtier.server.auth import AdminToken, Tenants
+from kvtier.server.auth import AdminToken, Readers, Tenants
 from kvtier.server.limits import BodyLimit
 from kvtier.server.main import FD_HEADROOM, check_bind, is_loopback, listen_sockets, uvicorn_config
 
@@ -44,10 +44,24 @@ def test_admin_token() -> None:
     assert not AdminToken(None).allows("") and not AdminToken(None).allows("anything")
 
 
+def test_readers_take_either_token_and_are_open_with_neither() -> None:
+    admin, read = SecretStr("admin-token-0123456789"), SecretStr("read-token-0123456789")
+    both = Readers(admin, read)
+    assert not both.open and both.allows("admin-token-0123456789") and both.allows(None, "read-token-0123456789")
+    assert not both.allows(None, None) and not both.allows("read-token-012345678", "") and not both.allows()
+    read_only = Readers(None, read)  # no admin token: the figures still need the read token
+    assert not read_only.open and read_only.allows("read-token-0123456789")
+    assert not read_only.allows("admin-token-0123456789")
+    assert Readers(None, None).open  # loopback only (check_bind): local scripts read /stats as they are
+
+
 def test_config_refuses_weak_secrets_and_bad_tenant_names() -> None:
     with pytest.raises(ConfigError, match=r"server\.admin_token.*16 characters"):
         load_config(environ={"KVTIER_SERVER__ADMIN_TOKEN": "short"})
     assert "short" not in repr(load_config(environ={"KVTIER_SERVER__ADMIN_TOKEN": "x" * 16}).server)
+    with pytest.raises(ConfigError, match=r"server\.read_token.*16 characters"):
+        load_config(environ={"KVTIER_SERVER__READ_TOKEN": "short"})
+    assert "y" * 16 not in repr(load_config(environ={"KVTIER_SERVER__READ_TOKEN": "y" * 16}).server)
     for keys, problem in (({"short": "a"}, "8 characters"), ({"sk-0123456789": "bad name!"}, "must match")):
         cfg = load_config(environ={})
         tree = cfg.model_dump()

@@ -139,7 +139,7 @@ def settled(server: LiveServer) -> tuple[dict[str, Any], dict]:
     """/stats and /metrics at a moment when nothing moves (stores land after the response, asynchronously)."""
     for _ in range(100):
         before = server.stats()
-        metrics = metric_values(server.get("/metrics").text)
+        metrics = metric_values(server.read("/metrics").text)
         if server.stats() == before:
             return before, metrics
         time.sleep(0.05)
@@ -396,7 +396,7 @@ def test_a_chat_past_the_context_is_refused_naming_the_messages(
 
 
 def test_the_served_schema_shows_the_configured_max_tokens_limit(server: LiveServer) -> None:
-    schemas = server.get("/openapi.json").json()["components"]["schemas"]
+    schemas = server.read("/openapi.json").json()["components"]["schemas"]
     bound = [s.get("maximum") for s in schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"]]
     assert 64 in bound
     assert "namespace" not in schemas["ChatCompletionRequest"]["properties"]
@@ -404,7 +404,7 @@ def test_the_served_schema_shows_the_configured_max_tokens_limit(server: LiveSer
 
 def test_the_server_log_and_stats_hold_no_secret(server: LiveServer) -> None:
     assert "admin-token-for-tests" not in server.log.read_text()
-    assert "admin-token-for-tests" not in server.get("/stats").text
+    assert "admin-token-for-tests" not in server.read("/stats").text
 
 
 def test_control_tokens_typed_by_a_client_are_tokenized_as_text(
@@ -428,4 +428,4 @@ def test_stats_and_metrics_say_what_the_engine_runs_on(server: LiveServer) -> No
     want = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert (hw["device"], hw["dtype"]) == (want, "float32")
     assert set(hw["cpu_isa"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
-    assert f'kvtier_engine_device_info{{device="{want}",dtype="float32"}} 1.0' in server.get("/metrics").text
+    assert f'kvtier_engine_device_info{{device="{want}",dtype="float32"}} 1.0' in server.read("/metrics").text

@@ -78,7 +78,7 @@ def test_two_instances_share_blocks_through_redis_and_survive_it(
         for server in (a, b):
             stats = wait_for(server, lambda s: s["remote"]["breaker_opens"] >= 1)
             assert list(stats["remote"]["breakers"].values()) == ["open"]
-            metrics = metric_values(server.get("/metrics").text)
+            metrics = metric_values(server.read("/metrics").text)
             node = f"127.0.0.1:{redis_server.port}"
             assert metrics[("kvtier_remote_breaker_open", (("node", node),))] == 1.0
 

@@ -99,7 +99,7 @@ def test_sessions_show_counts_never_text(server: LiveServer) -> None:
     entry = next(s for s in mine["sessions"] if s["session"] == "agent-3")
     assert entry["turns"] == 2 and entry["prompt_tokens"] > 0 and 0 < entry["hit_rate"] <= 1
     assert all(s["session"] != "agent-3" for s in server.get("/v1/sessions", headers=auth(BETA)).json()["sessions"])
-    stats = server.get("/stats")
+    stats = server.read("/stats")
     report = stats.json()["sessions"]
     assert report["live"] >= 1 and len(report["sessions"]) == report["live"]
     assert MARKER not in stats.text and "agent-3" not in stats.text  # hashed ids, no token text
