@@ -242,8 +242,8 @@ def remote_down(config: Config, spec: RemoteSpec) -> dict[str, Any]:
     from kvtier.engine.runtime import load_model, make_engine, open_cache
 
     loaded = load_model(config)
-    text = text_tokens(loaded, spec.down_tokens * spec.down_requests)
-    prompts = [text[i * spec.down_tokens : (i + 1) * spec.down_tokens] for i in range(spec.down_requests)]
+    text = text_tokens(loaded, spec.down_tokens * (spec.down_requests + 1))
+    warmup, *prompts = [text[i * spec.down_tokens : (i + 1) * spec.down_tokens] for i in range(spec.down_requests + 1)]
     first_token = SamplingParams(max_tokens=1, ignore_eos=True)
     with tempfile.TemporaryDirectory(prefix="bench-remote-down-") as tmp, RedisServer.start() as hung:
 
@@ -259,24 +259,30 @@ def remote_down(config: Config, spec: RemoteSpec) -> dict[str, Any]:
             }
             return Config.model_validate(tree)
 
-        os.kill(hung.proc.pid, signal.SIGSTOP)
-        try:
-            with (
-                open_cache(loaded, node("none", False)) as none_cache,
-                open_cache(loaded, node("down", True)) as down_cache,
-            ):
-                none = make_engine(loaded, node("none", False), cache=none_cache, keep_resident=False)
-                down = make_engine(loaded, node("down", True), cache=down_cache, keep_resident=False)
+        with (
+            open_cache(loaded, node("none", False)) as none_cache,
+            open_cache(loaded, node("down", True)) as down_cache,
+        ):
+            none = make_engine(loaded, node("none", False), cache=none_cache, keep_resident=False)
+            down = make_engine(loaded, node("down", True), cache=down_cache, keep_resident=False)
+            remote = down_cache.remote
+            assert remote is not None
+            for engine in (none, down):  # first requests warm the engines up, while Redis still answers
+                engine.generate([warmup], first_token)
+                engine.drain_stores()
+            remote.flush(120)
+            os.kill(hung.proc.pid, signal.SIGSTOP)
+            try:
                 none_s, down_s = [], []
-                for ids in prompts:  # interleaved, so both see the machine in the same state
-                    (a,) = none.generate([ids], first_token)
-                    (b,) = down.generate([ids], first_token)
-                    none_s.append(a.ttft_s)
-                    down_s.append(b.ttft_s)
-                assert down_cache.remote is not None
-                snap = down_cache.remote.snapshot()
-        finally:
-            os.kill(hung.proc.pid, signal.SIGCONT)
+                for i, ids in enumerate(prompts):  # interleaved, each first in turn: both see the same machine
+                    if i % 2:
+                        down_s.append(down.generate([ids], first_token)[0].ttft_s)
+                    none_s.append(none.generate([ids], first_token)[0].ttft_s)
+                    if not i % 2:
+                        down_s.append(down.generate([ids], first_token)[0].ttft_s)
+                snap = remote.snapshot()
+            finally:
+                os.kill(hung.proc.pid, signal.SIGCONT)
     extra = [d - n for d, n in zip(down_s, none_s, strict=True)]
     return {
         "timeout_ms": spec.down_timeout_ms,
