@@ -1,7 +1,7 @@
 """Cross-tenant timing: another tenant's request for a cached prompt takes the time of a miss, per tier.
 
 Tenant = namespace. Tenant A has prompt P cached (in host memory; or on disk
-only). Three requests are timed at the manager, where noise is lowest:
+only; or in a real redis-server only, the remote tier). Three requests are timed at the manager, where noise is lowest:
 lookup + load of P by A (a hit), of P by tenant B (foreign), and of a prompt
 Q of the same length that nobody stored, by A (a miss).
 
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from kvtier.bench.tenants import mann_whitney_p
 from kvtier.config import WriteMode
@@ -51,6 +52,7 @@ from kvtier.index import MissReason
 from kvtier.manager import CacheManager
 from kvtier.tiers.base import TierKind
 from tests.helpers import BLOCK, make_config, payload, prompt, toy_layout
+from tests.remote import remote_section
 
 ROUNDS = 300
 RUNS = 3
@@ -78,11 +80,11 @@ class Arm(enum.Enum):
 class Bench:
     m: CacheManager
     tier: TierKind
+    redis_port: int | None = None  # the remote tier's server, emptied with the local tiers before a run
 
     def request(self, arm: Arm, tokens: np.ndarray) -> int:
         """One timed lookup + load (ns); the tier is set up first, untimed."""
-        if self.tier is TierKind.DISK:
-            self.m.clear(TierKind.HOST)  # P on disk only, so a hit reads the disk
+        self.only_in_tier()
         ns = B if arm is Arm.FOREIGN else A
         started = time.perf_counter_ns()
         with self.m.load(self.m.lookup(tokens, ns)) as handle:
@@ -90,6 +92,18 @@ class Bench:
         elapsed = time.perf_counter_ns() - started
         assert (served > 0) is (arm is Arm.HIT)
         return elapsed
+
+    def only_in_tier(self) -> None:
+        """Leave P in the measured tier alone, so a hit reads that tier (a hit promotes what it reads)."""
+        if self.tier is TierKind.DISK:
+            self.m.clear(TierKind.HOST)
+        elif self.tier is TierKind.REMOTE:
+            self.m.clear()  # host and disk: only Redis holds P
+
+    def store(self, tokens: np.ndarray) -> None:
+        assert self.m.store_now(tokens, [payload(toy_layout(), i) for i in range(BLOCKS)], namespace=A) == BLOCKS
+        if self.m.remote is not None:
+            assert self.m.remote.flush(60)  # written behind the store: wait until Redis holds it
 
     def run(self, seed: int) -> dict[Arm, np.ndarray]:
         """``ROUNDS`` rounds, each with prompts of its own: P (stored for A) and Q (stored by nobody).
@@ -102,8 +116,11 @@ class Bench:
         ps = [prompt(BLOCKS * BLOCK, seed=10_000 * seed + 2 * i) for i in range(ROUNDS)]
         qs = [prompt(BLOCKS * BLOCK, seed=10_000 * seed + 2 * i + 1) for i in range(ROUNDS)]
         self.m.clear()
+        if self.redis_port is not None:
+            with redis.Redis(port=self.redis_port) as client:
+                client.flushall()
         for p in ps:
-            assert self.m.store_now(p, [payload(toy_layout(), i) for i in range(BLOCKS)], namespace=A) == BLOCKS
+            self.store(p)
         out: dict[Arm, list[int]] = {arm: [] for arm in Arm}
         arms = list(Arm)
         gc.collect()
@@ -117,24 +134,30 @@ class Bench:
         return {arm: np.array(v) for arm, v in out.items()}
 
 
-@pytest.fixture(params=[TierKind.HOST, TierKind.DISK], ids=lambda k: k.value)
+@pytest.fixture(params=[TierKind.HOST, TierKind.DISK, TierKind.REMOTE], ids=lambda k: k.value)
 def bench(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Bench]:
     slots = ROUNDS * BLOCKS + 64
+    remote, port = {}, None
+    if request.param is TierKind.REMOTE:
+        server = request.getfixturevalue("redis_server")
+        remote, port = remote_section(server.url, timeout_ms=5000), server.port
     cfg = make_config(
         tmp_path,
         host={"capacity_bytes": slots * 4096},
         disk={"capacity_bytes": slots * 4096, "fsync": "never"},  # durability is not what is measured
         cache={"write_mode": WriteMode.WRITE_THROUGH},
+        remote=remote,
     )
     with CacheManager(cfg, toy_layout(), model_fingerprint="toy-model") as m:
-        yield Bench(m, request.param)
+        yield Bench(m, request.param, port)
 
 
 def _stats_moved(m: CacheManager, before: dict) -> dict[str, object]:
     after = m.stats()
     return {
         f"{tier}.{k}": after[tier][k] - before[tier][k]
-        for tier in ("host", "disk")
+        for tier in ("host", "disk", "remote")
+        if tier in after
         for k in ("lookups", "hit_tokens", "miss_tokens", "confirm_mismatch", "bytes_read", "checksum_failures")
     } | {"pinned_blocks": after["pinned_blocks"]}
 
@@ -142,9 +165,8 @@ def _stats_moved(m: CacheManager, before: dict) -> dict[str, object]:
 def test_another_tenant_takes_the_path_of_a_miss(bench: Bench) -> None:
     """What makes the timing below hold by construction: B's lookup of A's prompt does exactly a miss's work."""
     p, q = prompt(BLOCKS * BLOCK, seed=1), prompt(BLOCKS * BLOCK, seed=2)
-    bench.m.store_now(p, [payload(toy_layout(), i) for i in range(BLOCKS)], namespace=A)
-    if bench.tier is TierKind.DISK:
-        bench.m.clear(TierKind.HOST)
+    bench.store(p)
+    bench.only_in_tier()
     moved = {}
     for arm, tokens, ns in ((Arm.FOREIGN, p, B), (Arm.MISS, q, A)):
         before = bench.m.stats()
@@ -160,12 +182,11 @@ def test_another_tenant_takes_the_path_of_a_miss(bench: Bench) -> None:
 @pytest.mark.timing
 def test_another_tenant_takes_the_time_of_a_miss(bench: Bench) -> None:
     p, q = prompt(BLOCKS * BLOCK, seed=1), prompt(BLOCKS * BLOCK, seed=2)
-    bench.m.store_now(p, [payload(toy_layout(), i) for i in range(BLOCKS)], namespace=A)
+    bench.store(p)
     foreign, miss = bench.m.lookup(p, B), bench.m.lookup(q, A)
     assert (foreign.cached_tokens, foreign.miss_reason) == (0, MissReason.ABSENT)  # not CONFIRM_MISMATCH: other keys
     assert (miss.cached_tokens, miss.miss_reason) == (0, MissReason.ABSENT)
-    if bench.tier is TierKind.DISK:
-        bench.m.clear(TierKind.HOST)
+    bench.only_in_tier()
     assert bench.m.lookup(p, A).tiers == (bench.tier,) * BLOCKS
     verdicts = []
     for run in range(RUNS):
