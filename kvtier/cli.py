@@ -158,7 +158,13 @@ def _route(args: argparse.Namespace) -> int:
 def _bench_route(args: argparse.Namespace) -> int:
     from kvtier.bench import route
 
-    spec = route.RouteSpec(sessions=args.sessions, turns=args.turns, clients=args.clients)
+    spec = route.RouteSpec(
+        sessions=args.sessions,
+        turns=args.turns,
+        clients=args.clients,
+        host_bytes=args.host_bytes,
+        disk=not args.no_disk,
+    )
     result = route.run(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
     path = route.save(result, Path(args.out))
     return _answer(args, {k: v for k, v in result.items() if k != "setup"}, route.table(result), path)
@@ -406,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--sessions", type=int, default=12, help="agent sessions, interleaved turn by turn")
     rt.add_argument("--turns", type=int, default=6, help="turns per session")
     rt.add_argument("--clients", type=int, default=3, help="requests in flight at once")
+    rt.add_argument("--host-bytes", default="512MiB", help="each backend's host tier")
+    rt.add_argument("--no-disk", action="store_true", help="no disk tier: each backend caches in pool and host only")
     rt.add_argument("--out", default="bench/results", help="where route-latest.json goes")
     rt.set_defaults(run=_bench_route)
     tt = which.add_parser(

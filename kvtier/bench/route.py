@@ -39,7 +39,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -72,9 +72,16 @@ class RouteSpec:
     hot_requests: int = 12
     hot_clients: int = 8  # requests in flight at once in the skewed stream: enough to pile up on one backend
     threads: int = 1  # OMP_NUM_THREADS of each backend: three backends share the machine's cores
-    tiers: dict[str, Any] = field(
-        default_factory=lambda: {"engine": {"pool_bytes": "256MiB"}, "host": {"capacity_bytes": "512MiB"}}
-    )
+    host_bytes: str = "512MiB"  # each backend's host tier
+    disk: bool = True  # each backend's disk tier (off: a backend's cache is its pool and host memory)
+
+    @property
+    def tiers(self) -> dict[str, Any]:
+        return {
+            "engine": {"pool_bytes": "256MiB"},
+            "host": {"capacity_bytes": self.host_bytes},
+            "disk": {"enabled": self.disk},
+        }
 
 
 @dataclass(frozen=True)
@@ -336,6 +343,7 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
             "max_tokens": spec.max_tokens,
             "clients": spec.clients,
             "backend_threads": spec.threads,
+            "tiers": spec.tiers,
         },
         "policies": policies,
         "ideal_hit_rate": best.hit_rate,
