@@ -40,6 +40,7 @@
 
 #include "kvtier_float.h"
 #include "kvtier_native.h"
+#include "team.h"
 
 #define PF_TILE 16      /* key positions per tile */
 #define PF_PANEL 24     /* query rows per register tile: three vectors of 8 */

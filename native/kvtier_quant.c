@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "kvtier_native.h"
+#include "team.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define QV_X86 1

@@ -6,7 +6,7 @@ against a few hundred multiply-adds per position, so the cost is reading
 them: the torch path copies every layer's K/V of each sequence out of its
 blocks (``index_select``) and then reads the copy twice (``q @ K``, then
 ``probs @ V``); the C kernel (``paged_decode_attention`` in
-``native/kvtier_native.c``) walks the blocks where they lie and reads each
+``native/decode_attention.c``) walks the blocks where they lie and reads each
 byte once, with an online softmax in float32, on two threads.
 
 Which one runs is chosen once per forward by :func:`plan_decode`:

@@ -1,8 +1,9 @@
 """The disk tier's I/O primitives: the C extension ``kvtier._native``, or the same functions in pure Python.
 
-The extension (``native/kvtier_native.c``, compiled by the package's own
-build) runs batched positional reads and writes over a small thread pool with
-the GIL released, and CRC-32C with the SSE4.2 instruction. Where it could not
+The extension (``native/iopool.c``, ``native/crc32c.c`` and
+``native/aligned.c`` for these functions, compiled by the package's own build)
+runs batched positional reads and writes over a small thread pool with the GIL
+released, and CRC-32C with the SSE4.2 instruction. Where it could not
 be built (no compiler) or imported, :data:`PYTHON` does the same thing with
 ``os.preadv``/``os.pwritev`` loops and a table-driven CRC-32C: identical
 results, one request at a time, and a checksum taken a byte at a time in

@@ -38,7 +38,7 @@ def test_the_native_extension_is_the_one_in_use() -> None:
     assert native.BACKEND is native.NATIVE_BACKEND and native.BACKEND.native
     from kvtier import _native
 
-    assert Path(_native.__file__).suffix == ".so"  # compiled here from native/kvtier_native.c
+    assert Path(_native.__file__).suffix == ".so"  # compiled here from native/*.c
     assert native.crc32c is _native.crc32c and native.preadv_batch is _native.preadv_batch
 
 

@@ -1,0 +1,49 @@
+/*
+ * What the decode attention files share: decode_attention.c plans a call into units and
+ * runs them on the team; a unit runs one of the builds, the portable one in
+ * decode_attention.c or a hand-written one (decode_attention_avx512.c,
+ * decode_attention_avx2.c), each reading the job below.
+ */
+#ifndef KVTIER_DECODE_ATTENTION_H
+#define KVTIER_DECODE_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define KVT_X86 1
+#endif
+
+#define ATTN_LANES 16
+#define ATTN_MAX_GROUP 16
+#define ATTN_MAX_DIM 256
+#define ATTN_MAX_BLOCK 256
+
+typedef struct {
+    int seq, head, b0, b1; /* blocks [b0, b1) of the sequence's table */
+} attn_unit_t;
+
+typedef struct {
+    const char *kv;                         /* the layer's pool */
+    ptrdiff_t s_block, s_kv, s_head, s_pos; /* its strides, in elements */
+    int bf16;
+    const char *q; /* [num_seqs, kv_heads * group, dim], the model dtype */
+    char *out;     /* the same shape and dtype */
+    const int32_t *tables, *starts, *lengths;
+    int num_seqs, kv_heads, group, dim, block;
+    float scale;
+    attn_unit_t *units;
+    float *parts; /* per unit: m[group], l[group], acc[group * dim] */
+    size_t n_units, part_floats;
+    size_t next; /* the next unclaimed unit (atomic) */
+} attn_job_t;
+
+#ifdef KVT_X86
+/* The hand-written builds of one unit: the group's query heads against blocks [b0, b1)
+ * of one sequence and KV head, into part = m[G], l[G], acc[G * D]. Call one only where
+ * __builtin_cpu_supports says the CPU has its ISA. */
+void kvt_attn_unit_avx512(const attn_job_t *j, const attn_unit_t *u, float *part);
+void kvt_attn_unit_avx2(const attn_job_t *j, const attn_unit_t *u, float *part);
+#endif
+
+#endif
