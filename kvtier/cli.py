@@ -163,7 +163,7 @@ def _bench_route(args: argparse.Namespace) -> int:
         turns=args.turns,
         clients=args.clients,
         host_bytes=args.host_bytes,
-        disk=not args.no_disk,
+        disk=args.disk,
     )
     result = route.run(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
     path = route.save(result, Path(args.out))
@@ -409,11 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
         "route", parents=[common], help="kvtier route's policies on interleaved agent sessions over three backends"
     )
     rt.add_argument("--json", action="store_true", help="print one JSON object")
-    rt.add_argument("--sessions", type=int, default=12, help="agent sessions, interleaved turn by turn")
-    rt.add_argument("--turns", type=int, default=6, help="turns per session")
+    rt.add_argument("--sessions", type=int, default=8, help="agent sessions, interleaved turn by turn")
+    rt.add_argument("--turns", type=int, default=12, help="turns per session")
     rt.add_argument("--clients", type=int, default=3, help="requests in flight at once")
-    rt.add_argument("--host-bytes", default="512MiB", help="each backend's host tier")
-    rt.add_argument("--no-disk", action="store_true", help="no disk tier: each backend caches in pool and host only")
+    rt.add_argument("--host-bytes", default="384MiB", help="each backend's host tier")
+    rt.add_argument("--disk", action="store_true", help="a disk tier under each backend (default: pool and host only)")
     rt.add_argument("--out", default="bench/results", help="where route-latest.json goes")
     rt.set_defaults(run=_bench_route)
     tt = which.add_parser(

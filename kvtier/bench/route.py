@@ -1,6 +1,6 @@
 """`kvtier bench route`: one request stream of interleaved agent sessions through ``kvtier route``, per policy.
 
-Three ``kvtier serve`` backends, a dozen agent sessions (the demo's
+Three ``kvtier serve`` backends, eight agent sessions of twelve turns (the demo's
 transcript, each session starting at another turn and tagged with its own
 name, so no two share a block), replayed turn by turn: every turn resends
 the whole transcript so far. A few clients send the stream's requests in
@@ -22,6 +22,10 @@ Then the faults and the guard, with the ``kvtier`` policy:
   load term (queued prefill tokens) and the guard, and without either (the
   prefix alone decides: ``route.queue_weight: 0``, ``route.load_tokens: 0``,
   ``route.max_imbalance`` huge): the share of the busiest backend and the TTFTs.
+
+Each backend caches in its engine pool and host memory, with room for its
+share of the sessions but not for all of them (``--disk`` puts a disk tier
+under each, ``--host-bytes`` sizes host memory): see :class:`RouteSpec`.
 
 Beside the hit rates, the prefill tokens each policy left the backends
 (prompt less cached tokens) and the ideal's: with three clients and the
@@ -64,16 +68,20 @@ REPLY = "Noted; reading on."  # every assistant turn: the stream is the same whi
 @dataclass(frozen=True)
 class RouteSpec:
     backends: int = 3
-    sessions: int = 12
-    turns: int = 6
+    sessions: int = 8
+    turns: int = 12
     tool_chars: int = 300  # each turn's tool result cut to this: short turns keep the bench to minutes on 2 cores
     max_tokens: int = 2
     clients: int = 3  # requests in flight at once
     hot_requests: int = 12
     hot_clients: int = 8  # requests in flight at once in the skewed stream: enough to pile up on one backend
     threads: int = 1  # OMP_NUM_THREADS of each backend: three backends share the machine's cores
-    host_bytes: str = "512MiB"  # each backend's host tier
-    disk: bool = True  # each backend's disk tier (off: a backend's cache is its pool and host memory)
+    # Each backend caches in its pool and host memory, no disk: room for its share of the sessions (about
+    # three transcripts at their longest), not for every session. That is a GPU fleet's shape (HBM + host),
+    # and the one where routing matters: round robin copies every session onto every backend, dividing the
+    # fleet's cache by the number of backends; with an unbounded disk under each, those copies cost little.
+    host_bytes: str = "384MiB"
+    disk: bool = False
 
     @property
     def tiers(self) -> dict[str, Any]:
