@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvtier.keys import BlockKey
 from kvtier.route.choice import Ask, CacheAware, Candidate, LeastLoaded, Reason, RoundRobin, prefill_cost
 from kvtier.route.index import BlockIndex, RoutedPrefixes
@@ -94,6 +96,19 @@ def test_a_session_breaks_ties_and_follows_its_cost() -> None:
     assert policy.rank(Ask(10, "s"), idle).order[0] == "a"  # it moved back
     policy.forget("a")
     assert policy.rank(Ask(10, "s"), [Candidate("a", 0, (D,)), Candidate("b", 0)]).reason is Reason.CHEAPEST
+
+
+def test_new_sessions_spread_over_backends_by_the_sessions_they_host_not_the_queue_of_the_moment() -> None:
+    policy = CacheAware(B, load_tokens=256, max_imbalance=8)
+    placed = Counter()
+    for s in range(6):
+        queues = [Candidate("a", 0), Candidate("b", 1, queued_tokens=40 * s), Candidate("c", 1, queued_tokens=5)]
+        placed[policy.rank(Ask(100, f"s{s}"), queues).order[0]] += 1  # "a" is always the least queued
+    assert placed == {"a": 2, "b": 2, "c": 2}
+    held = policy.rank(Ask(100, "s0"), [Candidate("a", 0), Candidate("b", 0), Candidate("c", 0, (D,) * 6)])
+    assert held.order[0] == "c"  # a prompt cached somewhere goes by cost, as before
+    policy.forget("c")
+    assert policy.rank(Ask(100, "new"), [Candidate("a", 0), Candidate("b", 0), Candidate("c", 0)]).order[0] == "c"
 
 
 def test_index_follows_stores_removals_and_clears_per_tier() -> None:
