@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -54,6 +54,9 @@ from kvtier.bench.peer.machine import describe
 from kvtier.bench.redis_server import RedisServer, redis_or_url
 from kvtier.config import Config, RemoteConfig
 from kvtier.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvtier.engine.runtime import LoadedModel
 from kvtier.keys import SECRET_BYTES, BlockDigest, BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.manager import PROMOTE_BATCH
@@ -194,12 +197,11 @@ def tier_vs_raw(url: str, spec: RemoteSpec) -> dict[str, Any]:
         tier.close()
 
 
-def cross_node(url: str, config: Config, spec: RemoteSpec) -> dict[str, Any]:
+def cross_node(url: str, config: Config, spec: RemoteSpec, loaded: LoadedModel) -> dict[str, Any]:
     """A second instance's TTFT at ``tokens`` with its hit served from Redis, against its own recompute."""
     from kvtier.bench.ttft import text_tokens
-    from kvtier.engine.runtime import load_model, make_engine, open_cache
+    from kvtier.engine.runtime import make_engine, open_cache
 
-    loaded = load_model(config)
     ids = text_tokens(loaded, spec.tokens)
     first_token = SamplingParams(max_tokens=1, ignore_eos=True)
     continuation = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -236,12 +238,11 @@ def cross_node(url: str, config: Config, spec: RemoteSpec) -> dict[str, Any]:
     }
 
 
-def remote_down(config: Config, spec: RemoteSpec) -> dict[str, Any]:
+def remote_down(config: Config, spec: RemoteSpec, loaded: LoadedModel) -> dict[str, Any]:
     """Per-request TTFT of an instance whose Redis hangs against the same instance with no remote."""
     from kvtier.bench.ttft import text_tokens
-    from kvtier.engine.runtime import load_model, make_engine, open_cache
+    from kvtier.engine.runtime import make_engine, open_cache
 
-    loaded = load_model(config)
     text = text_tokens(loaded, spec.down_tokens * (spec.down_requests + 1))
     warmup, *prompts = [text[i * spec.down_tokens : (i + 1) * spec.down_tokens] for i in range(spec.down_requests + 1)]
     first_token = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -309,8 +310,11 @@ def run(config: Config, spec: RemoteSpec) -> dict[str, Any]:
             **tier_vs_raw(url, spec),
         }
         if spec.cross_node:
-            result["cross_node"] = cross_node(url, config, spec)
-            result["remote_down"] = remote_down(config, spec)
+            from kvtier.engine.runtime import load_model
+
+            loaded = load_model(config)  # once, for both instances' cases
+            result["cross_node"] = cross_node(url, config, spec, loaded)
+            result["remote_down"] = remote_down(config, spec, loaded)
     return result
 
 

@@ -144,10 +144,13 @@ class CacheAware(Policy):
         fit = [c for c in candidates if c.load <= floor + self.max_imbalance]
         over = sorted((c for c in candidates if c.load > floor + self.max_imbalance), key=lambda c: c.load)
         sticky = self._sessions.get(ask.session) if ask.session is not None else None
-        if ask.session is not None and sticky is None and not any(c.cached for c in candidates):
-            key = lambda c: (self._hosted[c.name], self.cost(ask, c))  # noqa: E731  (a new session: see above)
-        else:
-            key = lambda c: (self.cost(ask, c), c.name != sticky)  # noqa: E731
+        new_session = ask.session is not None and sticky is None and not any(c.cached for c in candidates)
+
+        def key(c: Candidate) -> tuple[float, float]:
+            if new_session:  # placed by the sessions it will join there (see above), the cost breaking ties
+                return (self._hosted[c.name], self.cost(ask, c))
+            return (self.cost(ask, c), c.name != sticky)
+
         order = sorted(self._rotated(fit), key=key) + over
         first = order[0]
         self._remember(ask.session, first.name)
