@@ -150,6 +150,7 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
     out["cold"] = all(cold)
     out["setup"] = {
         "dtype": config.engine.dtype.value,
+        "device": _device_name(loaded.model.device),
         "block_size": config.cache.block_size,
         "reps": spec.reps,
         "statistic": "median",
@@ -164,11 +165,15 @@ def raw_prefill_s(loaded: LoadedModel, tokens: int) -> float:
     """Seconds for a prefill's bare matrix products and attention: the floor an engine can approach."""
     model = loaded.model
     c = model.config
-    x = torch.randn(tokens, c.hidden_size).to(model.dtype)
-    mlp_in = torch.randn(tokens, c.intermediate_size).to(model.dtype)
-    q = torch.randn(1, c.num_heads, tokens, c.head_dim).to(model.dtype)
-    kv = torch.randn(1, c.num_kv_heads, tokens, c.head_dim).to(model.dtype)
+    like = {"dtype": model.dtype, "device": model.device}
+    x = torch.randn(tokens, c.hidden_size, **like)
+    mlp_in = torch.randn(tokens, c.intermediate_size, **like)
+    q = torch.randn(1, c.num_heads, tokens, c.head_dim, **like)
+    kv = torch.randn(1, c.num_kv_heads, tokens, c.head_dim, **like)
+    cuda = model.device.type == "cuda"
     with torch.inference_mode():
+        if cuda:  # a GPU runs these asynchronously: time from an idle device to the last product's end
+            torch.cuda.synchronize(model.device)
         started = time.perf_counter()
         for layer in model.layers:
             torch.mm(x, layer.wqkv.T)
@@ -177,7 +182,13 @@ def raw_prefill_s(loaded: LoadedModel, tokens: int) -> float:
             torch.mm(x, layer.w_gate_up.T)
             torch.mm(mlp_in, layer.w_down.T)
         torch.mm(x[-1:], model.lm_head.T)
+        if cuda:
+            torch.cuda.synchronize(model.device)
         return time.perf_counter() - started
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _mkdir(path: Path) -> Path:
