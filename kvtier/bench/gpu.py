@@ -1,11 +1,14 @@
 """`kvtier bench gpu`: host tier ↔ GPU bandwidth next to a raw pinned copy of the same bytes.
 
-What an engine on a GPU pays to load a cached prefix: kvtier's path copies
-block by block from pinned host slots into device memory on the transfer
-worker's own CUDA stream, done when the stream's event completes. The
-baseline is one ``cudaMemcpyAsync`` of the same bytes from one pinned buffer
-(a torch ``copy_`` with ``non_blocking=True``). Both directions; medians
-after a warm-up. Without CUDA it says so and measures nothing.
+What an engine on a GPU pays to load a cached prefix: ``h2d`` is the
+engine's own onboarding (:class:`~kvtier.engine.onboard.LayerwiseLoad`)
+from host-tier slots into a KV pool in device memory, every layer of every
+block in place and its last event complete. ``d2h`` is the store path's
+copy, pool block by pool block into host slots (what the engine's store
+job does). The baseline of each is one ``cudaMemcpyAsync`` of the same
+bytes between one pinned buffer and device memory (a torch ``copy_`` with
+``non_blocking=True``). Medians after a warm-up. Without CUDA it says so
+and measures nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from typing import Any
 import torch
 
 from kvtier.bench.tiers import _Workload, smollm2_layout, tier_slot
+from kvtier.engine.onboard import LayerwiseLoad
+from kvtier.engine.pool import KVPool
+from kvtier.fetch import LoadHandle
+from kvtier.tiers.base import TierKind
 from kvtier.tiers.host import HostTier
 from kvtier.transfer import TransferWorker
 
@@ -41,26 +48,29 @@ def run(mib: int = 256, reps: int = 5, block_size: int = 16) -> dict[str, Any]:
     host = HostTier(layout, n * tier_slot(layout))
     w = _Workload.make(layout, n)
     host.put_many(w.keys, w.blocks, w.records)
-    device = torch.empty((n, layout.block_bytes), dtype=torch.uint8, device="cuda")
-    worker = TransferWorker(1)
+    pool = KVPool(layout, n, device="cuda")
     views = [host.view(k) for k in w.keys]
+    rows = list(range(n))
+    last = views[-1].clone()  # the bytes the last pool block must hold after a load (random: NaNs among them)
 
     def h2d() -> None:
-        def copy() -> None:
-            for row, view in zip(device, views, strict=True):
-                row.copy_(view, non_blocking=True)
+        handle = LoadHandle("bench", block_size, list(w.keys), views, [TierKind.HOST] * n, lambda h: None)
+        LayerwiseLoad(pool, [(handle, rows)]).finish()  # every layer's copies issued, the last event waited on
 
-        worker.wait(worker.submit(copy))
+    worker = TransferWorker(1)
 
     def d2h() -> None:
         def copy() -> None:
-            for row, view in zip(device, views, strict=True):
-                view.copy_(row, non_blocking=True)
+            for row, view in zip(rows, views, strict=True):
+                pool.read_block_to_payload(row, view)
 
         worker.wait(worker.submit(copy))
 
+    h2d()
+    got = pool.kv[:, n - 1].cpu().contiguous().view(torch.uint8).reshape(-1)
+    assert torch.equal(got, last), "a pool block differs from its host slot"
     pinned = torch.empty(n * layout.block_bytes, dtype=torch.uint8, pin_memory=True)
-    flat = device.view(-1)
+    flat = torch.empty(n * layout.block_bytes, dtype=torch.uint8, device="cuda")
     nbytes = n * layout.block_bytes
     out = {
         "cuda": True,
@@ -73,7 +83,6 @@ def run(mib: int = 256, reps: int = 5, block_size: int = 16) -> dict[str, Any]:
         "raw_pinned_d2h_gbps": round(nbytes / _median_s(lambda: pinned.copy_(flat, non_blocking=True), reps) / 1e9, 2),
     }
     worker.shutdown()
-    assert torch.equal(device[0].cpu(), views[0]), "device block differs from its host slot"
     out["h2d_vs_raw"] = round(out["h2d_gbps"] / out["raw_pinned_h2d_gbps"], 3)
     out["d2h_vs_raw"] = round(out["d2h_gbps"] / out["raw_pinned_d2h_gbps"], 3)
     return out

@@ -13,7 +13,12 @@ pinned host slots straight into the pool's layer slice: a block payload and a
 pool block have the same per-layer byte layout. On a GPU the copies are
 issued on a dedicated CUDA stream and layer *l* is done when an event
 recorded after its copies has fired; the compute stream waits on that event
-(device-side, no host sync) before reading the layer.
+(device-side, no host sync) before reading the layer. There the bytes cross
+the host link whole (:func:`staged_layers`): one copy per run of host slots
+that follow each other in the slab, into a staging buffer in device memory,
+then one indexed copy per layer into the pool. A copy per block and layer
+would be thousands of small transfers for one prompt, each paying the
+link's per-transfer cost; the link is the slow part, device memory is not.
 
 Handles stay pinned until :meth:`LayerwiseLoad.finish`, after the forward:
 eviction cannot reuse a host slot that is still being read.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -94,17 +99,11 @@ class LayerwiseLoad:
             self._ready[layer].set()
 
     def _copy_cuda(self) -> None:
-        device = self.pool.device
-        stream = torch.cuda.Stream(device)
-        typed = [
-            (self.pool.layout.as_blocks(b.reshape(-1)), block_id)
-            for handle, ids in self.parts
-            for b, block_id in zip(handle.blocks, ids, strict=True)
-        ]
+        stream = torch.cuda.Stream(self.pool.device)
+        blocks = [b for handle, _ in self.parts for b in handle.blocks]
+        ids = [i for _, ids in self.parts for i in ids]
         with torch.cuda.stream(stream):
-            for layer, view in enumerate(self.pool.layers):
-                for payload, block_id in typed:
-                    view[block_id].copy_(payload[layer], non_blocking=True)
+            for layer in staged_layers(self.pool, blocks, ids):
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._events.append(event)
@@ -130,4 +129,51 @@ class LayerwiseLoad:
                 handle.release()
 
 
-__all__ = ["LayerwiseLoad"]
+def contiguous_runs(blocks: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first index, one flat view)`` per run of consecutive payloads whose bytes follow each other in memory.
+
+    Payloads are uint8 views of host slots; blocks stored together usually
+    sit in consecutive slots of the slab, so a prefix is often a few runs.
+    """
+    i = 0
+    while i < len(blocks):
+        first = blocks[i].reshape(-1)
+        storage = first.untyped_storage().data_ptr()
+        j, end = i + 1, first.data_ptr() + first.numel()
+        while (
+            j < len(blocks)
+            and blocks[j].is_contiguous()
+            and blocks[j].data_ptr() == end
+            and blocks[j].untyped_storage().data_ptr() == storage  # adjacent by chance is not one allocation
+        ):
+            end += blocks[j].numel()
+            j += 1
+        yield i, first if j == i + 1 else first.as_strided((end - first.data_ptr(),), (1,))
+        i = j
+
+
+def staged_layers(pool: KVPool, blocks: Sequence[torch.Tensor], ids: Sequence[int]) -> Iterator[int]:
+    """Payloads into pool blocks ``ids`` through a staging buffer on the pool's device; yields each layer as issued.
+
+    Every run of adjacent payloads crosses to the device in one copy
+    (asynchronous from pinned memory, on the current stream), then each
+    layer of every block goes into the pool in one ``index_copy_``. The
+    caller records an event per yielded layer. The staging buffer and the
+    row ids are allocated on the current stream and used only there, so the
+    caching allocator hands their memory out again only after these copies.
+    """
+    lay = pool.layout
+    n = len(blocks)
+    device = pool.device
+    staging = torch.empty((n, lay.block_bytes), dtype=torch.uint8, device=device)
+    flat = staging.view(-1)
+    for first, run in contiguous_runs(blocks):
+        flat[first * lay.block_bytes : first * lay.block_bytes + run.numel()].copy_(run, non_blocking=True)
+    typed = staging.view(lay.dtype).view(n, lay.num_layers, *pool.layers[0].shape[1:])
+    rows = torch.tensor(list(ids), dtype=torch.long).to(device, non_blocking=True)
+    for layer, view in enumerate(pool.layers):
+        view.index_copy_(0, rows, typed[:, layer])
+        yield layer
+
+
+__all__ = ["LayerwiseLoad", "contiguous_runs", "staged_layers"]

@@ -11,7 +11,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.engine.llama import SeqInput
-from kvtier.engine.onboard import LayerwiseLoad
+from kvtier.engine.onboard import LayerwiseLoad, contiguous_runs, staged_layers
 from kvtier.engine.pool import BlockTable, KVPool
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.fetch import LoadHandle
@@ -30,6 +30,25 @@ def handle_of(blocks: list[torch.Tensor], released: list[bool]) -> LoadHandle:
         [TierKind.HOST] * len(blocks),
         lambda h: released.append(True),
     )
+
+
+def test_staged_copy_crosses_once_per_run_of_adjacent_slots_and_lands_like_the_block_copy() -> None:
+    """The GPU's path (one transfer per run of adjacent host slots, one indexed copy per layer), run on the CPU."""
+    layout = toy_layout()
+    slab = torch.cat([as_bytes(payload(layout, seed)) for seed in range(6)])
+    slots = list(slab.view(6, layout.block_bytes))
+    apart = as_bytes(payload(layout, 9)).clone()  # another allocation: never merged into a run
+    blocks = [slots[0], slots[1], slots[2], slots[4], apart, slots[5]]
+    runs = list(contiguous_runs(blocks))
+    assert [(first, run.numel() // layout.block_bytes) for first, run in runs] == [(0, 3), (3, 1), (4, 1), (5, 1)]
+    assert runs[0][1].data_ptr() == slab.data_ptr()  # a view of the slab, not a copy
+    targets = [6, 1, 3, 0, 7, 2]
+    pool = KVPool(layout, num_blocks=8)
+    assert list(staged_layers(pool, blocks, targets)) == list(range(layout.num_layers))
+    expected = KVPool(layout, num_blocks=8)
+    for block, target in zip(blocks, targets, strict=True):
+        expected.write_block_from_payload(target, block)
+    assert torch.equal(pool.kv, expected.kv)
 
 
 def test_layerwise_copy_puts_each_layer_in_place_before_wait_returns() -> None:
