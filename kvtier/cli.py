@@ -241,7 +241,12 @@ def _bench_agents(args: argparse.Namespace) -> int:
     from kvtier.bench import agents
 
     spec = agents.AgentsSpec(
-        agents=args.agents, turns=args.turns, reps=args.reps, disk_io=args.disk_io, spec=not args.no_spec
+        agents=args.agents,
+        turns=args.turns,
+        reps=args.reps,
+        disk=args.disk,
+        disk_io=args.disk_io,
+        spec=not args.no_spec,
     )
     result = agents.run(spec, progress=None if args.json else lambda what: print(f"  {what}...", file=sys.stderr))
     path, png = agents.save(result, Path(args.out))
@@ -479,9 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ag.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ag.add_argument("--agents", type=int, default=8, help="agents taking turns round-robin")
-    ag.add_argument("--turns", type=int, default=4, help="turns per agent")
+    ag.add_argument("--turns", type=int, default=6, help="turns per agent")
     ag.add_argument("--reps", type=int, default=2, help="runs of each side, alternating; medians are reported")
-    ag.add_argument("--disk-io", choices=["buffered", "direct"], default="buffered", help="disk.io of both runs")
+    ag.add_argument("--disk", action="store_true", help="a disk tier under host that holds every transcript")
+    ag.add_argument("--disk-io", choices=["buffered", "direct"], default="buffered", help="disk.io with --disk")
     ag.add_argument("--no-spec", action="store_true", help="skip half (b), prompt-lookup decoding")
     ag.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     ag.set_defaults(run=_bench_agents)

@@ -485,7 +485,7 @@ class SessionConfig(_Section):
     ttl_s: float = Field(600.0, gt=0, description="A session is live this long after its last turn.")
     max_sessions: int = Field(4096, ge=1, description="Sessions remembered at once; the idlest is forgotten first.")
     max_protected_share: float = Field(
-        0.5, ge=0, le=1, description="Most of the host tier live sessions may protect, newest sessions first."
+        0.75, ge=0, le=1, description="Most of the host tier live sessions may protect, oldest sessions first."
     )
     max_transcript_tokens: int = Field(
         8192, ge=1, description="Leading transcript tokens remembered per session (for prefetch and explain)."

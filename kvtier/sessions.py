@@ -8,12 +8,21 @@ is live (last turn within ``session.ttl_s``) its transcript blocks form a
 :class:`~kvtier.policy.base.Protection` class for host eviction. The policy
 ranks by it; this module only says which keys and in which class.
 
+Which live sessions are protected when their transcripts together outgrow
+the share they may hold: the oldest ones, by the turn each began with, and a
+session keeps its place for as long as it stays live. Not the most recently
+active: in an agent loop the session that just spoke has started a tool call
+and is the one furthest from its next turn, and ranking by recency is LRU's
+own order, which a round of more agents than the tier holds turns into a
+miss for every one of them. A stable set keeps that many agents hitting
+every turn; the rest fall to the normal policy, as anonymous blocks do.
+
 Bounds, so that no session pins memory forever: a session expires after
 its TTL (lazily, on the registry's injected clock, so tests step time
 instead of sleeping); at most ``max_sessions`` are remembered (the idlest is
-forgotten); protection covers live sessions newest first, only until their
-blocks reach ``max_protected_share`` of the tier; and protected blocks still
-leave when nothing else can (the idlest session first).
+forgotten); protection covers live sessions only until their blocks reach
+``max_protected_share`` of the tier; and protected blocks still leave when
+nothing else can (the youngest protected session first).
 
 Sessions are keyed by (namespace, id): the namespace is the tenant's, so two
 tenants naming the same session id never see each other's session.
@@ -44,6 +53,7 @@ class Session:
     namespace: str
     session_id: str
     last_turn: float
+    began: float  # the first turn's time: a session's seniority for protection
     tokens: np.ndarray  # int32, the leading ``max_transcript_tokens`` of the last turn's prompt
     keys: tuple[BlockKey, ...]  # the full blocks of ``tokens``
     previous: np.ndarray | None = None  # the same of the turn before (explain compares the two)
@@ -110,7 +120,8 @@ class SessionRegistry:
             key = (namespace, session_id)
             session = self._sessions.pop(key, None)
             if session is None:
-                session = Session(namespace, session_id, self._clock(), ids, kept)
+                now = self._clock()
+                session = Session(namespace, session_id, now, now, ids, kept)
             else:
                 session.previous = session.tokens
             session.last_turn, session.tokens, session.keys = self._clock(), ids, kept
@@ -158,10 +169,12 @@ class SessionRegistry:
             self._version += 1
 
     def protection(self, capacity_blocks: int) -> Protection:
-        """The live sessions' blocks as a protection class, newest sessions first, up to the share.
+        """The live sessions' blocks as a protection class, oldest sessions first, up to the share.
 
-        A block's class is its session's last turn (a block in two sessions
-        takes the newer): the idlest session's blocks are given up first.
+        A session whose transcript does not fit in what is left of the share
+        is passed over, and younger ones may still fit. A block's class is its
+        session's seniority (a block in two sessions takes the older's): when
+        protected blocks must go, the youngest protected session's go first.
         """
         with self._lock:
             self._expire()
@@ -170,11 +183,10 @@ class SessionRegistry:
                 return c.protection
             budget = int(capacity_blocks * self.config.max_protected_share)
             rank: dict[BlockKey, float] = {}
-            for session in reversed(self._sessions.values()):  # newest first
+            for session in sorted(self._sessions.values(), key=lambda s: s.began):
                 new = [k for k in session.keys if k not in rank]
-                if len(rank) + len(new) > budget:
-                    break
-                rank.update(dict.fromkeys(new, session.last_turn))
+                if len(rank) + len(new) <= budget:
+                    rank.update(dict.fromkeys(new, -session.began))
             self._cached = _Cached(Protection(rank) if rank else NO_PROTECTION, self._version, capacity_blocks)
             self._cached.protected_blocks = len(rank)
             return self._cached.protection

@@ -53,7 +53,7 @@ def test_live_session_blocks_outlive_anonymous_ones_until_expiry(tmp_path: Path)
         assert len(registry) == 0 and registry.expired == 1
 
 
-def test_protection_is_bounded_to_the_newest_sessions(tmp_path: Path) -> None:
+def test_protection_is_bounded_and_goes_to_the_oldest_sessions(tmp_path: Path) -> None:
     clock = Clock()
     with manager(tmp_path, host_blocks=8, clock=clock) as m:
         registry = with_sessions(m, clock, max_protected_share=0.5)  # 4 of 8 blocks
@@ -61,14 +61,41 @@ def test_protection_is_bounded_to_the_newest_sessions(tmp_path: Path) -> None:
         for sid, tokens, seed in (("old", old, 1), ("new", new, 2), ("third", third, 3)):
             clock.now += 1
             speak(m, registry, sid, tokens, seed)
-        assert set(registry.protection(8).rank) == set(m.keys(new) + m.keys(third))  # over the share: old loses
-        m.lookup(old)  # old is now the most recently used: LRU alone would evict new first
+        assert set(registry.protection(8).rank) == set(m.keys(old) + m.keys(new))  # over the share: third gets none
+        speak(m, registry, "third", third, seed=3)  # speaking again does not buy a place
+        assert set(registry.protection(8).rank) == set(m.keys(old) + m.keys(new))
+        m.lookup(third)  # the most recently used: LRU alone would evict old first
         m.store_now(prompt(4 * BLOCK, seed=4), kv(4, 4))
-        assert m.lookup(old).tiers == (D, D)
-        assert m.lookup(new).tiers == (H, H) and m.lookup(third).tiers == (H, H)
+        assert m.lookup(third).tiers == (D, D)
+        assert m.lookup(old).tiers == (H, H) and m.lookup(new).tiers == (H, H)
 
 
-def test_protected_blocks_still_go_when_nothing_else_can_idlest_session_first(tmp_path: Path) -> None:
+def test_a_round_of_more_agents_than_fit_keeps_the_oldest_hitting_where_lru_misses_all(tmp_path: Path) -> None:
+    """Six agents in turn over a tier that holds four transcripts: LRU evicts each just before it speaks."""
+    agents = [prompt(2 * BLOCK, seed=a) for a in range(6)]
+
+    def rounds(m: CacheManager, registry: SessionRegistry | None, clock: Clock) -> list[list[int]]:
+        hits = []
+        for _ in range(3):
+            seen = []
+            for a, tokens in enumerate(agents):
+                clock.now += 1
+                seen.append(m.lookup(tokens).tiers.count(H))
+                if registry is not None:
+                    registry.turn(m.config.cache.namespace, f"agent-{a}", tokens, m.keys(tokens))
+                m.store_now(tokens, kv(2, a))
+            hits.append(seen)
+        return hits
+
+    clock = Clock()
+    with manager(tmp_path / "lru", host_blocks=8, clock=clock, disk={"enabled": False}) as m:
+        assert rounds(m, None, clock)[1:] == [[0] * 6] * 2
+    with manager(tmp_path / "sessions", host_blocks=8, clock=clock, disk={"enabled": False}) as m:
+        registry = with_sessions(m, clock, max_protected_share=0.75)  # 6 of 8 blocks: three agents
+        assert rounds(m, registry, clock)[1:] == [[2, 2, 2, 0, 0, 0]] * 2
+
+
+def test_protected_blocks_still_go_when_nothing_else_can_youngest_session_first(tmp_path: Path) -> None:
     clock = Clock()
     with manager(tmp_path, host_blocks=4, clock=clock) as m:
         registry = with_sessions(m, clock, max_protected_share=1.0)
@@ -76,9 +103,9 @@ def test_protected_blocks_still_go_when_nothing_else_can_idlest_session_first(tm
         speak(m, registry, "old", old, seed=1)
         clock.now += 1
         speak(m, registry, "new", new, seed=2)
-        m.lookup(old)  # most recently used, but its session is the idler one
+        m.lookup(new)  # most recently used, but its session is the younger one
         assert m.store_now(prompt(2 * BLOCK, seed=3), kv(2, 3)) == 2
-        assert m.lookup(old).tiers == (D, D) and m.lookup(new).tiers == (H, H)
+        assert m.lookup(new).tiers == (D, D) and m.lookup(old).tiers == (H, H)
 
 
 def test_registry_forgets_the_idlest_past_max_sessions_and_keeps_tenants_apart() -> None:

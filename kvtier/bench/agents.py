@@ -5,15 +5,21 @@
 turn resends the whole transcript plus ``turn_tokens`` of new tool output.
 Between two turns of one agent every other agent speaks once: that is its
 tool-call pause. The host tier holds ``host_agents`` transcripts, fewer than
-there are agents, so under plain LRU each agent's transcript has gone down
-to disk by its next turn. Two servers, same config except the session
-features, see the same stream from one client:
+there are agents. By default the engine caches in its pool and host memory
+only (a GPU server's shape: HBM and pinned host memory), so under plain LRU
+each agent's transcript is evicted just before its next turn and recomputed;
+``disk`` adds a disk tier that holds every transcript (then LRU's later
+turns are disk hits, and what sessions save is the disk read). Two servers,
+same config except the session features, see the same stream from one
+client:
 
 * ``lru``: ``session.enabled: false``; requests carry no session.
-* ``sessions``: requests carry ``X-Session-ID``; when an agent's tool call
-  starts returning (here: as the agent before it starts its turn) the agent
-  calls ``POST /v1/sessions/{id}/prefetch``, which moves its transcript from
-  disk to host during the pause, and the live session is protected there.
+* ``sessions``: requests carry ``X-Session-ID``; the live sessions that fit
+  in ``session.max_protected_share`` are protected in host memory (the
+  oldest ones: :mod:`kvtier.sessions` says why), and when an agent's tool
+  call starts returning (here: as the agent before it starts its turn) the
+  agent calls ``POST /v1/sessions/{id}/prefetch``, which moves what of its
+  transcript is on a lower tier up to host during the pause.
 
 Measured at the client: TTFT of every turn after each agent's first (the
 first is a cold prefill in both runs). ``sessions_speedup`` is the ratio of
@@ -51,11 +57,12 @@ class AgentsSpec:
     agents: int = 8
     transcript_tokens: int = 1024  # each agent's transcript before its first turn
     turn_tokens: int = 48  # tool output each turn adds
-    turns: int = 4  # turns per agent
-    host_agents: float = 3.0  # transcripts (at their longest) the host tier holds
+    turns: int = 6  # turns per agent
+    host_agents: float = 6.0  # transcripts (at their longest) the host tier holds
     max_tokens: int = 2
     block_size: int = 16
     reps: int = 2  # lru, sessions, lru, sessions, ...: a load change on a shared machine hits both
+    disk: bool = False  # a disk tier under host that holds every transcript
     disk_io: str = "buffered"  # disk.io for both runs; "direct": a disk tier the page cache does not hold
     spec: bool = True  # include prompt-lookup decoding's run_spec (half b)
 
@@ -66,10 +73,11 @@ class AgentsSpec:
     def sections(self, sessions: bool) -> dict[str, Any]:
         """Both runs' config, apart from ``session.enabled``: host below the agents, a pool for one request."""
         pool_tokens = 2 * (self.longest + self.max_tokens + self.block_size)
+        disk = {"capacity_bytes": 4 * self.agents * self.longest * KV_BYTES_PER_TOKEN, "io": self.disk_io}
         return {
             "cache": {"block_size": self.block_size},
             "host": {"capacity_bytes": int(self.host_agents * self.longest * KV_BYTES_PER_TOKEN)},
-            "disk": {"capacity_bytes": 4 * self.agents * self.longest * KV_BYTES_PER_TOKEN, "io": self.disk_io},
+            "disk": disk if self.disk else {"enabled": False},
             "engine": {"pool_bytes": pool_tokens * KV_BYTES_PER_TOKEN},
             "session": {"enabled": sessions},
         }

@@ -32,10 +32,10 @@ class PolicyName(enum.StrEnum):
 class Protection:
     """Keys held back from eviction, each with a class: a lower class is given up first.
 
-    The manager builds it (a live session's transcript blocks, classed by
-    when the session last spoke); the policy only ranks by it. Protection is
+    The manager builds it (a live session's transcript blocks, classed
+    by the session's seniority); the policy only ranks by it. Protection is
     a preference, not a pin: when nothing unprotected is left to evict, the
-    protected keys go too, lowest class first (the session idle longest),
+    protected keys go too, lowest class first (the youngest session),
     and within a class in the policy's own order.
     """
 
