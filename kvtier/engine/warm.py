@@ -24,13 +24,13 @@ def warm(engine: Engine, tokens: np.ndarray, namespace: str) -> int:
 
     Returns the leading tokens resident now (what the next turn shares).
     """
-    resident, cache = engine.resident, engine.cache
-    if resident is None or cache is None:
+    resident, cache, hasher = engine.resident, engine.cache, engine.hasher
+    if resident is None or cache is None or hasher is None:
         return 0
     bs = engine.pool.block_size
     n = len(tokens) // bs
     ids = np.asarray(tokens[: n * bs], dtype=np.int32)
-    keys, blocks = cache.keys(ids, namespace), ids.reshape(n, bs)
+    keys, blocks = hasher.keys(ids, namespace), ids.reshape(n, bs)  # the resident index's keys, as the engine's
     have = resident.peek(keys, blocks)
     if have == n:
         return have * bs

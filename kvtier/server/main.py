@@ -143,7 +143,7 @@ def _engine(loaded: LoadedModel, config: Config, cache: CacheManager | ServiceCa
 
 
 def _sessions(cache: CacheManager | ServiceCache, config: Config) -> SessionRegistry | None:
-    """Live sessions, whose blocks this process's host eviction protects (a cache service's is not ours to steer)."""
+    """Live sessions; this process's host eviction protects their blocks (a cache service's protects them there)."""
     if not config.session.enabled:
         return None
     registry = SessionRegistry(config.session, config.cache.block_size)

@@ -13,9 +13,12 @@ with no token configured) shows every session under a keyed hash of
 can follow one session from scrape to scrape, and nobody can confirm a
 guessed id. Neither ever shows token text.
 
-Explain and prefetch need the manager in this process (they read its
-eviction log and policies); with the tiers in a node's cache service they
-answer 404.
+With the tiers in a node's cache service (``service.connect``) the host
+tier a session's protection steers, the lower tiers prefetch promotes from
+and the eviction log explain reads are all the service's: each turn is
+forwarded there (:meth:`ServiceCache.session_turn`), and prefetch and
+explain are answered there. This process still keeps the transcripts (for
+the divergence window and ``/v1/sessions``) and warms its own engine pool.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from kvtier.server.schemas import (
     SessionsReport,
 )
 from kvtier.server.state import ServerState
+from kvtier.service.cache import ServiceCache
 from kvtier.sessions import Session, SessionCounts, SessionRegistry
 from kvtier.tiers.base import TierKind
 
@@ -68,36 +72,37 @@ def registry(state: ServerState) -> SessionRegistry:
     return state.sessions
 
 
-def _local(state: ServerState) -> tuple[SessionRegistry, CacheManager]:
-    sessions = registry(state)
-    if not isinstance(state.cache, CacheManager):
-        raise APIError(404, "the tiers live in the node's cache service, not here", type=ErrorType.NOT_FOUND)
-    return sessions, state.cache
-
-
 async def begin_turn(state: ServerState, tenant: Tenant, session: str | None, ids: list[int]) -> None:
     """Make the session live with this transcript before the engine stores it, so its blocks land protected."""
     if session is None or state.sessions is None:
         return
     keys = await asyncio.to_thread(state.cache.hasher.keys, ids, tenant.namespace)
     state.sessions.turn(tenant.namespace, session, ids, keys)
+    if isinstance(state.cache, ServiceCache):  # the host tier to protect it in is the service's
+        await asyncio.to_thread(state.cache.session_turn, tenant.namespace, session, ids)
+
+
+def _promote(cache: CacheManager | ServiceCache, namespace: str, session: Session) -> tuple[dict[TierKind, int], int]:
+    """Tokens moved up to host by the tier they left, and the transcript's leading blocks in host afterwards."""
+    if isinstance(cache, ServiceCache):
+        return cache.session_prefetch(namespace, session.session_id, session.tokens)
+    moved = cache.prefetch(session.tokens, namespace)
+    held = cache.probe(session.tokens, namespace).tiers
+    return moved, next((i for i, kind in enumerate(held) if kind is not TierKind.HOST), len(held))
 
 
 async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> SessionPrefetchResponse:
     """Promote a live session's transcript to host memory (the agent's tool call is about to return)."""
-    known, cache = _local(state)
-    session = known.touch(tenant.namespace, session_id)  # first, so that its promoted blocks land protected
+    session = registry(state).touch(tenant.namespace, session_id)  # first, so its promoted blocks land protected
     if session is None:
         raise APIError(404, "no live session by that id", type=ErrorType.NOT_FOUND, param="session_id")
-    moved = await asyncio.to_thread(cache.prefetch, session.tokens, tenant.namespace)
-    held = await asyncio.to_thread(cache.probe, session.tokens, tenant.namespace)
+    moved, host = await asyncio.to_thread(_promote, state.cache, tenant.namespace, session)
     pool = await asyncio.wrap_future(state.loop.call(lambda engine: warm(engine, session.tokens, tenant.namespace)))
-    host = next((i for i, kind in enumerate(held.tiers) if kind is not TierKind.HOST), len(held.tiers))
     return SessionPrefetchResponse(
         session=session_id,
         transcript_tokens=len(session.tokens),
         promoted_tokens=moved,
-        host_tokens=host * held.block_size,
+        host_tokens=host * state.cache.layout.block_size,
         device_tokens=pool,
     )
 
@@ -124,7 +129,7 @@ def report(registry: SessionRegistry, namespace: str | None) -> SessionsReport:
 
 async def explain(state: ServerState, tenant: Tenant, body: ExplainRequest, session: str | None) -> ExplainResponse:
     """Where this request's cached run would stop and why; a probe (no eviction order or stats change)."""
-    known, cache = _local(state)
+    known = registry(state)
     if body.messages is not None:
         ids = await chat_ids(state, body.messages)
     else:
@@ -132,7 +137,9 @@ async def explain(state: ServerState, tenant: Tenant, body: ExplainRequest, sess
         ids = await prompt_ids(state, body.prompt)
     earlier = known.get(tenant.namespace, session) if session is not None else None
     reference, at = _diverged(earlier, ids)
-    why = await asyncio.to_thread(cache.explain, ids, tenant.namespace, diverged_at=at)
+    why = await asyncio.to_thread(state.cache.explain, ids, tenant.namespace, diverged_at=at)
+    if why is None:
+        raise APIError(503, "the node's cache service did not answer", type=ErrorType.UNAVAILABLE)
     if body.model is not None and body.model != state.model_name:  # keys bind the model: none of its KV is here
         why = Explanation(why.result, ExplainReason.OTHER_MODEL, 0)
     text = None if reference is None or at is None else await asyncio.to_thread(_window, state, reference, ids, at)

@@ -33,6 +33,7 @@ import torch
 
 from kvtier.breakeven import BreakEvenModel
 from kvtier.config import Config
+from kvtier.explain import Eviction, ExplainReason, Explanation
 from kvtier.index import LookupResult
 from kvtier.keys import SECRET_BYTES, KeyHasher, Secret
 from kvtier.layout import KVLayout
@@ -162,6 +163,44 @@ class ServiceCache:
 
     def wait(self, job: JobId) -> Any:
         return self.worker.wait(job)
+
+    # -- agent sessions and explain: the service's tiers, the service's evidence -----------------------
+    def session_turn(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> None:
+        """The session spoke: the service protects its transcript in the host tier it runs."""
+        self.client.session_turn(namespace, session_id, tokens)
+
+    def session_prefetch(
+        self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray
+    ) -> tuple[dict[TierKind, int], int]:
+        """Tokens promoted to host by the tier they left, and the transcript's leading blocks now in host."""
+        reply = self.client.session_prefetch(namespace, session_id, tokens)
+        return dict(reply.promoted), reply.host_blocks
+
+    def explain(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        namespace: str,
+        *,
+        own_namespaces: Sequence[str] = (),
+        diverged_at: int | None = None,
+    ) -> Explanation | None:
+        """:meth:`kvtier.manager.CacheManager.explain`, answered by the service; None while it is unreachable."""
+        r = self.client.explain(tokens, namespace, own_namespaces=own_namespaces, diverged_at=diverged_at)
+        if r is None:
+            return None
+        result = LookupResult(namespace, self.layout.block_size, len(tokens), (), tuple(r.tiers), r.miss_reason)
+        evicted = None
+        if r.eviction_tier is not None and r.eviction_policy is not None:
+            evicted = Eviction(r.eviction_tier, r.eviction_policy, at=0.0)  # the service's clock: the age says when
+        return Explanation(
+            result,
+            r.reason,
+            r.first_miss_token,
+            evicted,
+            r.other_namespace,
+            diverged_at if r.reason in (ExplainReason.SESSION_DIVERGED, ExplainReason.EVICTED) else None,
+            r.eviction_age_s,
+        )
 
     # -- operators --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

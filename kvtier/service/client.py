@@ -232,6 +232,25 @@ class CacheClient:
         reply = self._ask(p.Clear(tier))
         return reply.n if isinstance(reply, p.Count) else 0
 
+    def session_turn(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> None:
+        self._ask(p.SessionTurn(namespace, session_id, _raw(tokens)))
+
+    def session_prefetch(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> p.Prefetched:
+        reply = self._ask(p.SessionPrefetch(namespace, session_id, _raw(tokens)))
+        return reply if isinstance(reply, p.Prefetched) else p.Prefetched({}, 0)
+
+    def explain(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        namespace: str,
+        *,
+        own_namespaces: Sequence[str] = (),
+        diverged_at: int | None = None,
+    ) -> p.Explained | None:
+        """The service's answer; None while it is unreachable (there is no evidence to answer from)."""
+        reply = self._ask(p.Explain(_raw(tokens), namespace, list(own_namespaces), diverged_at))
+        return reply if isinstance(reply, p.Explained) else None
+
     def stats(self) -> dict[str, Any]:
         reply = self._ask(p.Stats())
         return reply.stats if isinstance(reply, p.StatsReply) else {}

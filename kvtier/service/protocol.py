@@ -19,6 +19,12 @@ every older client still speaks this protocol; a newer client that asks an
 older service for a named block gets its connection closed, which it counts
 as a miss like any service failure.
 
+Agent sessions came the same way (:class:`SessionTurn`,
+:class:`SessionPrefetch`, :class:`Explain`): the host tier whose eviction a
+live session's protection steers, and the eviction log that explain reads,
+are the service's, so the server forwards its sessions' turns there and
+asks there why a prefix missed.
+
 Frame: ``uint32 little-endian length`` then that many bytes of msgpack, one
 tagged struct. The first exchange is :class:`Hello` / :class:`Welcome` (or
 :class:`Refused`, naming both sides of whatever did not match).
@@ -32,7 +38,9 @@ from typing import Any
 
 import msgspec
 
+from kvtier.explain import ExplainReason
 from kvtier.index import MissReason
+from kvtier.policy.base import PolicyName
 from kvtier.tiers.base import TierKind
 
 PROTOCOL_VERSION = 1
@@ -144,6 +152,36 @@ class NamedReserve(_Msg):
     namespace: str
 
 
+class SessionTurn(_Msg):
+    """A session's turn with transcript ``tokens``: live again, its blocks protected in the service's host tier."""
+
+    namespace: str
+    session_id: str
+    tokens: bytes
+
+
+class SessionPrefetch(_Msg):
+    """The session is about to speak: live again, and its transcript ``tokens`` promoted to host memory."""
+
+    namespace: str
+    session_id: str
+    tokens: bytes
+
+
+class Explain(_Msg):
+    """Why the cached run of ``tokens`` stops (:func:`kvtier.explain.diagnose`), from the service's evidence.
+
+    ``own_namespaces``: the caller's other namespaces, the only ones probed
+    besides ``namespace``. ``diverged_at``: where the session's previous turn
+    left these tokens (the server keeps transcripts; the service does not).
+    """
+
+    tokens: bytes
+    namespace: str
+    own_namespaces: list[str] = []
+    diverged_at: int | None = None
+
+
 # -- service -> client ---------------------------------------------------------------------------
 class Welcome(_Msg):
     version: int
@@ -194,6 +232,23 @@ class Present(_Msg):
     flags: list[bool]  # one per name asked, in order
 
 
+class Prefetched(_Msg):
+    promoted: dict[TierKind, int]  # tokens moved up to host, by the tier they left
+    host_blocks: int  # leading blocks of the transcript in host memory afterwards
+
+
+class Explained(_Msg):
+    cached_blocks: int
+    tiers: list[TierKind]
+    miss_reason: MissReason
+    reason: ExplainReason
+    first_miss_token: int | None
+    eviction_tier: TierKind | None = None
+    eviction_policy: PolicyName | None = None
+    eviction_age_s: float | None = None
+    other_namespace: str | None = None  # one of ``own_namespaces``, never another tenant's
+
+
 class StatsReply(_Msg):
     stats: dict[str, Any]
 
@@ -202,10 +257,14 @@ class Failure(_Msg):
     message: str
 
 
-Request = (Hello | Lookup | Load | Release | Reserve | Commit | Probe | Pin | Clear | Stats) | (
-    NamedExists | NamedLoad | NamedReserve
+Request = (
+    (Hello | Lookup | Load | Release | Reserve | Commit | Probe | Pin | Clear | Stats)
+    | (NamedExists | NamedLoad | NamedReserve)
+    | (SessionTurn | SessionPrefetch | Explain)
 )
-Reply = Welcome | Refused | LookupReply | Loaded | Reserved | Committed | Done | Count | Present | StatsReply | Failure
+Reply = (
+    Welcome | Refused | LookupReply | Loaded | Reserved | Committed | Done | Count | Present | StatsReply | Failure
+) | (Prefetched | Explained)
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)

@@ -46,7 +46,9 @@ from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager, StorePlan
 from kvtier.service import protocol as p
 from kvtier.service import slabs
+from kvtier.sessions import SessionRegistry
 from kvtier.tiers import native
+from kvtier.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +173,31 @@ class _Session:
                 return self._hold(m.named_load(msg.names, msg.namespace), 0)
             case p.NamedReserve():
                 return self._hold_plan(m.prepare_named_store(msg.names, msg.namespace))
+            case p.SessionTurn():
+                self.service.session_turn(msg.namespace, msg.session_id, _tokens(msg.tokens))
+                return p.Done()
+            case p.SessionPrefetch():
+                return self.service.session_prefetch(msg.namespace, msg.session_id, _tokens(msg.tokens))
+            case p.Explain():
+                return self._explain(msg)
         return p.Failure(f"{type(msg).__name__} is not asked again after the handshake")
+
+    def _explain(self, msg: p.Explain) -> p.Explained:
+        why = self.service.manager.explain(
+            _tokens(msg.tokens), msg.namespace, own_namespaces=msg.own_namespaces, diverged_at=msg.diverged_at
+        )
+        r, evicted = why.result, why.eviction
+        return p.Explained(
+            r.cached_blocks,
+            list(r.tiers),
+            r.miss_reason,
+            why.reason,
+            why.first_miss_token,
+            None if evicted is None else evicted.tier,
+            None if evicted is None else evicted.policy,
+            why.eviction_age_s,
+            why.other_namespace,
+        )
 
     def _load(self, msg: p.Load) -> p.Reply:
         m = self.service.manager
@@ -290,6 +316,11 @@ class CacheService:
             self.manager.close(flush_s=0)
             self._drop_slab()
             raise
+        # Agent sessions whose transcripts this host tier protects: the servers on the node forward their turns
+        self.agent_sessions: SessionRegistry | None = None
+        if config.session.enabled:
+            self.agent_sessions = SessionRegistry(config.session, layout.block_size)
+            self.manager.protect = self.agent_sessions.protection
         self._ids = itertools.count(1)
         self._sessions: set[_Session] = set()
         self._lock = threading.Lock()
@@ -341,6 +372,19 @@ class CacheService:
 
     def lease(self) -> int:
         return next(self._ids)
+
+    def session_turn(self, namespace: str, session_id: str, tokens: np.ndarray) -> None:
+        if self.agent_sessions is not None:
+            self.agent_sessions.turn(namespace, session_id, tokens, self.manager.keys(tokens, namespace))
+
+    def session_prefetch(self, namespace: str, session_id: str, tokens: np.ndarray) -> p.Prefetched:
+        """Live again (protected before its blocks move, so they land protected), then promoted to host."""
+        if self.agent_sessions is not None and self.agent_sessions.touch(namespace, session_id) is None:
+            self.session_turn(namespace, session_id, tokens)  # expired here, or this service restarted since
+        moved = self.manager.prefetch(tokens, namespace)
+        held = self.manager.probe(tokens, namespace).tiers
+        host = next((i for i, kind in enumerate(held) if kind is not TierKind.HOST), len(held))
+        return p.Prefetched(moved, host)
 
     def expire_reservations(self) -> int:
         """Give back every reservation left uncommitted past ``reservation_ttl_s``; how many."""

@@ -218,6 +218,58 @@ def test_a_service_that_went_away_is_a_miss(service: CacheService) -> None:
     c.close()
 
 
+def test_a_session_turn_protects_its_transcript_in_the_services_host_tier(service: CacheService) -> None:
+    """Host holds 16 blocks; a live session's 4 outlast 20 anonymous ones stored after them (LRU would drop them)."""
+    agent = prompt(4 * BLOCK + 3, seed=1)
+    with client(service) as c:
+        c.store(agent, blocks(4, seed=1), "default")
+        c.session_turn("default", "agent-1", agent)
+        for s in range(2, 7):
+            c.store(prompt(4 * BLOCK, seed=s), blocks(4, seed=s), "default")
+        assert c.probe(agent, "default").tiers == [TierKind.HOST] * 4
+        assert c.probe(agent, "other-tenant").cached_blocks == 0  # its namespace is part of what was protected
+    assert service.agent_sessions is not None and service.agent_sessions.protected_blocks == 4
+
+
+def test_session_prefetch_promotes_the_transcript_from_disk_and_says_how_much(service: CacheService) -> None:
+    agent = prompt(3 * BLOCK, seed=1)
+    with client(service) as c:
+        c.store(agent, blocks(3, seed=1), "default")
+        for s in range(2, 7):  # no session yet: plain LRU sends the transcript down to disk
+            c.store(prompt(4 * BLOCK, seed=s), blocks(4, seed=s), "default")
+        assert c.probe(agent, "default").tiers == [TierKind.DISK] * 3
+        reply = c.session_prefetch("default", "agent-1", agent)
+        assert reply.promoted == {TierKind.DISK: 3 * BLOCK} and reply.host_blocks == 3
+        assert c.probe(agent, "default").tiers == [TierKind.HOST] * 3
+        with c.load(agent, "default") as load:  # the promoted bytes are the stored ones
+            assert [int(b.sum()) for b in load.blocks] == [int(as_bytes(b).sum()) for b in blocks(3, seed=1)]
+    assert service.agent_sessions is not None and service.agent_sessions.get("default", "agent-1") is not None
+
+
+def test_explain_is_answered_from_the_services_eviction_log(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, host={"capacity_bytes": 8 * 4096}, disk={"enabled": False})
+    svc = CacheService(
+        cfg, toy_layout(), model_fingerprint=FINGERPRINT, socket_path=tmp_path / "cache.sock", slab_dir=tmp_path
+    )
+    thread = threading.Thread(target=svc.serve_forever, daemon=True)
+    thread.start()
+    agent = prompt(2 * BLOCK + 1, seed=1)
+    with client(svc) as c:
+        c.store(agent, blocks(2, seed=1), "default")
+        whole = c.explain(agent, "default")
+        assert whole is not None and whole.reason == "partial_tail" and whole.first_miss_token == 2 * BLOCK
+        c.store(prompt(8 * BLOCK, seed=2), blocks(8, seed=2), "default")  # a whole tier: the agent's go
+        why = c.explain(agent, "default", diverged_at=3)
+        assert why is not None and why.reason == "evicted" and why.first_miss_token == 0
+        assert (why.eviction_tier, why.eviction_policy) == (TierKind.HOST, "lru")
+        assert why.eviction_age_s is not None and why.eviction_age_s >= 0
+        never = c.explain(prompt(BLOCK, seed=9), "default")
+        assert never is not None and never.reason == "never_stored"
+        svc.close()
+        thread.join(timeout=30)
+        assert c.explain(agent, "default") is None  # nothing to answer from: the server says 503, not a guess
+
+
 def test_a_reservation_left_uncommitted_is_given_back_and_its_late_commit_refused(tmp_path: Path) -> None:
     now = [100.0]
     cfg = make_config(tmp_path, host={"capacity_bytes": 8 * 4096}, disk={"capacity_bytes": 16 * 4096})

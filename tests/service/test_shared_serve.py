@@ -57,7 +57,9 @@ def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: Lo
                 {"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "Now add them up."},
             ]
-            second = b.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            second = b.client().chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0, user="agent-1"
+            )
             ids2, ref2 = reference.chat(messages, 12)
             assert second.choices[0].message.content == ref2.text  # identical to no cache at all
             cached = second.usage.prompt_tokens_details.cached_tokens
@@ -67,6 +69,19 @@ def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: Lo
             assert stats["tiers"]["host"]["blocks"] > 0
             prefetch = stats["engine"]["prefetch"]  # fetched on arrival, off the engine thread, then taken
             assert prefetch["started"] == 1 and prefetch["blocks_used"] * 16 == cached
+
+            # The session's tiers are the service's: prefetch and explain are answered there, not 404.
+            done = b.post("/v1/sessions/agent-1/prefetch")
+            assert done.status_code == 200, done.text
+            assert done.json()["host_tokens"] == len(ids2) // 16 * 16 and done.json()["promoted_tokens"] == {}
+            changed = [{**messages[0], "content": "You are a verbose assistant. " + messages[0]["content"]}]
+            why = b.post(
+                "/v1/cache/explain", json={"messages": changed + messages[1:]}, headers={"X-Session-ID": "agent-1"}
+            )
+            assert why.status_code == 200, why.text
+            assert why.json()["reason"] == "session_diverged" and why.json()["divergence"]["position"] < 16
+            same = b.post("/v1/cache/explain", json={"messages": messages}).json()
+            assert same["cached_tokens"] == len(ids2) // 16 * 16 and same["tiers"] == {"host": same["cached_tokens"]}
 
             service.terminate()  # the service goes away mid-session: the instances answer on, from their own pools
             assert service.wait(timeout=60) == 0
