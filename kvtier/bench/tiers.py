@@ -72,6 +72,31 @@ def _median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] 
     return statistics.median(times[1:])
 
 
+def _interleaved(
+    cases: dict[str, tuple[Callable[[], object], Callable[[], object]]], reps: int, warmup: int = 2
+) -> dict[str, list[float]]:
+    """Seconds of each ``(fn, before)`` case, every repetition running each case once in turn.
+
+    A ratio's two halves timed one after the other in full carry whatever
+    changed on a shared machine in between (a neighbour's I/O, the state of
+    the page cache, a busy core) into the ratio. Interleaved, each
+    repetition is a pair measured under the same conditions. The first
+    ``warmup`` repetitions are dropped: they read bytes the bench has just
+    written, which a virtual disk may still be flushing on its host (the
+    first reads of both files are slow there, whatever the guest's page
+    cache holds; bench/README.md has the per-repetition figures).
+    """
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(warmup + reps):
+        for name, (fn, before) in cases.items():
+            before()
+            start = time.perf_counter()
+            fn()
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
@@ -150,13 +175,10 @@ def bench_disk(layout: KVLayout, n: int, reps: int, where: Path, io_mode: IOMode
     w = _Workload.make(layout, n)
     src, dst, keys, outs, nbytes = w.src, w.dst, w.keys, w.outs, w.nbytes
     put = _median_s(lambda: tier.put_many(keys, w.blocks, w.records), reps, before=lambda: tier.remove_many(keys))
-    cold = [tier.drop_page_cache()]
-    get = _median_s(lambda: tier.get_many(keys, outs), reps, before=lambda: cold.append(tier.drop_page_cache()))
-    assert torch.equal(dst, src), "disk tier returned other bytes"
-    tier.close()
 
     raw_path = where / "raw.bin"
     raw = np.empty(nbytes, dtype=np.uint8)
+    cold: list[bool] = []
     with open(raw_path, "wb") as f:
         f.write(src.numpy().tobytes())
         f.flush()
@@ -167,17 +189,28 @@ def bench_disk(layout: KVLayout, n: int, reps: int, where: Path, io_mode: IOMode
         cold.append(_drop(fd))
         os.close(fd)
 
-    raw_s = _median_s(lambda: _raw_read(raw_path, raw), reps, before=drop_raw)
-    direct_gbps = None
-    if native.probe_direct(where) is None:
-        aligned = native.alloc_aligned(align_up(nbytes))
-        direct_gbps = _gbps(nbytes, _median_s(lambda: _raw_direct_read(raw_path, aligned), reps, before=drop_raw))
+    os.sync()  # the puts' and the raw file's writes reach the device before any read is timed beside them
+    direct = native.probe_direct(where) is None
+    aligned = native.alloc_aligned(align_up(nbytes)) if direct else None
+    cases: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        "get": (lambda: tier.get_many(keys, outs), lambda: cold.append(tier.drop_page_cache())),
+        "raw": (lambda: _raw_read(raw_path, raw), drop_raw),
+    }
+    if aligned is not None:
+        cases["direct"] = (lambda: _raw_direct_read(raw_path, aligned), drop_raw)
+    times = _interleaved(cases, reps)
+    assert torch.equal(dst, src), "disk tier returned other bytes"
+    tier.close()
+    get, raw_s = statistics.median(times["get"]), statistics.median(times["raw"])
+    direct_gbps = _gbps(nbytes, statistics.median(times["direct"])) if "direct" in times else None
+    by_rep = [round(r / g, 3) for g, r in zip(times["get"], times["raw"], strict=True)]
     return {
         "put_gbps": _gbps(nbytes, put),
         "get_gbps": _gbps(nbytes, get),
         "raw_read_gbps": _gbps(nbytes, raw_s),
         "raw_direct_read_gbps": direct_gbps,
         "cold": all(cold),
+        "get_vs_raw_by_rep": by_rep,
         "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) after fsync",
         "fsync": FsyncMode.BATCH.value,
         "io_mode": tier.io_mode.value,
@@ -258,7 +291,10 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
     out = {
         "host_get_vs_memcpy": round(h["get_gbps"] / h["memcpy_gbps"], 3),
         "host_put_vs_memcpy": round(h["put_gbps"] / h["memcpy_gbps"], 3),
-        "disk_get_vs_raw_read": round(d["get_gbps"] / d["raw_read_gbps"], 3),
+        # the median of each repetition's pair (see _interleaved), not a ratio of two medians
+        "disk_get_vs_raw_read": statistics.median(d["get_vs_raw_by_rep"])
+        if d.get("get_vs_raw_by_rep")
+        else round(d["get_gbps"] / d["raw_read_gbps"], 3),
         "keys_vs_raw_xxh3": round(k["keys_ms"] / max(k["raw_xxh3_ms"], 1e-6), 1),
     }
     if d.get("raw_direct_read_gbps"):
