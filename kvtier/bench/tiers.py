@@ -82,9 +82,8 @@ def _interleaved(
     the page cache, a busy core) into the ratio. Interleaved, each
     repetition is a pair measured under the same conditions. The first
     ``warmup`` repetitions are dropped: they read bytes the bench has just
-    written, which a virtual disk may still be flushing on its host (the
-    first reads of both files are slow there, whatever the guest's page
-    cache holds; bench/README.md has the per-repetition figures).
+    written, and on a virtual disk the first reads of such bytes can be slow
+    whatever the guest's page cache holds (bench/README.md has the figures).
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
     for rep in range(warmup + reps):
