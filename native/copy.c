@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kvtier_native.h"
+#include "kernels.h"
 
 PyObject *kvt_py_copy_regions(PyObject *mod, PyObject *args) {
     (void)mod;

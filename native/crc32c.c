@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "crc32c.h"
-#include "kvtier_native.h"
+#include "io.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define KVT_X86 1

@@ -36,8 +36,8 @@
 #include <string.h>
 
 #include "decode_attention.h"
-#include "kvtier_float.h"
-#include "kvtier_native.h"
+#include "float_math.h"
+#include "kernels.h"
 #include "team.h"
 
 #define ATTN_MAX_THREADS 16

@@ -3,7 +3,7 @@
 #include <string.h>
 
 #include "decode_attention.h"
-#include "kvtier_float.h"
+#include "float_math.h"
 
 #ifdef KVT_X86
 #include <immintrin.h>

@@ -17,7 +17,7 @@
 #include "aligned.h"
 #include "crc32c.h"
 #include "iopool.h"
-#include "kvtier_native.h"
+#include "io.h"
 
 /* A piece of one caller buffer ("item"). */
 typedef struct {

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvtier_native.h"
+#include "kernels.h"
 
 /* xxh3-128 is not reimplemented here: the xxhash package's own extension exports
    XXH3_128bits_withSeed, and bind_xxh3 looks it up there at import time, so keys

@@ -5,8 +5,8 @@
  * offer at a time; a caller that finds another task in flight runs its own alone. A
  * task's work function claims units from a counter of its own until none are left, so a
  * worker that joins late only takes fewer. Decode attention (decode_attention.c),
- * prefill attention (kvtier_prefill.c) and the quantized matrix-vector products
- * (kvtier_quant.c) share it.
+ * prefill attention (prefill_attention.c) and the quantized matrix-vector products
+ * (quant_matvec.c) share it.
  */
 #include <pthread.h>
 #include <stdint.h>

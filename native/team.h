@@ -1,5 +1,5 @@
 /* The sleeping worker team (team.c) that decode attention (decode_attention.c), prefill
- * attention (kvtier_prefill.c) and the quantized products (kvtier_quant.c) share. */
+ * attention (prefill_attention.c) and the quantized products (quant_matvec.c) share. */
 #ifndef KVTIER_TEAM_H
 #define KVTIER_TEAM_H
 

@@ -125,7 +125,7 @@ def test_no_key_for_short_input(secret: Secret) -> None:
 def test_the_native_key_chain_is_the_one_in_use() -> None:
     from kvtier import keys
 
-    assert keys._CHAIN is not None, "kvtier._native did not build or could not bind xxhash's XXH3_128bits_withSeed"
+    assert keys._CHAIN is not None, "kvtier._native_kernels did not build, or did not bind XXH3_128bits_withSeed"
 
 
 @settings(max_examples=40)

@@ -49,7 +49,7 @@ import torch
 from kvtier.engine.pool import BlockTable, Gather, KVPool, blocks_for
 
 try:
-    _native = importlib.import_module("kvtier._native")
+    _native = importlib.import_module("kvtier._native_kernels")
 except ImportError:  # not built: the torch path serves
     _native = None
 

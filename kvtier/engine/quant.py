@@ -27,7 +27,7 @@ import torch
 from kvtier.model import QuantBlocks, QuantKind
 
 try:
-    _native = importlib.import_module("kvtier._native")
+    _native = importlib.import_module("kvtier._native_kernels")
 except ImportError:  # not built: the engine keeps the dense matmuls
     _native = None
 

@@ -1,13 +1,15 @@
-"""The disk tier's I/O primitives: the C extension ``kvtier._native``, or the same functions in pure Python.
+"""The disk tier's I/O primitives: the C extension ``kvtier._native_io``, or the same functions in pure Python.
 
 The extension (``native/iopool.c``, ``native/crc32c.c`` and
-``native/aligned.c`` for these functions, compiled by the package's own build)
-runs batched positional reads and writes over a small thread pool with the GIL
-released, and CRC-32C with the SSE4.2 instruction. Where it could not
-be built (no compiler) or imported, :data:`PYTHON` does the same thing with
-``os.preadv``/``os.pwritev`` loops and a table-driven CRC-32C: identical
-results, one request at a time, and a checksum taken a byte at a time in
-Python, far slower than the disk reads.
+``native/aligned.c``, compiled by the package's own build) runs batched
+positional reads and writes over a small thread pool with the GIL released,
+and CRC-32C with the SSE4.2 instruction; ``copy_regions`` comes from
+``kvtier._native_kernels`` (``native/copy.c``). The build requires both.
+:data:`PYTHON` does the same things with ``os.preadv``/``os.pwritev`` loops
+and a table-driven CRC-32C: identical results, one request at a time, and a
+checksum taken a byte at a time in Python. It is the reference the tests
+compare the extension with, and what runs if an import fails (a build for
+another Python), far slower than the disk reads.
 :data:`NATIVE` says which one :data:`BACKEND` is.
 
 The functions, in both backends:
@@ -295,20 +297,21 @@ def address_of(buffer: Buffer) -> int:
 # -- the extension -------------------------------------------------------------
 def _load_native() -> tuple[IOBackend | None, str | None]:
     try:
-        _native = importlib.import_module("kvtier._native")
-    except ImportError as err:  # not built (no compiler), or built for another Python
+        io = importlib.import_module("kvtier._native_io")
+        kernels = importlib.import_module("kvtier._native_kernels")  # copy_regions: a copy, not I/O
+    except ImportError as err:  # not built, or built for another Python
         return None, str(err)
     backend = IOBackend(
         name="native",
-        preadv_batch=_native.preadv_batch,
-        pwritev_batch=_native.pwritev_batch,
-        preadv_crc32c_batch=_native.preadv_crc32c_batch,
-        pwritev_crc32c_batch=_native.pwritev_crc32c_batch,
-        alloc_aligned=_native.alloc_aligned,
-        crc32c=_native.crc32c,
-        crc32c_layers=_native.crc32c_layers,
-        copy_regions=_native.copy_regions,
-        crc32c_impl=_native.CRC32C_IMPL,
+        preadv_batch=io.preadv_batch,
+        pwritev_batch=io.pwritev_batch,
+        preadv_crc32c_batch=io.preadv_crc32c_batch,
+        pwritev_crc32c_batch=io.pwritev_crc32c_batch,
+        alloc_aligned=io.alloc_aligned,
+        crc32c=io.crc32c,
+        crc32c_layers=io.crc32c_layers,
+        copy_regions=kernels.copy_regions,
+        crc32c_impl=io.CRC32C_IMPL,
     )
     return backend, None
 

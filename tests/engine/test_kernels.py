@@ -27,7 +27,7 @@ from kvtier.engine.kernels import (
 from kvtier.layout import KVLayout
 from kvtier.model.config import ModelConfig
 
-needs_native = pytest.mark.skipif(not kernels.NATIVE, reason="kvtier._native has no paged_decode_attention")
+needs_native = pytest.mark.skipif(not kernels.NATIVE, reason="kvtier._native_kernels has no paged_decode_attention")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LENGTHS = [5, 16, 17, 130, 300]  # shorter than a block, exactly one, one past, longer
 
@@ -190,7 +190,9 @@ def test_pools_the_kernel_does_not_take_get_the_torch_path() -> None:
 
 
 # -- the prefill kernel --------------------------------------------------------------
-needs_prefill = pytest.mark.skipif(not kernels.NATIVE_PREFILL, reason="kvtier._native has no paged_prefill_attention")
+needs_prefill = pytest.mark.skipif(
+    not kernels.NATIVE_PREFILL, reason="kvtier._native_kernels has no paged_prefill_attention"
+)
 
 
 def prefill_reference(pool: KVPool, layer: int, table: BlockTable, start: int, q: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from kvtier.tiers import native
 from kvtier.tiers.native import PYTHON, IOBackend, address_of, probe_direct
 
 needs_native = pytest.mark.skipif(
-    not native.NATIVE, reason=f"kvtier._native is not built: {native.NATIVE_IMPORT_ERROR}"
+    not native.NATIVE, reason=f"kvtier._native_io is not built: {native.NATIVE_IMPORT_ERROR}"
 )
 BACKENDS = [pytest.param(native.NATIVE_BACKEND, id="native", marks=needs_native), pytest.param(PYTHON, id="python")]
 
@@ -32,14 +32,18 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def test_the_native_extension_is_the_one_in_use() -> None:
-    """The one test that fails (rather than skips) when the build did not compile the extension."""
+def test_both_extensions_are_built_and_in_use() -> None:
+    """The build requires them (setup.py): a checkout whose build did not compile them fails here first."""
     assert native.NATIVE is True, native.NATIVE_IMPORT_ERROR
     assert native.BACKEND is native.NATIVE_BACKEND and native.BACKEND.native
-    from kvtier import _native
+    from kvtier import _native_io, _native_kernels
+    from kvtier.engine import kernels, quant
 
-    assert Path(_native.__file__).suffix == ".so"  # compiled here from native/*.c
-    assert native.crc32c is _native.crc32c and native.preadv_batch is _native.preadv_batch
+    assert Path(_native_io.__file__).suffix == Path(_native_kernels.__file__).suffix == ".so"  # from native/*.c
+    assert native.crc32c is _native_io.crc32c and native.preadv_batch is _native_io.preadv_batch
+    assert native.copy_regions is _native_kernels.copy_regions
+    assert kernels.NATIVE and kernels.NATIVE_PREFILL and quant.NATIVE
+    assert not hasattr(_native_io, "paged_decode_attention") and not hasattr(_native_kernels, "preadv_batch")
 
 
 @needs_native
@@ -59,7 +63,7 @@ def test_crc32c_vectors(backend: IOBackend, data: bytes, want: int) -> None:
 
 @needs_native
 def test_portable_c_path_matches_the_vectors_and_the_hardware() -> None:
-    from kvtier import _native
+    from kvtier import _native_io as _native
 
     for data, want in VECTORS:
         assert _native._crc32c_portable(data) == want
@@ -90,7 +94,7 @@ def test_native_crc32c_equals_the_fallback_on_random_buffers() -> None:
 @needs_native
 def test_native_crc32c_over_the_gil_free_size() -> None:
     data = random_bytes(3 * 1024**2 + 5, 9)  # above the size where the GIL is released
-    from kvtier import _native
+    from kvtier import _native_io as _native
 
     assert _native.crc32c(data) == _native._crc32c_portable(data)
     assert native.NATIVE_BACKEND.crc32c_layers(data[:-5], 1024**2) == [

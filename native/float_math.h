@@ -1,4 +1,4 @@
-/* Float helpers the decode (decode_attention*.c) and prefill (kvtier_prefill.c) attention
+/* Float helpers the decode (decode_attention*.c) and prefill (prefill_attention.c) attention
  * kernels share, so that both convert and round the same way: bfloat16 <-> float32, and
  * the softmax's exp(x) for x <= 0. */
 #ifndef KVTIER_FLOAT_H

@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvtier_native.h"
+#include "kernels.h"
 #include "team.h"
 
 #if defined(__x86_64__) || defined(__i386__)

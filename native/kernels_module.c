@@ -1,15 +1,8 @@
 /*
- * kvtier._native, the module itself: the method table (every Python signature and
- * docstring), the module's constants and PyInit; the work is in the file named after
- * it (native/README.md has the table):
+ * kvtier._native_kernels: the engine's and the block keys' compute. The method table
+ * (every Python signature and docstring), the module's constants and PyInit; the work
+ * is in the file named after it (native/README.md has the table):
  *
- *   preadv_batch / pwritev_batch  iopool.c: many positional reads or writes in one call,
- *                                 spread over a small pthread pool, GIL released
- *   alloc_aligned                 aligned.c: a writable buffer at an aligned address
- *                                 (O_DIRECT)
- *   crc32c / crc32c_layers        crc32c.c: CRC-32C (Castagnoli): the SSE4.2 crc32
- *                                 instruction, three streams interleaved, else a
- *                                 slicing-by-8 table
  *   bind_xxh3 / xxh3_128_chain    keychain.c: the chained block keys of kvtier/keys.py,
  *                                 calling the xxhash package's own xxh3-128, GIL released
  *   copy_regions                  copy.c: many same-sized memcpys by address in one
@@ -17,24 +10,19 @@
  *                                 onboarding)
  *   paged_decode_attention        decode_attention.c (+ _avx512.c, _avx2.c): decode
  *                                 attention read in place from the paged pool
- *   paged_prefill_attention       kvtier_prefill.c: prefill attention over cached
+ *   paged_prefill_attention       prefill_attention.c: prefill attention over cached
  *                                 positions
- *   quant_matvec                  kvtier_quant.c: decode weight products from GGUF blocks
+ *   quant_matvec                  quant_matvec.c: decode weight products from GGUF blocks
  *
  * The attention kernels and quant_matvec share the sleeping worker team of team.c.
- *
- * The disk tier's functions and copy_regions are also written in pure Python in
- * kvtier/tiers/native.py (the fallback for a platform without a compiler); tests check
- * the two agree. The key chain falls back to a Python loop in kvtier/keys.py, the
- * attention kernels to torch (kvtier/engine/kernels.py).
+ * The key chain has a Python loop in kvtier/keys.py, copy_regions a Python loop in
+ * kvtier/tiers/native.py, the attention kernels torch (kvtier/engine/kernels.py): the
+ * references the tests compare this module with.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "aligned.h"
-#include "crc32c.h"
-#include "iopool.h"
-#include "kvtier_native.h"
+#include "kernels.h"
 
 PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n) {
     PyObject *names = PyTuple_New(n);
@@ -54,34 +42,6 @@ static PyMethodDef methods[] = {
      "blocks: kind 0 = Q4_1 (q: rows x cols/2 nibbles, d and m: rows x cols/32 float32), 1 = Q8_0 (q: rows x "
      "cols int8, d: rows x cols/32, m: 0). Every argument but kind, rows, cols, n, threads and impl is an "
      "address (trusted, like copy_regions'); impl picks a build by name ('base' always exists; see QUANT_IMPL)."},
-    {"preadv_batch", (PyCFunction)(void (*)(void))kvt_py_preadv_batch, METH_VARARGS | METH_KEYWORDS,
-     "preadv_batch(fd, buffers, offsets, bounce=None, align=4096) -> list[int]\n\n"
-     "Fill each writable buffer from its file offset (fd: one int or one per buffer), in parallel, "
-     "without the GIL. Returns the bytes read per buffer: less than its length only at end of file. "
-     "With a bounce buffer, requests whose address, length or offset is not a multiple of align are "
-     "read through it (O_DIRECT needs all three aligned). Errors raise OSError with the first errno."},
-    {"pwritev_batch", (PyCFunction)(void (*)(void))kvt_py_pwritev_batch, METH_VARARGS | METH_KEYWORDS,
-     "pwritev_batch(fd, buffers, offsets, bounce=None, align=4096) -> int\n\n"
-     "Write each buffer whole at its file offset, in parallel, without the GIL; returns the bytes "
-     "written. Unaligned requests go through the bounce buffer when one is given: the partial blocks "
-     "at their edges are read first and written back whole (buffers of one call must not share such "
-     "a block). Errors raise OSError with the first errno."},
-    {"preadv_crc32c_batch", (PyCFunction)(void (*)(void))kvt_py_preadv_crc32c_batch, METH_VARARGS | METH_KEYWORDS,
-     "preadv_crc32c_batch(fd, buffers, offsets, layer_bytes, bounce=None, align=4096)\n"
-     "-> tuple[list[int], list[list[int]]]\n\n"
-     "preadv_batch, plus each buffer's CRC-32C per layer_bytes run (every buffer a whole number of "
-     "layers), computed by the I/O threads while the bytes are still in cache."},
-    {"pwritev_crc32c_batch", (PyCFunction)(void (*)(void))kvt_py_pwritev_crc32c_batch, METH_VARARGS | METH_KEYWORDS,
-     "pwritev_crc32c_batch(fd, buffers, offsets, layer_bytes, bounce=None, align=4096) -> list[list[int]]\n\n"
-     "pwritev_batch, returning each buffer's CRC-32C per layer_bytes run instead of the byte count."},
-    {"alloc_aligned", (PyCFunction)(void (*)(void))kvt_py_alloc_aligned, METH_VARARGS | METH_KEYWORDS,
-     "alloc_aligned(nbytes, alignment=4096) -> AlignedBuffer\n\nZero-filled writable memory at an aligned address."},
-    {"crc32c", (PyCFunction)(void (*)(void))kvt_py_crc32c, METH_VARARGS | METH_KEYWORDS,
-     "crc32c(buffer, seed=0) -> int\n\nCRC-32C of the buffer; seed is a previous result to continue from."},
-    {"crc32c_layers", (PyCFunction)(void (*)(void))kvt_py_crc32c_layers, METH_VARARGS | METH_KEYWORDS,
-     "crc32c_layers(buffer, layer_bytes) -> list[int]\n\nCRC-32C of each consecutive layer_bytes run."},
-    {"_crc32c_portable", (PyCFunction)(void (*)(void))kvt_py_crc32c_portable, METH_VARARGS | METH_KEYWORDS,
-     "The table-driven CRC-32C that runs where SSE4.2 does not (tests compare it with crc32c)."},
     {"bind_xxh3", (PyCFunction)kvt_py_bind_xxh3, METH_O,
      "bind_xxh3(path) -> None\n\nFind XXH3_128bits_withSeed in the xxhash extension at path."},
     {"xxh3_128_chain", (PyCFunction)kvt_py_xxh3_128_chain, METH_VARARGS,
@@ -122,26 +82,14 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "kvtier._native", "The disk tier's hot path in C (see native/README.md).", -1, methods,
-    NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "kvtier._native_kernels", "The engine's kernels and the block-key chain in C "
+    "(see native/README.md).", -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) {
-    static int once = 0;
-    if (!once) {
-        kvt_crc_init();
-        kvt_iopool_init();
-        once = 1;
-    }
-    if (PyType_Ready(&kvt_aligned_buffer_type) < 0) return NULL;
+PyMODINIT_FUNC PyInit__native_kernels(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
-    Py_INCREF(&kvt_aligned_buffer_type);
-    if (PyModule_AddObject(m, "AlignedBuffer", (PyObject *)&kvt_aligned_buffer_type) < 0 ||
-        PyModule_AddIntConstant(m, "THREADS", KVT_THREADS) < 0 ||
-        PyModule_AddIntConstant(m, "PIECE_BYTES", (long)KVT_PIECE) < 0 ||
-        PyModule_AddStringConstant(m, "CRC32C_IMPL", kvt_crc_impl_name()) < 0 ||
-        PyModule_AddStringConstant(m, "QUANT_IMPL", kvt_quant_impl()) < 0) {
+    if (PyModule_AddStringConstant(m, "QUANT_IMPL", kvt_quant_impl()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -38,8 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvtier_float.h"
-#include "kvtier_native.h"
+#include "float_math.h"
+#include "kernels.h"
 #include "team.h"
 
 #define PF_TILE 16      /* key positions per tile */

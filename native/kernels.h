@@ -1,0 +1,34 @@
+/* The Python entry points of kvtier._native_kernels (kernels_module.c puts them in its
+ * method table), grouped by the file that defines each: the engine's and the keys'
+ * compute. What the kernels share below Python (the thread team, the decode attention
+ * job, the bfloat16 helpers) is in team.h, decode_attention.h and float_math.h. */
+#ifndef KVTIER_KERNELS_H
+#define KVTIER_KERNELS_H
+
+#include <Python.h>
+
+/* The block-key chain (keychain.c). */
+PyObject *kvt_py_bind_xxh3(PyObject *mod, PyObject *arg);
+PyObject *kvt_py_xxh3_128_chain(PyObject *mod, PyObject *args);
+
+/* Region copies (copy.c). */
+PyObject *kvt_py_copy_regions(PyObject *mod, PyObject *args);
+
+/* Decode attention (decode_attention.c). */
+PyObject *kvt_py_paged_decode_attention(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *kvt_py_paged_decode_attention_using(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *kvt_py_paged_decode_attention_impls(PyObject *mod, PyObject *arg);
+
+/* Prefill attention over cached positions (prefill_attention.c). */
+PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *kvt_py_paged_prefill_attention_impls(PyObject *mod, PyObject *arg);
+
+/* Quantized matrix-vector products (quant_matvec.c). */
+PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw);
+const char *kvt_quant_impl(void);
+
+/* The names of a table of builds, as a tuple of str; every entry of the table
+ * (entry_bytes apart) starts with its name, a const char * (kernels_module.c). */
+PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n);
+
+#endif
