@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvtier.keys import BlockKey, Digests
 from kvtier.tiers.base import Tier, TierKind
@@ -65,16 +66,34 @@ class Probe:
     mismatched: TierKind | None  # the tier whose stored tokens disagreed
 
 
-def longest_prefix(keys: Sequence[BlockKey], digests: Digests, tiers: Sequence[Tier], *, start: int = 0) -> Probe:
+class Evidence(Protocol):
+    """What a holder keeps beside a key to confirm it: a tier's digest record, the pool's token block."""
+
+    def matches(self, evidence: Any, /) -> bool: ...
+
+
+class Holder(Protocol):
+    """Anything that holds blocks by key: the tiers, and the engine's resident pool index."""
+
+    @property
+    def kind(self) -> TierKind: ...
+
+    def record(self, key: BlockKey, /) -> Evidence | None: ...
+
+
+def longest_prefix(
+    keys: Sequence[BlockKey], digests: Digests | Sequence[Any], tiers: Sequence[Tier | Holder], *, start: int = 0
+) -> Probe:
     """Walk ``keys`` from ``start`` in order; each block is served by the first (fastest) tier holding it, confirmed.
 
     ``digests`` are the request's, beside ``keys`` (digested only where a
-    tier holds the key). A tier whose record disagrees ends the run (the
-    lower tiers were written from the same colliding key and cannot be
-    trusted to differ).
+    tier holds the key): what each holder's records are confirmed against
+    (a tier's, a digest; the resident pool's, the block's tokens). A holder
+    whose record disagrees ends the run (the lower tiers were written from
+    the same colliding key and cannot be trusted to differ).
     """
     found: list[TierKind] = []
-    for i in range(start, len(keys)):
+    for i in range(start, min(len(keys), len(digests))):
         key = keys[i]
         for tier in tiers:
             record = tier.record(key)

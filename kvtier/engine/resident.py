@@ -18,6 +18,7 @@ import numpy as np
 
 from kvtier.engine.pool import KVPool
 from kvtier.events import BlockEventSink
+from kvtier.index import longest_prefix
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierKind
 
@@ -27,8 +28,16 @@ class _Resident:
     block_id: int
     tokens: np.ndarray
 
+    def matches(self, tokens: np.ndarray) -> bool:
+        """The confirmation every tier makes, here on the block's tokens themselves (the pool holds them anyway)."""
+        return np.array_equal(self.tokens, tokens)
+
 
 class ResidentBlocks:
+    """The pool's finished blocks by key: a holder :func:`kvtier.index.longest_prefix` walks like any tier."""
+
+    kind = TierKind.DEVICE
+
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool
         self._blocks: OrderedDict[BlockKey, _Resident] = OrderedDict()  # least recently used first
@@ -37,31 +46,23 @@ class ResidentBlocks:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def record(self, key: BlockKey) -> _Resident | None:
+        return self._blocks.get(key)
+
     def match(self, keys: list[BlockKey], blocks: np.ndarray) -> list[int]:
         """Pool block ids of the longest confirmed run of ``keys`` held here (they become most recent).
 
         A prefix's first block is made the most recent of all, its last the
         least: evicting from the end of a chain keeps the rest of it useful.
         """
-        hits: list[tuple[BlockKey, int]] = []
-        for key, tokens in zip(keys, blocks, strict=False):
-            hit = self._blocks.get(key)
-            if hit is None or not np.array_equal(hit.tokens, tokens):
-                break
-            hits.append((key, hit.block_id))
-        for key, _ in reversed(hits):
+        hits = keys[: self.peek(keys, blocks)]
+        for key in reversed(hits):
             self._blocks.move_to_end(key)
-        return [block_id for _, block_id in hits]
+        return [self._blocks[key].block_id for key in hits]
 
     def peek(self, keys: list[BlockKey], blocks: np.ndarray) -> int:
         """How many leading ``keys`` :meth:`match` would share now, without touching recency."""
-        n = 0
-        for key, tokens in zip(keys, blocks, strict=False):
-            hit = self._blocks.get(key)
-            if hit is None or not np.array_equal(hit.tokens, tokens):
-                break
-            n += 1
-        return n
+        return len(longest_prefix(keys, blocks, [self]).tiers)
 
     def keep(self, keys: list[BlockKey], block_ids: list[int], blocks: np.ndarray) -> None:
         """Hold a reference to each full block of a finished request not already held."""
