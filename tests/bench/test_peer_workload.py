@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from kvtier.bench import ttft
 from kvtier.bench.peer import workload
@@ -30,14 +32,16 @@ class LineChat:
 
 @dataclass
 class FakeLoaded:
-    """The two things the workload reads from a loaded model."""
+    """What the workload reads from a loaded model (and ttft.run the device it names in its JSON)."""
 
     tokenizer: Any = None
     chat: Any = None
+    model: Any = None
 
     def __post_init__(self) -> None:
         self.tokenizer = self.tokenizer or CharTokenizer()
         self.chat = self.chat or LineChat()
+        self.model = self.model or SimpleNamespace(device=torch.device("cpu"))
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.encode(self.chat.render(messages, add_generation_prompt=True), add_special_tokens=False)
