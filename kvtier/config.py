@@ -182,15 +182,20 @@ class CacheConfig(_Section):
 class ComputeDtype(enum.StrEnum):
     """The engine's weights, activations and KV dtype.
 
-    ``float32`` is the default because reuse must be exact: with it, greedy
-    output with cached KV is token-for-token identical to a full recompute.
-    ``bfloat16`` halves the bytes every weight and KV read moves, which
-    pays on a CPU with native bf16 arithmetic (AVX-512 BF16) and can cost on
-    one without it (see bench/README.md). Its reuse is not exact: torch's
-    flash-attention kernel blocks the work by sequence length, so a token's
-    KV computed during decode differs in the last bf16 bits from the same KV
-    computed in a long prefill, and a greedy continuation can drift after
-    many tokens.
+    ``float32`` is the default: greedy output with cached KV is token-for-token
+    identical to a full recompute (tested), the differences between KV
+    computed in different chunks or by a decode step being far below what
+    moves a greedy token. ``bfloat16`` halves the bytes every weight and KV
+    read moves and runs the matmuls on native bf16 arithmetic where the CPU
+    has it (AVX-512 BF16, AMX), and there its differences are not small.
+    So on the CPU bf16 reuse is made exact by construction: every prefill
+    chunk's attention runs the C kernel (:mod:`kvtier.engine.kernels`), whose
+    reduction order does not depend on where the prompt was cut, so a token's
+    prefill KV is the same bits in one forward or in many (torch's CPU
+    matmuls give a row the same bits whatever rows come with it: tested in
+    tests/engine/test_bf16_reuse.py); and only prefill-computed blocks are cached
+    (:class:`DecodedKV`). On a GPU the attention is SDPA's, and that holds
+    only as far as its kernels are invariant too.
     """
 
     FLOAT32 = "float32"
@@ -210,6 +215,22 @@ class DecodeWeights(enum.StrEnum):
 
     GGUF = "gguf"
     DENSE = "dense"
+
+
+class DecodedKV(enum.StrEnum):
+    """Whether blocks holding KV a decode step computed (a reply's tokens) are cached and reused.
+
+    A decode step computes its token's KV with other kernels than a prefill
+    (one row; in float32 the GGUF matvec), so a reply's blocks differ in the
+    last bits from the same tokens prefilled in the next turn without a cache.
+    ``auto``: cached in float32, where that difference is far below what moves
+    a greedy token; not in bfloat16, where skipping them (the next turn
+    prefills the previous reply again) keeps reuse exact by construction.
+    """
+
+    AUTO = "auto"
+    CACHE = "cache"
+    SKIP = "skip"
 
 
 class EngineDevice(enum.StrEnum):
@@ -253,6 +274,9 @@ class EngineConfig(_Section):
         description="Tokens one step computes: a token per decoding request, then prompt chunks (chunked prefill).",
     )
     keep_resident: bool = Field(True, description="Keep finished requests' blocks in the pool (device tier).")
+    decoded_kv: DecodedKV = Field(
+        DecodedKV.AUTO, description="Cache blocks a decode step computed: auto = in float32, not in bfloat16."
+    )
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("model_path")

@@ -176,6 +176,7 @@ class Engine:
         layerwise: bool = True,
         max_step_tokens: int = 512,
         speculative: PromptLookup | None = None,
+        cache_decoded: bool = True,
     ) -> None:
         want = model.kv_layout(block_size)
         if cache is not None and cache.layout != want:
@@ -190,6 +191,7 @@ class Engine:
         self.cache = cache
         self.hasher = hasher
         self.resident = ResidentBlocks(self.pool) if keep_resident else None
+        self.cache_decoded = cache_decoded  # False: only prefill-computed blocks are stored or kept (DecodedKV)
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.namespace = namespace
@@ -611,7 +613,7 @@ class Engine:
         can be neither freed nor reused under the copy; full blocks are never
         written again, so nothing changes them either.
         """
-        full = req.table.num_tokens // self.block_size
+        full = self._cacheable_blocks(req)
         if self.cache is None or full <= req.stored_blocks:
             return
         first = req.stored_blocks
@@ -627,6 +629,17 @@ class Engine:
         )
         self._storing.append((job, ids))
         req.stored_blocks = full
+
+    def _cacheable_blocks(self, req: Request) -> int:
+        """Leading full blocks of ``req`` whose KV may be cached: all, or (``cache_decoded`` off) the prompt's.
+
+        Positions past the prompt were computed by decode steps (or a
+        speculative verify), with other kernels than a prefill of the same
+        tokens; a block holding any of them is left out when reuse must be
+        exact by construction.
+        """
+        full = req.table.num_tokens // self.block_size
+        return full if self.cache_decoded else min(full, len(req.prompt_ids) // self.block_size)
 
     def _reap_stores(self, *, wait: bool = False) -> None:
         """Drop the pool references of finished stores; a failed store is logged (its blocks are misses later)."""
@@ -693,7 +706,7 @@ class Engine:
                 del self._producing[key]
         self._store_new_blocks(req)
         if self.resident is not None and self.hasher is not None:
-            full = req.table.num_tokens // self.block_size
+            full = self._cacheable_blocks(req)
             ids = req.all_ids[: full * self.block_size]
             self.resident.keep(
                 self.hasher.keys(ids, req.namespace), req.table.block_ids[:full], block_tokens(ids, self.block_size)

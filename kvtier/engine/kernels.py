@@ -285,8 +285,17 @@ class NativePrefill:
 
 
 def plan_prefill(pool: KVPool, table: BlockTable, start: int, tokens: int, num_heads: int) -> NativePrefill | None:
-    """The C kernel for ``tokens`` new positions after ``start`` cached ones, or None where it does not fit."""
-    if start > 0 and NATIVE_PREFILL and native_fits(pool.layers[0], num_heads):
+    """The C kernel for ``tokens`` new positions after ``start`` cached ones, or None where it does not fit.
+
+    After cached positions always (no gather, no mask). At position 0 only
+    for a bfloat16 pool: there it is faster than SDPA's flash kernel, and
+    its reduction order does not depend on where the prompt was cut, so the
+    KV of every token is the same bits whatever the chunks were (what makes
+    bf16 reuse exact); in float32 SDPA is the faster of the two there.
+    """
+    if start == 0 and pool.layers[0].dtype != torch.bfloat16:
+        return None
+    if NATIVE_PREFILL and native_fits(pool.layers[0], num_heads):
         return NativePrefill(pool.layers, table, start, tokens, num_heads)
     return None
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.config import Config, ConfigError, DecodeWeights, EngineDevice
+from kvtier.config import ComputeDtype, Config, ConfigError, DecodedKV, DecodeWeights, EngineDevice
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.speculate import PromptLookup
@@ -142,10 +142,19 @@ def make_engine(
         prefetch=config.transfer.prefetch,
         layerwise=config.transfer.layerwise,
         speculative=prompt_lookup(config),
+        cache_decoded=cache_decoded(config),
     )
     if cache is not None and config.verify.shadow_fraction > 0:
         engine.verifier = shadow_verifier(loaded.model, config)
     return engine
+
+
+def cache_decoded(config: Config) -> bool:
+    """``engine.decoded_kv`` resolved: ``auto`` caches decode-computed blocks in float32 only."""
+    e = config.engine
+    if e.decoded_kv is DecodedKV.AUTO:
+        return e.dtype is ComputeDtype.FLOAT32
+    return e.decoded_kv is DecodedKV.CACHE
 
 
 def shadow_verifier(model: LlamaModel, config: Config) -> ShadowVerifier:
