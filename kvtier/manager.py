@@ -58,6 +58,14 @@ from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer import JobId, JobStatus, TransferWorker
 
 
+@dataclass(frozen=True)
+class Promotion:
+    """What a prefetch did: tokens moved up to host, by the tier they left, and the leading blocks in host now."""
+
+    promoted: dict[TierKind, int]
+    host_blocks: int
+
+
 @dataclass
 class StorePlan:
     """Host slots reserved for a request's new blocks; fill ``buffers`` then complete."""
@@ -255,20 +263,22 @@ class CacheManager:
         result = self.probe(tokens, namespace)
         return diagnose(result, self.evictions, others=others, diverged_at=diverged_at, now=self._clock())
 
-    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> dict[TierKind, int]:
-        """Promote the cached blocks of ``tokens`` to host memory now; tokens promoted, by the tier they left.
+    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> Promotion:
+        """Promote the cached blocks of ``tokens`` to host memory now.
 
         For a session about to speak again (its tool call is returning): the
         disk or remote reads happen during the pause instead of in its next
         turn's TTFT. Blocks already in host count as hits (their recency is
-        refreshed); nothing stays pinned afterwards.
+        refreshed); nothing stays pinned afterwards. Every block the load
+        pinned was in host when it ended, so that run is the answer's
+        ``host_blocks``, with no second lookup.
         """
         with self.load(self.lookup(tokens, namespace)) as handle:
             moved: dict[TierKind, int] = {}
             for kind in handle.served_from:
                 if kind is not TierKind.HOST:
                     moved[kind] = moved.get(kind, 0) + self.layout.block_size
-            return moved
+            return Promotion(moved, len(handle.blocks))
 
     # -- ③ fetch and load ----------------------------------------------------------
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> LoadHandle:

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvtier.config import SessionConfig, WriteMode
 from kvtier.explain import ExplainReason, divergence
-from kvtier.manager import CacheManager
+from kvtier.manager import CacheManager, Promotion
 from kvtier.policy import PolicyName
 from kvtier.sessions import SessionRegistry
 from kvtier.tiers.base import TierKind
@@ -127,9 +127,9 @@ def test_prefetch_promotes_a_session_from_disk_to_host(tmp_path: Path) -> None:
         m.store_now(agent, kv(3, 1))
         m.store_now(prompt(4 * BLOCK, seed=2), kv(4, 2))
         assert m.lookup(agent).tiers == (D, D, D)
-        assert m.prefetch(agent, m.config.cache.namespace) == {D: 3 * BLOCK}
+        assert m.prefetch(agent, m.config.cache.namespace) == Promotion({D: 3 * BLOCK}, 3)
         assert m.lookup(agent).tiers == (H, H, H)
-        assert m.prefetch(agent, m.config.cache.namespace) == {}  # already there: nothing to move
+        assert m.prefetch(agent, m.config.cache.namespace) == Promotion({}, 3)  # already there: nothing to move
         assert all(m.pinned(k) == 0 for k in m.keys(agent))
 
 

@@ -32,7 +32,7 @@ from fastapi import Request
 
 from kvtier.engine.warm import warm
 from kvtier.explain import ExplainReason, Explanation, divergence
-from kvtier.manager import CacheManager
+from kvtier.manager import CacheManager, Promotion
 from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorType
 from kvtier.server.inference import chat_ids, prompt_ids
@@ -48,7 +48,6 @@ from kvtier.server.schemas import (
 from kvtier.server.state import ServerState
 from kvtier.service.cache import ServiceCache
 from kvtier.sessions import Session, SessionCounts, SessionRegistry
-from kvtier.tiers.base import TierKind
 
 HEADER = "X-Session-ID"
 MAX_ID = 256
@@ -76,19 +75,18 @@ async def begin_turn(state: ServerState, tenant: Tenant, session: str | None, id
     """Make the session live with this transcript before the engine stores it, so its blocks land protected."""
     if session is None or state.sessions is None:
         return
+    if isinstance(state.cache, ServiceCache):  # the service keys the transcript and protects it in its host tier
+        state.sessions.turn(tenant.namespace, session, ids, ())
+        await asyncio.to_thread(state.cache.session_turn, tenant.namespace, session, ids)
+        return
     keys = await asyncio.to_thread(state.cache.hasher.keys, ids, tenant.namespace)
     state.sessions.turn(tenant.namespace, session, ids, keys)
-    if isinstance(state.cache, ServiceCache):  # the host tier to protect it in is the service's
-        await asyncio.to_thread(state.cache.session_turn, tenant.namespace, session, ids)
 
 
-def _promote(cache: CacheManager | ServiceCache, namespace: str, session: Session) -> tuple[dict[TierKind, int], int]:
-    """Tokens moved up to host by the tier they left, and the transcript's leading blocks in host afterwards."""
-    if isinstance(cache, ServiceCache):
+def _promote(cache: CacheManager | ServiceCache, namespace: str, session: Session) -> Promotion:
+    if isinstance(cache, ServiceCache):  # the service also makes the session live again there
         return cache.session_prefetch(namespace, session.session_id, session.tokens)
-    moved = cache.prefetch(session.tokens, namespace)
-    held = cache.probe(session.tokens, namespace).tiers
-    return moved, next((i for i, kind in enumerate(held) if kind is not TierKind.HOST), len(held))
+    return cache.prefetch(session.tokens, namespace)
 
 
 async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> SessionPrefetchResponse:
@@ -96,13 +94,13 @@ async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> Sessi
     session = registry(state).touch(tenant.namespace, session_id)  # first, so its promoted blocks land protected
     if session is None:
         raise APIError(404, "no live session by that id", type=ErrorType.NOT_FOUND, param="session_id")
-    moved, host = await asyncio.to_thread(_promote, state.cache, tenant.namespace, session)
+    done = await asyncio.to_thread(_promote, state.cache, tenant.namespace, session)
     pool = await asyncio.wrap_future(state.loop.call(lambda engine: warm(engine, session.tokens, tenant.namespace)))
     return SessionPrefetchResponse(
         session=session_id,
         transcript_tokens=len(session.tokens),
-        promoted_tokens=moved,
-        host_tokens=host * state.cache.layout.block_size,
+        promoted_tokens=done.promoted,
+        host_tokens=done.host_blocks * state.cache.layout.block_size,
         device_tokens=pool,
     )
 

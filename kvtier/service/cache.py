@@ -37,6 +37,7 @@ from kvtier.explain import Eviction, ExplainReason, Explanation
 from kvtier.index import LookupResult
 from kvtier.keys import SECRET_BYTES, KeyHasher, Secret
 from kvtier.layout import KVLayout
+from kvtier.manager import Promotion
 from kvtier.service.client import CacheClient, ClientLoad
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobId, JobStatus, TransferWorker
@@ -169,12 +170,10 @@ class ServiceCache:
         """The session spoke: the service protects its transcript in the host tier it runs."""
         self.client.session_turn(namespace, session_id, tokens)
 
-    def session_prefetch(
-        self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray
-    ) -> tuple[dict[TierKind, int], int]:
-        """Tokens promoted to host by the tier they left, and the transcript's leading blocks now in host."""
+    def session_prefetch(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> Promotion:
+        """:meth:`CacheManager.prefetch` at the service, which also makes the session live there again."""
         reply = self.client.session_prefetch(namespace, session_id, tokens)
-        return dict(reply.promoted), reply.host_blocks
+        return Promotion(dict(reply.promoted), reply.host_blocks)
 
     def explain(
         self,

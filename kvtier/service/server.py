@@ -48,7 +48,6 @@ from kvtier.service import protocol as p
 from kvtier.service import slabs
 from kvtier.sessions import SessionRegistry
 from kvtier.tiers import native
-from kvtier.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
 
@@ -381,10 +380,8 @@ class CacheService:
         """Live again (protected before its blocks move, so they land protected), then promoted to host."""
         if self.agent_sessions is not None and self.agent_sessions.touch(namespace, session_id) is None:
             self.session_turn(namespace, session_id, tokens)  # expired here, or this service restarted since
-        moved = self.manager.prefetch(tokens, namespace)
-        held = self.manager.probe(tokens, namespace).tiers
-        host = next((i for i, kind in enumerate(held) if kind is not TierKind.HOST), len(held))
-        return p.Prefetched(moved, host)
+        done = self.manager.prefetch(tokens, namespace)
+        return p.Prefetched(done.promoted, done.host_blocks)
 
     def expire_reservations(self) -> int:
         """Give back every reservation left uncommitted past ``reservation_ttl_s``; how many."""
