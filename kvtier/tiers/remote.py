@@ -15,11 +15,13 @@ per-node circuit breaker (:mod:`kvtier.tiers.remote_nodes`):
   tokens like any other tier's record, before a payload byte moves.
 * :meth:`RemoteTier.get_many` (on a fetch): pipelined ``GET`` per node;
   each value's header is checked before its payload lands in its host
-  slot, and the payload is authenticated as it lands. Hits have
-  their TTL refreshed behind the request.
+  slot, and the payload is authenticated as it lands
+  (:mod:`kvtier.tiers.remote_receiver`). Hits have their TTL refreshed
+  behind the request.
 * :meth:`RemoteTier.put_many`: never on the caller's time. Payloads are
   copied onto a bounded queue and framed and written (``SET .. PX ttl``) by
-  the tier's writer thread; a full queue drops the block, counted.
+  the tier's writer thread (:mod:`kvtier.tiers.remote_writer`); a full queue
+  drops the block, counted.
 
 A failure of any kind is a miss, counted in :attr:`RemoteTier.stats`; nothing
 here raises into a request.
@@ -27,15 +29,11 @@ here raises into a request.
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvtier.config import RemoteConfig
@@ -43,37 +41,14 @@ from kvtier.keys import BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.stats import RemoteStats
 from kvtier.tiers.base import BlockRecord, TierKind
-from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Header, Rejection, layout_id
-from kvtier.tiers.remote_nodes import Command, Nodes, RespReader, is_error
-
-log = logging.getLogger("kvtier")
+from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, layout_id
+from kvtier.tiers.remote_nodes import Nodes, RespReader, is_error
+from kvtier.tiers.remote_receiver import MAC_STEP, Receiver
+from kvtier.tiers.remote_writer import STOP_WAIT_S, Writer
 
 PROBE_FIRST = 4  # keys in the first probe of a run; each next probe asks for 4x more
 SEEN_MAX = 65_536  # authentic headers remembered from probes (~100 B each)
 READ_CHUNK = 8  # blocks per round trip of a read: Redis streams a few large replies faster than many
-MAC_STEP = 1 << 17  # payload bytes landed before they are fed to the MAC: still in the core's cache, few calls a block
-WRITE_BATCH = 8  # blocks one writer round trip carries at most
-STOP_WAIT_S = 5.0  # how long close() lets queued writes drain
-
-
-@dataclass(frozen=True)
-class _Write:
-    key: BlockKey
-    record: BlockRecord
-    value: bytearray  # the payload copied in (the host slot it came from may be reused at once); header to seal
-
-
-@dataclass(frozen=True)
-class _Touch:
-    names: list[bytes]  # keys just read: their TTL starts again
-
-
-@dataclass(frozen=True)
-class _Marker:
-    done: threading.Event  # set by the writer once everything queued before it went out
-
-
-_Item = _Write | _Touch | _Marker
 
 
 class RemoteTier:
@@ -87,13 +62,11 @@ class RemoteTier:
         self.write_on = config.write_on
         self._framer = framer
         self._prefix = config.key_prefix.encode()
-        self._ttl_ms = max(1, round(config.ttl_s * 1000))
         self._nodes = Nodes(config, self.stats, clock)
         self._seen: OrderedDict[BlockKey, BlockRecord] = OrderedDict()
         self._seen_lock = threading.Lock()
-        self._queue: queue.Queue[_Item | None] = queue.Queue(config.write_queue_blocks)
-        self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer", daemon=True)
-        self._writer.start()
+        self._receiver = Receiver(framer, self.stats)
+        self._writer = Writer(config, self._nodes, framer, self.stats, self.name, layout.block_bytes)
 
     @classmethod
     def open(
@@ -205,7 +178,7 @@ class RemoteTier:
         digest the manager confirmed against the request's tokens) and the
         value read now carries the same digest and a payload that matches
         its header's tag. Payloads go from the socket straight into ``outs``
-        (:meth:`Nodes.get_into`) and are authenticated as they land (:meth:`_receive`).
+        (:meth:`Nodes.get_into`) and are authenticated as they land (:meth:`Receiver.receive`).
         """
         expect = [self.record(k) for k in keys]
         names = [self.name(k) for k in keys]
@@ -218,7 +191,7 @@ class RemoteTier:
 
                 def sink(pos: int, length: int, reader: RespReader, part: list[int] = part) -> bool:
                     i = part[pos]
-                    ok[i] = self._receive(keys[i], length, reader, expect[i], outs[i])
+                    ok[i] = self._receiver.receive(keys[i], length, reader, expect[i], outs[i])
                     return ok[i]
 
                 if self._nodes.get_into(node, [names[i] for i in part], sink) is None:
@@ -229,56 +202,8 @@ class RemoteTier:
         hits = [names[i] for i in range(len(keys)) if ok[i]]
         self.stats.add(bytes_read=len(hits) * self.layout.block_bytes)
         if hits:
-            self._enqueue(_Touch(hits))
+            self._writer.touch(hits)
         return ok
-
-    def _receive(
-        self, key: BlockKey, length: int, reader: RespReader, record: BlockRecord | None, out: torch.Tensor
-    ) -> bool:
-        """Read one value off the socket into ``out``: True only if every check passed.
-
-        The header is checked first (MAC, key, layout, the request's
-        tokens); a value that fails it is skipped and not a byte of it
-        lands. The payload then goes straight into ``out``, fed to its MAC in
-        pieces of :data:`MAC_STEP` as each lands, while it is still in the core's
-        cache: one pass over memory instead of a copy and a later re-read,
-        and no hand-off to another thread (which, on a machine without a
-        spare core, only added the hand-off to the same work). Over a real
-        network the next bytes arrive while a piece is authenticated.
-
-        On a payload that fails its tag, ``out`` holds refused bytes: the
-        manager reads into a reserved host slot and aborts it, so they are
-        never served.
-        """
-        if length != self._framer.value_bytes or record is None:
-            reader.skip(length)
-            if record is not None:
-                self.stats.add(bad_length=1)
-            return False
-        head = bytearray(HEADER_BYTES)
-        reader.read_into(memoryview(head))
-        try:
-            header = self._framer.header(key, head)
-            if not header.record.matches(record.digest):
-                raise FrameError(Rejection.FOREIGN_TOKENS)
-        except FrameError as err:
-            reader.skip(length - HEADER_BYTES)
-            self.stats.add(**{err.why.value: 1})
-            return False
-        return self._receive_payload(header, reader, memoryview(out.numpy()))
-
-    def _receive_payload(self, header: Header, reader: RespReader, payload: memoryview) -> bool:
-        mac = self._framer.payload_mac(header)
-        for at in range(0, len(payload), MAC_STEP):
-            piece = payload[at : at + MAC_STEP]
-            reader.read_into(piece)
-            mac.update(piece)
-        try:
-            self._framer.verify_tag(header, mac.tag())
-        except FrameError as err:
-            self.stats.add(**{err.why.value: 1})
-            return False
-        return True
 
     def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
         """One layer of a block: the whole value is read (one key per block), then the layer is copied out."""
@@ -308,66 +233,12 @@ class RemoteTier:
             if seen is not None and seen.matches(record.digest):
                 out.append(True)
                 continue
-            value = self._framer.blank()  # the payload's one copy, already where the value will have it
-            np.copyto(self._framer.payload_of(value), payload.reshape(-1).view(torch.uint8).numpy())
-            queued = self._enqueue(_Write(key, record, value))
-            if not queued:
-                self.stats.add(dropped_writes=1)
-            out.append(queued)
+            out.append(self._writer.put(key, payload, record))
         return out
-
-    def _enqueue(self, item: _Item) -> bool:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            return False
-        return True
-
-    def _write_loop(self) -> None:
-        """The writer thread: up to :data:`WRITE_BATCH` queued items per round trip per node, until closed."""
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch = [item]
-            while len(batch) < WRITE_BATCH:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._write(batch)
-                    return
-                batch.append(more)
-            self._write(batch)
-
-    def _write(self, batch: list[_Item]) -> None:
-        writes = [w for w in batch if isinstance(w, _Write)]
-        values = [self._framer.seal(w.key, w.record, w.value) for w in writes]
-        names = [self.name(w.key) for w in writes]
-        touched = [n for t in batch if isinstance(t, _Touch) for n in t.names]
-        ttl = self._ttl_ms
-        for node, at in self._nodes.route(names + touched).items():
-            sets = [i for i in at if i < len(names)]
-            touches = [touched[i - len(names)] for i in at if i >= len(names)]
-            commands: list[Command] = [("SET", names[i], values[i], "PX", ttl) for i in sets]
-            commands += [("PEXPIRE", n, ttl) for n in touches]
-            replies = self._nodes.pipeline(node, commands)
-            done = 0 if replies is None else sum(r is True for r in replies[: len(sets)])
-            self.stats.add(writes=done, dropped_writes=len(sets) - done, bytes_written=done * self.layout.block_bytes)
-        for item in batch:
-            if isinstance(item, _Marker):
-                item.done.set()
 
     def flush(self, timeout_s: float = STOP_WAIT_S) -> bool:
         """Wait until everything queued so far went out (or failed, counted); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        done = threading.Event()
-        try:
-            self._queue.put(_Marker(done), timeout=timeout_s)
-        except queue.Full:
-            return False
-        return done.wait(max(0.0, deadline - time.monotonic()))
+        return self._writer.flush(timeout_s)
 
     # -- removal -----------------------------------------------------------------------
     def remove(self, key: BlockKey) -> bool:
@@ -395,27 +266,13 @@ class RemoteTier:
         snap = self.stats.snapshot()
         snap["breakers"] = self.breakers()
         snap["breaker_opens"] = sum(n.breaker.opened for n in self._nodes.all)
-        snap["write_queue"] = self._queue.qsize()
+        snap["write_queue"] = self._writer.waiting()
         return snap
 
     def close(self) -> None:
         """Let queued writes drain for a bounded time, stop the writer, close the connections."""
-        try:
-            self._queue.put(None, timeout=STOP_WAIT_S)
-        except queue.Full:
-            log.warning("remote tier: the write queue did not drain in %.0f s; dropping what is left", STOP_WAIT_S)
-            self._drain_queue()
-            self._queue.put_nowait(None)
-        self._writer.join(STOP_WAIT_S)
+        self._writer.close()
         self._nodes.close()
 
-    def _drain_queue(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Write):
-                self.stats.add(dropped_writes=1)
-            elif isinstance(item, _Marker):
-                item.done.set()
+
+__all__ = ["MAC_STEP", "RemoteTier"]  # MAC_STEP is the receiver's, still importable from here
