@@ -20,8 +20,8 @@ import lmdb
 
 from kvtier.errors import KVTierError
 from kvtier.tiers import native
-from kvtier.tiers.disk import FORMAT_VERSION, IndexDamage, IndexEntry, decode_record
 from kvtier.tiers.diskdir import DiskDir, index_damage
+from kvtier.tiers.diskindex import FORMAT_VERSION, IndexDamage, IndexEntry, decode_record
 
 
 @dataclass(frozen=True)
