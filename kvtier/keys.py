@@ -233,6 +233,14 @@ class KeyHasher:
         self._digest = hashlib.blake2b(key=secret.digest_key, digest_size=DIGEST_BYTES)  # copied per block
         self._named_digest = hashlib.blake2b(key=secret.named_digest_key, digest_size=DIGEST_BYTES)
 
+    @classmethod
+    def process_local(cls, layout_descriptor: str, block_size: int) -> KeyHasher:
+        """Keys that never leave this process (an engine's resident pool): a fresh secret, no model named."""
+        secret = Secret(secrets.token_bytes(SECRET_BYTES), persistent=False)
+        return cls(
+            secret, model_fingerprint="process-local", layout_descriptor=layout_descriptor, block_size=block_size
+        )
+
     @property
     def secret(self) -> Secret:
         """The deployment secret these keys are made with (the remote tier derives its MAC key from it)."""
@@ -336,6 +344,13 @@ class KeyHasher:
         """The digests of ``tokens``' full blocks under ``keys``, computed as they are first asked for."""
         return BlockDigests(self, keys, block_tokens(tokens, self.block_size))
 
+    def keyed(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> KeyedTokens:
+        """``tokens`` with their block keys, hashed now, once, for every step of one request's way."""
+        ids = np.array(tokens, dtype=np.int32)  # a copy: the caller may reuse its list
+        ids.flags.writeable = False
+        keys = self.keys(ids, namespace)
+        return KeyedTokens(self, namespace, ids, keys, self.digests(keys, ids))
+
     def named(self, name: bytes, namespace: str) -> BlockKey:
         """The key of the block a caller calls ``name`` (any bytes it chooses) in ``namespace``.
 
@@ -396,6 +411,61 @@ class BlockDigests:
         if digest is None:
             digest = self._done[i] = self._hasher.digest(self._keys[i], self._blocks[i])
         return digest
+
+    def extended(self, keys: Sequence[BlockKey], blocks: np.ndarray) -> BlockDigests:
+        """The digests of a longer chain that starts with this one's blocks, keeping those already computed."""
+        more = BlockDigests(self._hasher, keys, blocks)
+        more._done[: len(self._done)] = self._done
+        return more
+
+
+@dataclass(frozen=True, eq=False)
+class KeyedTokens:
+    """A token sequence with the keys (and lazy digests) of its full blocks: one request, hashed once.
+
+    Lookup, fetch, store, the engine's resident pool and a session's
+    protection all need the same keys of the same tokens. Each computing
+    them again hashed one prompt four or five times on its way; this object
+    is made once per request (:meth:`KeyHasher.keyed`) and passed instead.
+    It remembers the hasher that made it, so a cache can refuse keys made
+    under another secret (they would only ever miss), and it grows as a
+    reply adds full blocks (:meth:`extend` hashes only the new ones).
+    """
+
+    hasher: KeyHasher
+    namespace: str
+    tokens: np.ndarray  # int32, read-only
+    keys: list[BlockKey]
+    digests: BlockDigests
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """The full blocks' token ids, ``[num_blocks, block_size]`` (a view, no copy)."""
+        return block_tokens(self.tokens, self.hasher.block_size)
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> KeyedTokens:
+        """``tokens`` (this sequence, then more) keyed: only the new blocks are hashed, chained from the last key.
+
+        A request's reply is keyed this way when it ends, so its next turn
+        (prompt + reply) finds the reply's blocks under the keys a prompt of
+        the same tokens would get.
+        """
+        have = len(self.keys) * self.hasher.block_size
+        ids = np.array(tokens, dtype=np.int32)
+        if len(ids) < len(self.tokens) or not np.array_equal(ids[: len(self.tokens)], self.tokens):
+            raise ValueError("extend() takes this sequence's tokens followed by more")
+        ids.flags.writeable = False
+        parent = self.keys[-1] if self.keys else None
+        keys = self.keys + self.hasher.keys(ids[have:], self.namespace, parent=parent)
+        blocks = block_tokens(ids, self.hasher.block_size)
+        return KeyedTokens(self.hasher, self.namespace, ids, keys, self.digests.extended(keys, blocks))
 
 
 class NamedDigests:

@@ -232,3 +232,31 @@ def test_named_keys_are_bound_like_token_keys_and_apart_from_them(tmp_path: Path
     assert h.named(spelled, "ns") != token_key
     # ... and the same key and bytes digest differently as a name and as tokens.
     assert h.named_digest(token_key, tokens.astype("<i4").tobytes()) != h.digest(token_key, tokens)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=40), st.lists(st.integers(0, 2**31 - 1), max_size=40))
+def test_an_extended_chain_has_the_keys_of_the_whole(secret: Secret, head: list[int], tail: list[int]) -> None:
+    h = hasher(secret)
+    first = h.keyed(head, "ns")
+    whole = first.extend(head + tail)
+    assert whole.keys == h.keys(head + tail, "ns")
+    assert [whole.digests[i] for i in range(whole.num_blocks)] == [
+        h.digest(k, b) for k, b in zip(whole.keys, whole.blocks, strict=True)
+    ]
+    assert whole.namespace == "ns" and whole.tokens.tolist() == head + tail
+
+
+def test_extend_hashes_only_the_new_blocks_and_keeps_the_digests_done(secret: Secret) -> None:
+    h = hasher(secret)
+    first = h.keyed(list(range(10)), "ns")  # two full blocks and a tail of two
+    _ = first.digests[1]
+    calls: list[tuple[int, object]] = []
+    keys = h.keys
+    h.keys = lambda tokens, ns, *, parent=None: calls.append((len(tokens), parent)) or keys(tokens, ns, parent=parent)  # type: ignore[method-assign]
+    whole = first.extend(list(range(17)))
+    assert calls == [(9, first.keys[-1])]  # tokens 8..16: the tail and the rest, chained from block 1
+    assert whole.digests._done[1] == first.digests[1] and whole.digests._done[2] is None
+    with pytest.raises(ValueError, match="followed by more"):
+        first.extend([99, *range(1, 17)])
+    assert first.tokens.flags.writeable is False  # shared by threads (a store job reads it): never changed
