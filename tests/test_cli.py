@@ -90,7 +90,7 @@ def stored_tier(tmp_path: Path, n_blocks: int = 3) -> Path:
     )
     layout = toy_layout()
     with CacheManager(load_config(config, environ={}), layout, model_fingerprint="toy-model") as m:
-        assert m.store_now(prompt(n_blocks * BLOCK), [payload(layout, i) for i in range(n_blocks)]) == n_blocks
+        assert m.store(m.keyed(prompt(n_blocks * BLOCK)), [payload(layout, i) for i in range(n_blocks)]) == n_blocks
     return config
 
 

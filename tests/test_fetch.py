@@ -20,18 +20,18 @@ def half_on_disk(m, n_blocks: int = 6):
     """``n_blocks`` stored write-through, then host emptied of the second half: tiers (H.., D..)."""
     tokens = prompt(n_blocks * BLOCK + 1)
     blocks = kv(n_blocks, seed=11)
-    assert m.store_now(tokens, blocks) == n_blocks
-    result = m.lookup(tokens)
+    assert m.store(m.keyed(tokens), blocks) == n_blocks
+    result = m.lookup(m.keyed(tokens))
     m.host.remove_many(list(result.keys[n_blocks // 2 :]))
     for key in result.keys[n_blocks // 2 :]:
-        m._policies[H].on_remove(key)
+        m.eviction.policies[H].on_remove(key)
     return tokens, blocks
 
 
 def test_host_blocks_are_pinned_before_fetch_returns_and_disk_blocks_land_later(tmp_path: Path) -> None:
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
         tokens, blocks = half_on_disk(m)
-        result = m.lookup(tokens)
+        result = m.lookup(m.keyed(tokens))
         assert result.tiers == (H, H, H, D, D, D)
         fetch = m.fetch(result)
         assert fetch.landed >= 3 and all(m.pinned(k) == 1 for k in result.keys[:3])
@@ -39,7 +39,7 @@ def test_host_blocks_are_pinned_before_fetch_returns_and_disk_blocks_land_later(
             assert handle.served_from == [H, H, H, D, D, D]
             assert all(torch.equal(g, as_bytes(b)) for g, b in zip(handle.blocks, blocks, strict=True))
         assert m.stats()["pinned_blocks"] == 0
-        assert m.lookup(tokens).tiers == (H,) * 6  # promoted for good
+        assert m.lookup(m.keyed(tokens)).tiers == (H,) * 6  # promoted for good
         assert m.stats()["break_even"]["tiers"]["disk"]["samples"] == 1
 
 
@@ -61,7 +61,7 @@ def test_a_passed_deadline_hands_over_only_what_landed(tmp_path: Path) -> None:
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
         tokens, _ = half_on_disk(m)
         go = busy_workers(m)
-        fetch = m.fetch(m.lookup(tokens), deadline_s=0.0)
+        fetch = m.fetch(m.lookup(m.keyed(tokens)), deadline_s=0.0)
         handle = fetch.take()
         assert handle.served_from == [H, H, H] and fetch.missed_deadline
         go.set()
@@ -84,7 +84,7 @@ def test_extend_grants_time_at_the_deadline(tmp_path: Path) -> None:
             go.set()  # the promotion may run now
             return 60.0  # plenty: the fetch finishes well within it
 
-        with m.fetch(m.lookup(tokens), deadline_s=0.0).take(extend) as handle:
+        with m.fetch(m.lookup(m.keyed(tokens)), deadline_s=0.0).take(extend) as handle:
             assert handle.served_from == [H, H, H, D, D, D]
         assert asked[0] == 3  # the host half, pinned at once; the disk half had not started
         for job in busy:
@@ -94,7 +94,7 @@ def test_extend_grants_time_at_the_deadline(tmp_path: Path) -> None:
 def test_cancel_unpins_and_a_fetch_is_taken_once(tmp_path: Path) -> None:
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
         tokens, _ = half_on_disk(m)
-        fetch = m.fetch(m.lookup(tokens))
+        fetch = m.fetch(m.lookup(m.keyed(tokens)))
         fetch.cancel()
         m.worker.drain()
         assert m.stats()["pinned_blocks"] == 0
@@ -105,7 +105,7 @@ def test_cancel_unpins_and_a_fetch_is_taken_once(tmp_path: Path) -> None:
 def test_fetch_stops_at_the_first_block_disk_lost(tmp_path: Path) -> None:
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
         tokens, _ = half_on_disk(m)
-        result = m.lookup(tokens)
+        result = m.lookup(m.keyed(tokens))
         m.disk.remove(result.keys[4])  # gone between lookup and fetch
         with m.fetch(result).take() as handle:
             assert handle.served_from == [H, H, H, D]
@@ -126,7 +126,7 @@ def test_a_batch_that_lands_after_the_take_is_unpinned_by_its_producer(
             return real_get_many(keys, outs)
 
         monkeypatch.setattr(m.disk, "get_many", held_read)
-        fetch = m.fetch(m.lookup(tokens), deadline_s=0.0)
+        fetch = m.fetch(m.lookup(m.keyed(tokens)), deadline_s=0.0)
         assert reading.wait(10)
         handle = fetch.take()
         go.set()
@@ -135,19 +135,19 @@ def test_a_batch_that_lands_after_the_take_is_unpinned_by_its_producer(
         assert m.stats()["pinned_blocks"] == 3  # the late batch was committed to host, then unpinned
         handle.release()
         assert m.stats()["pinned_blocks"] == 0
-        assert m.lookup(tokens).tiers == (H,) * 6
+        assert m.lookup(m.keyed(tokens)).tiers == (H,) * 6
 
 
 def test_a_thousand_fetches_leave_no_job_behind_and_a_failed_promotion_is_counted(tmp_path: Path, caplog) -> None:
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
         tokens, _ = half_on_disk(m)
         for _ in range(1000):
-            result = m.lookup(tokens)
+            result = m.lookup(m.keyed(tokens))
             with m.fetch(result).take():
                 pass
             m.host.remove_many(list(result.keys[3:]))  # back on disk only: the next fetch promotes again
             for key in result.keys[3:]:
-                m._policies[H].on_remove(key)
+                m.eviction.policies[H].on_remove(key)
         m.worker.drain()
         assert m.worker.held() == 0 and m.worker.spawn_failures == 0
         assert m.stats()["pinned_blocks"] == 0
@@ -155,8 +155,8 @@ def test_a_thousand_fetches_leave_no_job_behind_and_a_failed_promotion_is_counte
         def broken(keys):
             raise RuntimeError("injected promotion failure")
 
-        m._promote_many = broken  # type: ignore[method-assign]
-        with m.fetch(m.lookup(tokens)).take() as handle:
+        m.promoter._promote_many = broken  # type: ignore[method-assign]
+        with m.fetch(m.lookup(m.keyed(tokens))).take() as handle:
             assert handle.served_from == [H, H, H]  # the disk half became a miss
         m.worker.drain()
         assert m.worker.held() == 0 and m.worker.spawn_failures == 1

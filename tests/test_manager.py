@@ -39,7 +39,7 @@ def kv(n_blocks: int, seed: int, layout=None) -> list[torch.Tensor]:
 
 
 def loaded_bytes(m: CacheManager, tokens: np.ndarray) -> list[torch.Tensor]:
-    with m.load(m.lookup(tokens)) as handle:
+    with m.load(m.lookup(m.keyed(tokens))) as handle:
         return [b.clone() for b in handle.blocks]
 
 
@@ -47,16 +47,16 @@ def test_store_then_lookup_and_load_round_trip(tmp_path: Path) -> None:
     with manager(tmp_path) as m:
         tokens = prompt(5 * BLOCK + 3)
         blocks = kv(5, seed=1)
-        assert m.lookup(tokens).cached_tokens == 0
-        assert m.store_now(tokens, blocks) == 5
-        result = m.lookup(tokens)
+        assert m.lookup(m.keyed(tokens)).cached_tokens == 0
+        assert m.store(m.keyed(tokens), blocks) == 5
+        result = m.lookup(m.keyed(tokens))
         assert (result.cached_tokens, result.tiers, result.miss_reason) == (20, (H,) * 5, MissReason.NONE)
         got = loaded_bytes(m, tokens)
         assert all(torch.equal(g, as_bytes(b)) for g, b in zip(got, blocks, strict=True))
         longer = np.concatenate([tokens[:12], prompt(9, seed=7)])
-        partial = m.lookup(longer)
+        partial = m.lookup(m.keyed(longer))
         assert (partial.cached_tokens, partial.miss_reason, partial.first_miss_block) == (12, MissReason.ABSENT, 3)
-        assert m.lookup(tokens, namespace="other-tenant").cached_tokens == 0
+        assert m.lookup(m.keyed(tokens, "other-tenant")).cached_tokens == 0
         stats = m.stats()["host"]
         assert stats["hit_tokens"] == 20 + 20 + 12 and stats["blocks"] == 5
 
@@ -65,27 +65,27 @@ def test_write_back_demotes_lru_victims_to_disk(tmp_path: Path) -> None:
     with manager(tmp_path, host_blocks=3) as m:
         tokens = prompt(5 * BLOCK)
         blocks = kv(5, seed=2)
-        assert m.store_now(tokens, blocks) == 5
-        assert m.lookup(tokens).tiers == (D, D, H, H, H)
+        assert m.store(m.keyed(tokens), blocks) == 5
+        assert m.lookup(m.keyed(tokens)).tiers == (D, D, H, H, H)
         assert m.stats()["host"]["evictions"] == 2 and m.stats()["host"]["demotions"] == 2
         # Loading promotes 0 and 1 (evicting and demoting 2, 3), then 2 back (evicting 4);
         # block 3 finds every host slot pinned by this load, so the load stops there.
-        handle = m.load(m.lookup(tokens))
+        handle = m.load(m.lookup(m.keyed(tokens)))
         assert handle.served_from == [D, D, D]
         assert all(torch.equal(g, as_bytes(b)) for g, b in zip(handle.blocks, blocks, strict=False))
         m.complete_load(handle)
-        assert m.lookup(tokens).tiers == (H, H, H, D, D)
+        assert m.lookup(m.keyed(tokens)).tiers == (H, H, H, D, D)
 
 
 def test_load_stops_at_first_block_it_cannot_place(tmp_path: Path) -> None:
     with manager(tmp_path, host_blocks=2) as m:
         tokens = prompt(4 * BLOCK)
-        m.store_now(tokens, kv(4, seed=3))
-        assert m.lookup(tokens).tiers == (D, D, H, H)
-        handle = m.load(m.lookup(tokens))
+        m.store(m.keyed(tokens), kv(4, seed=3))
+        assert m.lookup(m.keyed(tokens)).tiers == (D, D, H, H)
+        handle = m.load(m.lookup(m.keyed(tokens)))
         # both host slots end up pinned by this load (0 and 1 promoted); 2 and 3 cannot be placed
         assert handle.served_from == [D, D] and handle.num_tokens == 2 * BLOCK
-        assert m.lookup(tokens).tiers == (H, H, D, D)
+        assert m.lookup(m.keyed(tokens)).tiers == (H, H, D, D)
         m.complete_load(handle)
         assert m.pinned(handle.keys[0]) == 0
 
@@ -94,37 +94,37 @@ def test_write_through_stores_to_disk_at_once_and_survives_restart(tmp_path: Pat
     tokens = prompt(6 * BLOCK)
     blocks = kv(6, seed=4)
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
-        m.store_now(tokens, blocks)
+        m.store(m.keyed(tokens), blocks)
         assert len(m.disk) == 6
     with manager(tmp_path) as m:  # a new manager over the same data_dir: host is empty
-        result = m.lookup(tokens)
+        result = m.lookup(m.keyed(tokens))
         assert result.tiers == (D,) * 6
         got = loaded_bytes(m, tokens)
         assert all(torch.equal(g, as_bytes(b)) for g, b in zip(got, blocks, strict=True))
-        assert m.lookup(tokens).tiers == (H,) * 6
+        assert m.lookup(m.keyed(tokens)).tiers == (H,) * 6
 
 
 def test_pinned_blocks_are_never_evicted(tmp_path: Path) -> None:
     with manager(tmp_path, host_blocks=2, disk={"enabled": False}) as m:
         a, b = prompt(2 * BLOCK, seed=1), prompt(2 * BLOCK, seed=2)
-        m.store_now(a, kv(2, seed=5))
-        handle = m.load(m.lookup(a))
-        assert m.store_now(b, kv(2, seed=6)) == 0  # no room: both slots are pinned
-        assert m.lookup(a).cached_tokens == 2 * BLOCK
+        m.store(m.keyed(a), kv(2, seed=5))
+        handle = m.load(m.lookup(m.keyed(a)))
+        assert m.store(m.keyed(b), kv(2, seed=6)) == 0  # no room: both slots are pinned
+        assert m.lookup(m.keyed(a)).cached_tokens == 2 * BLOCK
         m.complete_load(handle)
-        assert m.store_now(b, kv(2, seed=6)) == 2
-        assert m.lookup(a).cached_tokens == 0 and m.lookup(b).cached_tokens == 2 * BLOCK
+        assert m.store(m.keyed(b), kv(2, seed=6)) == 2
+        assert m.lookup(m.keyed(a)).cached_tokens == 0 and m.lookup(m.keyed(b)).cached_tokens == 2 * BLOCK
 
 
 def test_failed_store_is_never_indexed(tmp_path: Path) -> None:
     with manager(tmp_path) as m:
         tokens = prompt(3 * BLOCK)
-        plan = m.prepare_store(tokens)
-        assert len(plan.buffers) == 3 and m.lookup(tokens).cached_tokens == 0
+        plan = m.prepare_store(m.keyed(tokens))
+        assert len(plan.buffers) == 3 and m.lookup(m.keyed(tokens)).cached_tokens == 0
         for buf, block in zip(plan.buffers, kv(3, seed=7), strict=True):
             buf.copy_(as_bytes(block))
         assert m.complete_store(plan, success=False) == 0
-        assert m.lookup(tokens).cached_tokens == 0
+        assert m.lookup(m.keyed(tokens)).cached_tokens == 0
         assert m.host.free_blocks() == m.host.capacity_blocks
         with pytest.raises(RuntimeError, match="twice"):
             m.complete_store(plan, success=True)
@@ -133,26 +133,27 @@ def test_failed_store_is_never_indexed(tmp_path: Path) -> None:
 def test_async_store_reports_by_job_id(tmp_path: Path) -> None:
     with manager(tmp_path) as m:
         tokens = prompt(4 * BLOCK)
-        job = m.store(tokens, kv(4, seed=8))
+        job = m.worker.submit(lambda: m.store(m.keyed(tokens), kv(4, seed=8)))
         assert m.wait(job) == 4
-        bad = m.store(prompt(4 * BLOCK, seed=99), [torch.zeros(3)] * 4)  # wrong payload size: the job fails
+        wrong = m.keyed(prompt(4 * BLOCK, seed=99))
+        bad = m.worker.submit(lambda: m.store(wrong, [torch.zeros(3)] * 4))  # wrong payload size: the job fails
         m.worker.drain()
         assert m.poll(bad) is JobStatus.FAILED
         with pytest.raises(ValueError, match="layout wants"):
             m.wait(bad)
-        assert m.lookup(tokens).cached_tokens == 4 * BLOCK
+        assert m.lookup(m.keyed(tokens)).cached_tokens == 4 * BLOCK
 
 
 def test_only_new_blocks_are_stored(tmp_path: Path) -> None:
     with manager(tmp_path) as m:
         turn1 = prompt(3 * BLOCK + 1)
-        m.store_now(turn1, kv(3, seed=9))
+        m.store(m.keyed(turn1), kv(3, seed=9))
         turn2 = np.concatenate([turn1, prompt(2 * BLOCK, seed=11)])
-        plan = m.prepare_store(turn2)
+        plan = m.prepare_store(m.keyed(turn2))
         assert plan.already_cached == 3 and plan.block_indices == [3, 4]
         m.complete_store(plan, success=False)
-        assert m.store_now(turn2, kv(2, seed=10), first_block=3) == 2
-        assert m.lookup(turn2).cached_tokens == 5 * BLOCK
+        assert m.store(m.keyed(turn2), kv(2, seed=10), first_block=3) == 2
+        assert m.lookup(m.keyed(turn2)).cached_tokens == 5 * BLOCK
 
 
 def test_forced_collision_never_serves_foreign_bytes(tmp_path: Path) -> None:
@@ -162,15 +163,15 @@ def test_forced_collision_never_serves_foreign_bytes(tmp_path: Path) -> None:
         a, b = prompt(BLOCK, seed=1), prompt(BLOCK, seed=2)
         assert m.keys(a) == m.keys(b)  # the hook made every key the same
         a_kv, b_kv = kv(1, seed=12), kv(1, seed=13)
-        m.store_now(a, a_kv)
-        miss = m.lookup(b)
+        m.store(m.keyed(a), a_kv)
+        miss = m.lookup(m.keyed(b))
         assert (miss.cached_tokens, miss.miss_reason) == (0, MissReason.CONFIRM_MISMATCH)
         assert m.stats()["host"]["confirm_mismatch"] == 1
-        assert m.store_now(b, b_kv) == 0  # refused: the key holds a's tokens
+        assert m.store(m.keyed(b), b_kv) == 0  # refused: the key holds a's tokens
         m.clear(TierKind.HOST)  # a now lives on disk only: the disk tier must confirm too
-        assert m.lookup(b).miss_reason is MissReason.CONFIRM_MISMATCH
+        assert m.lookup(m.keyed(b)).miss_reason is MissReason.CONFIRM_MISMATCH
         assert m.stats()["disk"]["confirm_mismatch"] == 1
-        assert m.lookup(a).tiers == (D,)
+        assert m.lookup(m.keyed(a)).tiers == (D,)
         assert torch.equal(loaded_bytes(m, a)[0], as_bytes(a_kv[0]))
 
 
@@ -185,7 +186,7 @@ def test_concurrent_readers_and_writer_keep_pins_sound(tmp_path: Path) -> None:
             try:
                 for _ in range(150):
                     s = (seed * 7 + _) % 6
-                    with m.load(m.lookup(prompts[s])) as handle:
+                    with m.load(m.lookup(m.keyed(prompts[s]))) as handle:
                         for i, view in enumerate(handle.blocks):
                             assert m.pinned(handle.keys[i]) > 0
                             assert torch.equal(view, as_bytes(blocks[s][i])), "a pinned slot changed under a reader"
@@ -196,7 +197,7 @@ def test_concurrent_readers_and_writer_keep_pins_sound(tmp_path: Path) -> None:
             try:
                 while not stop.is_set():
                     for s in range(6):
-                        m.store_now(prompts[s], blocks[s])
+                        m.store(m.keyed(prompts[s]), blocks[s])
             except BaseException as err:
                 errors.append(err)
 
@@ -225,14 +226,14 @@ def test_host_eviction_under_pressure_follows_the_policy_exactly(tmp_path: Path,
         for step, s in enumerate([0, 1, 2, 3, 1, 1, 4, 2, 5, 6, 1, 7, 8, 3, 9]):
             key = m.keys(prompts[s])[0]
             if key in resident:
-                assert m.lookup(prompts[s]).cached_tokens == BLOCK
+                assert m.lookup(m.keyed(prompts[s])).cached_tokens == BLOCK
                 twin.on_access(key)
                 continue
             if len(resident) == 4:
                 (victim,) = twin.victims(1)
                 twin.on_remove(victim)
                 resident.remove(victim)
-            assert m.store_now(prompts[s], kv(1, seed=s)) == 1, f"step {step}"
+            assert m.store(m.keyed(prompts[s]), kv(1, seed=s)) == 1, f"step {step}"
             twin.on_insert(key, None)
             resident.append(key)
             assert sorted(k for k, _ in m.host.entries()) == sorted(resident), f"step {step}"
@@ -243,10 +244,10 @@ def test_write_back_blocks_survive_a_clean_shutdown(tmp_path: Path) -> None:
     tokens = prompt(3 * BLOCK)
     blocks = kv(3, seed=21)
     with manager(tmp_path) as m:
-        m.store_now(tokens, blocks)
+        m.store(m.keyed(tokens), blocks)
         assert len(m.disk) == 0  # write-back: host only, until evicted or flushed
     with manager(tmp_path) as m:  # close() flushed host to disk
-        assert m.lookup(tokens).tiers == (D, D, D)
+        assert m.lookup(m.keyed(tokens)).tiers == (D, D, D)
         assert all(torch.equal(g, as_bytes(b)) for g, b in zip(loaded_bytes(m, tokens), blocks, strict=True))
 
 
@@ -263,7 +264,7 @@ def test_no_token_ids_reach_the_data_directory(tmp_path: Path) -> None:
     """The disk index keeps a keyed digest of each block's tokens; hits are still confirmed after a restart."""
     tokens = prompt(6 * BLOCK, seed=31)
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
-        assert m.store_now(tokens, kv(6, seed=31)) == 6
+        assert m.store(m.keyed(tokens), kv(6, seed=31)) == 6
     files = [p for p in (tmp_path / "data").rglob("*") if p.is_file()]
     assert {"data.mdb", "slab-0000.bin"} <= {p.name for p in files}
     runs = [block.astype("<i4").tobytes() for block in tokens.reshape(6, BLOCK)]
@@ -272,10 +273,10 @@ def test_no_token_ids_reach_the_data_directory(tmp_path: Path) -> None:
         data = path.read_bytes()
         assert not [run for run in runs if run in data], f"token ids in {path}"
     with manager(tmp_path) as m:
-        assert m.lookup(tokens).tiers == (D,) * 6  # confirmed against the digests alone
+        assert m.lookup(m.keyed(tokens)).tiers == (D,) * 6  # confirmed against the digests alone
         other = tokens.copy()
         other[5 * BLOCK] += 1
-        assert m.lookup(other).cached_tokens == 5 * BLOCK
+        assert m.lookup(m.keyed(other)).cached_tokens == 5 * BLOCK
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o000])
@@ -283,7 +284,7 @@ def test_the_data_directory_is_private_whatever_the_umask(tmp_path: Path, umask:
     old = os.umask(umask)
     try:
         with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
-            m.store_now(prompt(2 * BLOCK), kv(2, seed=32))
+            m.store(m.keyed(prompt(2 * BLOCK)), kv(2, seed=32))
     finally:
         os.umask(old)
     data = tmp_path / "data"
@@ -295,13 +296,13 @@ def test_the_data_directory_is_private_whatever_the_umask(tmp_path: Path, umask:
 def test_a_read_only_data_directory_runs_on_host_memory_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tokens = prompt(3 * BLOCK)
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
-        m.store_now(tokens, kv(3, seed=33))
+        m.store(m.keyed(tokens), kv(3, seed=33))
         keys = m.keys(tokens)
     with read_only(tmp_path / "data"), caplog.at_level(logging.WARNING, logger="kvtier"), manager(tmp_path) as m:
         assert m.disk is None and [t.kind for t in m.tiers] == [H]
         assert m.keys(tokens) == keys  # the secret could still be read
-        assert m.lookup(tokens).cached_tokens == 0
-        assert m.store_now(tokens, kv(3, seed=33)) == 3 and m.lookup(tokens).tiers == (H,) * 3
+        assert m.lookup(m.keyed(tokens)).cached_tokens == 0
+        assert m.store(m.keyed(tokens), kv(3, seed=33)) == 3 and m.lookup(m.keyed(tokens)).tiers == (H,) * 3
         assert "disk" not in m.stats()
     said = [r.getMessage() for r in caplog.records if "without the disk tier" in r.getMessage()]
     assert len(said) == 1 and str(tmp_path / "data" / "disk") in said[0]
@@ -317,7 +318,7 @@ def test_an_empty_read_only_data_directory_gets_a_process_local_secret(
     with read_only(tmp_path / "data"), caplog.at_level(logging.WARNING, logger="kvtier"), manager(tmp_path) as m:
         assert m.disk is None and not m.hasher._secret.persistent
         tokens = prompt(2 * BLOCK)
-        assert m.store_now(tokens, kv(2, seed=34)) == 2 and m.lookup(tokens).cached_tokens == 2 * BLOCK
+        assert m.store(m.keyed(tokens), kv(2, seed=34)) == 2 and m.lookup(m.keyed(tokens)).cached_tokens == 2 * BLOCK
     assert sum("process-local" in r.getMessage() for r in caplog.records) == 1
     assert not list((tmp_path / "data").iterdir())
 
@@ -334,9 +335,9 @@ def test_a_second_manager_on_one_data_directory_is_refused(tmp_path: Path) -> No
 def test_disk_hits_count_blocks_read_and_verified(tmp_path: Path) -> None:
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
         tokens = prompt(4 * BLOCK)
-        m.store_now(tokens, kv(4, seed=35))
+        m.store(m.keyed(tokens), kv(4, seed=35))
         m.clear(TierKind.HOST)
-        result = m.lookup(tokens)
+        result = m.lookup(m.keyed(tokens))
         assert result.tiers == (D,) * 4
         assert (m.stats()["disk"]["hit_tokens"], m.stats()["disk"]["miss_tokens"]) == (0, 0)  # index hits only
         path, offset = m.disk.slab_path(m.disk.slot_of(result.keys[2]))
@@ -349,13 +350,13 @@ def test_disk_hits_count_blocks_read_and_verified(tmp_path: Path) -> None:
             assert handle.served_from == [D, D]  # block 2 fails its checksum: the load stops there
         disk = m.stats()["disk"]
         assert (disk["hit_tokens"], disk["miss_tokens"], disk["checksum_failures"]) == (2 * BLOCK, BLOCK, 1)
-        assert m.lookup(tokens).tiers == (H, H)  # block 3 is on disk, but after the gap
+        assert m.lookup(m.keyed(tokens)).tiers == (H, H)  # block 3 is on disk, but after the gap
         assert m.stats()["host"]["hit_tokens"] == 2 * BLOCK  # host hits still count at lookup
 
 
 def test_a_quarantined_disk_tier_shows_in_the_stats(tmp_path: Path) -> None:
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
-        m.store_now(prompt(2 * BLOCK), kv(2, seed=36))
+        m.store(m.keyed(prompt(2 * BLOCK)), kv(2, seed=36))
     data = tmp_path / "data" / "disk" / "index.lmdb" / "data.mdb"
     with open(data, "r+b") as f:
         f.write(bytes(2 * os.sysconf("SC_PAGE_SIZE")))  # both meta pages
@@ -394,7 +395,7 @@ def test_named_blocks_round_trip_and_a_held_name_is_not_written_again(tmp_path: 
             assert [torch.equal(b, as_bytes(d)) for b, d in zip(handle.blocks, data, strict=True)] == [True] * 3
             assert handle.served_from == [H] * 3 and m.stats()["pinned_blocks"] == 3
         assert m.stats()["pinned_blocks"] == 0
-        assert m.lookup(prompt(3 * BLOCK)).cached_blocks == 0  # named blocks are no token chain's
+        assert m.lookup(m.keyed(prompt(3 * BLOCK))).cached_blocks == 0  # named blocks are no token chain's
 
 
 def test_a_named_load_stops_at_the_first_absent_name(tmp_path: Path) -> None:
@@ -443,3 +444,27 @@ def test_a_named_block_corrupted_on_disk_is_a_counted_miss_never_wrong_bytes(tmp
             assert torch.equal(handle.blocks[0], as_bytes(data[0]))
         assert m.stats()["disk"]["checksum_failures"] == 1
         assert m.named_exists(names(3), NS) == [True, False, True]  # the damaged record is dropped
+
+
+def test_a_keyed_prompt_is_never_hashed_again_on_its_way(tmp_path: Path) -> None:
+    with manager(tmp_path, host_blocks=2, disk_blocks=16) as m:
+        tokens = prompt(6 * BLOCK, seed=4)
+        p = m.keyed(tokens)
+        calls = []
+        keys = m.hasher.keys
+        m.hasher.keys = lambda *a, **kw: calls.append(a) or keys(*a, **kw)  # type: ignore[method-assign]
+        assert m.store(p, kv(6, seed=4)) == 6  # host holds two: four go down to disk
+        result = m.lookup(p)
+        with m.load(result) as handle:  # disk blocks promoted, every one confirmed by its digest
+            assert [b.tolist() for b in handle.blocks] == [as_bytes(b).tolist() for b in kv(2, seed=4)]
+        assert m.probe(p).cached_tokens == 6 * BLOCK and m.pin_for(p, 10.0) == p.keys
+        assert calls == [], "lookup, load, store, probe and pin hashed the prompt again"
+
+
+def test_keys_of_another_hasher_are_refused_not_missed(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        foreign = make_hasher(tmp_path / "elsewhere", toy_layout()).keyed(prompt(2 * BLOCK), "default")
+        with pytest.raises(ValueError, match="another hasher"):
+            m.lookup(foreign)
+        with pytest.raises(ValueError, match="another hasher"):
+            m.store(foreign, kv(2, seed=1))

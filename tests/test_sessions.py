@@ -35,7 +35,7 @@ def with_sessions(m: CacheManager, clock: Clock, **cfg) -> SessionRegistry:
 def speak(m: CacheManager, registry: SessionRegistry, sid: str, tokens: np.ndarray, seed: int) -> None:
     """A session's turn as the server runs it: recorded, then its blocks stored."""
     registry.turn(m.config.cache.namespace, sid, tokens, m.keys(tokens))
-    m.store_now(tokens, kv(len(tokens) // BLOCK, seed))
+    m.store(m.keyed(tokens), kv(len(tokens) // BLOCK, seed))
 
 
 def test_live_session_blocks_outlive_anonymous_ones_until_expiry(tmp_path: Path) -> None:
@@ -45,11 +45,11 @@ def test_live_session_blocks_outlive_anonymous_ones_until_expiry(tmp_path: Path)
         agent = prompt(3 * BLOCK, seed=1)
         speak(m, registry, "agent", agent, seed=1)
         for s in range(2, 6):  # anonymous traffic, four times the free room
-            m.store_now(prompt(2 * BLOCK, seed=s), kv(2, s))
-        assert m.lookup(agent).tiers == (H, H, H)  # LRU alone would have evicted it first
+            m.store(m.keyed(prompt(2 * BLOCK, seed=s)), kv(2, s))
+        assert m.lookup(m.keyed(agent)).tiers == (H, H, H)  # LRU alone would have evicted it first
         clock.now += 61  # the session expires: its blocks are ordinary again
-        m.store_now(prompt(8 * BLOCK, seed=9), kv(8, 9))  # a whole tier of new blocks
-        assert m.lookup(agent).tiers == (D, D, D)
+        m.store(m.keyed(prompt(8 * BLOCK, seed=9)), kv(8, 9))  # a whole tier of new blocks
+        assert m.lookup(m.keyed(agent)).tiers == (D, D, D)
         assert len(registry) == 0 and registry.expired == 1
 
 
@@ -64,10 +64,10 @@ def test_protection_is_bounded_and_goes_to_the_oldest_sessions(tmp_path: Path) -
         assert set(registry.protection(8).rank) == set(m.keys(old) + m.keys(new))  # over the share: third gets none
         speak(m, registry, "third", third, seed=3)  # speaking again does not buy a place
         assert set(registry.protection(8).rank) == set(m.keys(old) + m.keys(new))
-        m.lookup(third)  # the most recently used: LRU alone would evict old first
-        m.store_now(prompt(4 * BLOCK, seed=4), kv(4, 4))
-        assert m.lookup(third).tiers == (D, D)
-        assert m.lookup(old).tiers == (H, H) and m.lookup(new).tiers == (H, H)
+        m.lookup(m.keyed(third))  # the most recently used: LRU alone would evict old first
+        m.store(m.keyed(prompt(4 * BLOCK, seed=4)), kv(4, 4))
+        assert m.lookup(m.keyed(third)).tiers == (D, D)
+        assert m.lookup(m.keyed(old)).tiers == (H, H) and m.lookup(m.keyed(new)).tiers == (H, H)
 
 
 def test_a_round_of_more_agents_than_fit_keeps_the_oldest_hitting_where_lru_misses_all(tmp_path: Path) -> None:
@@ -80,10 +80,10 @@ def test_a_round_of_more_agents_than_fit_keeps_the_oldest_hitting_where_lru_miss
             seen = []
             for a, tokens in enumerate(agents):
                 clock.now += 1
-                seen.append(m.lookup(tokens).tiers.count(H))
+                seen.append(m.lookup(m.keyed(tokens)).tiers.count(H))
                 if registry is not None:
                     registry.turn(m.config.cache.namespace, f"agent-{a}", tokens, m.keys(tokens))
-                m.store_now(tokens, kv(2, a))
+                m.store(m.keyed(tokens), kv(2, a))
             hits.append(seen)
         return hits
 
@@ -103,9 +103,9 @@ def test_protected_blocks_still_go_when_nothing_else_can_youngest_session_first(
         speak(m, registry, "old", old, seed=1)
         clock.now += 1
         speak(m, registry, "new", new, seed=2)
-        m.lookup(new)  # most recently used, but its session is the younger one
-        assert m.store_now(prompt(2 * BLOCK, seed=3), kv(2, 3)) == 2
-        assert m.lookup(new).tiers == (D, D) and m.lookup(old).tiers == (H, H)
+        m.lookup(m.keyed(new))  # most recently used, but its session is the younger one
+        assert m.store(m.keyed(prompt(2 * BLOCK, seed=3)), kv(2, 3)) == 2
+        assert m.lookup(m.keyed(new)).tiers == (D, D) and m.lookup(m.keyed(old)).tiers == (H, H)
 
 
 def test_registry_forgets_the_idlest_past_max_sessions_and_keeps_tenants_apart() -> None:
@@ -124,12 +124,14 @@ def test_registry_forgets_the_idlest_past_max_sessions_and_keeps_tenants_apart()
 def test_prefetch_promotes_a_session_from_disk_to_host(tmp_path: Path) -> None:
     with manager(tmp_path, host_blocks=4) as m:
         agent = prompt(3 * BLOCK, seed=1)
-        m.store_now(agent, kv(3, 1))
-        m.store_now(prompt(4 * BLOCK, seed=2), kv(4, 2))
-        assert m.lookup(agent).tiers == (D, D, D)
-        assert m.prefetch(agent, m.config.cache.namespace) == Promotion({D: 3 * BLOCK}, 3)
-        assert m.lookup(agent).tiers == (H, H, H)
-        assert m.prefetch(agent, m.config.cache.namespace) == Promotion({}, 3)  # already there: nothing to move
+        m.store(m.keyed(agent), kv(3, 1))
+        m.store(m.keyed(prompt(4 * BLOCK, seed=2)), kv(4, 2))
+        assert m.lookup(m.keyed(agent)).tiers == (D, D, D)
+        assert m.prefetch(m.keyed(agent, m.config.cache.namespace)) == Promotion({D: 3 * BLOCK}, 3)
+        assert m.lookup(m.keyed(agent)).tiers == (H, H, H)
+        assert m.prefetch(m.keyed(agent, m.config.cache.namespace)) == Promotion(
+            {}, 3
+        )  # already there: nothing to move
         assert all(m.pinned(k) == 0 for k in m.keys(agent))
 
 
@@ -137,38 +139,42 @@ def test_explain_names_each_reason(tmp_path: Path) -> None:
     with manager(tmp_path, host_blocks=4, disk={"enabled": False}) as m:
         ns = m.config.cache.namespace
         tokens = prompt(3 * BLOCK + 2, seed=1)
-        never = m.explain(tokens, ns)
+        never = m.explain(m.keyed(tokens, ns))
         assert (never.reason, never.first_miss_token) == (ExplainReason.NEVER_STORED, 0)
-        m.store_now(tokens, kv(3, 1))
-        tail = m.explain(tokens, ns)
+        m.store(m.keyed(tokens), kv(3, 1))
+        tail = m.explain(m.keyed(tokens, ns))
         assert (tail.reason, tail.first_miss_token, tail.result.tiers) == (ExplainReason.PARTIAL_TAIL, 12, (H,) * 3)
-        assert m.explain(tokens[: 3 * BLOCK], ns).reason is ExplainReason.ALL_CACHED
-        m.store_now(prompt(2 * BLOCK, seed=2), kv(2, 2))  # evicts blocks 0 and 1 (no disk: dropped)
-        gone = m.explain(tokens, ns)
+        assert m.explain(m.keyed(tokens[: 3 * BLOCK], ns)).reason is ExplainReason.ALL_CACHED
+        m.store(m.keyed(prompt(2 * BLOCK, seed=2)), kv(2, 2))  # evicts blocks 0 and 1 (no disk: dropped)
+        gone = m.explain(m.keyed(tokens, ns))
         assert gone.reason is ExplainReason.EVICTED and gone.first_miss_token == 0
         assert gone.eviction is not None and (gone.eviction.tier, gone.eviction.policy) == (H, PolicyName.LRU)
         other = prompt(2 * BLOCK, seed=3)
-        m.store_now(other, kv(2, 3), namespace="mine/b")
-        moved = m.explain(other, ns, own_namespaces=["mine/b"])
+        m.store(m.keyed(other, "mine/b"), kv(2, 3))
+        moved = m.explain(m.keyed(other, ns), own_namespaces=["mine/b"])
         assert (moved.reason, moved.other_namespace) == (ExplainReason.OTHER_NAMESPACE, "mine/b")
-        assert m.explain(other, ns).reason is ExplainReason.NEVER_STORED  # a namespace not the caller's: unseen
+        assert (
+            m.explain(m.keyed(other, ns)).reason is ExplainReason.NEVER_STORED
+        )  # a namespace not the caller's: unseen
 
 
 def test_explain_reports_a_rejected_collision(tmp_path: Path) -> None:
     colliding = make_hasher(tmp_path, toy_layout(), hash128=lambda data, seed: b"\x00" * 16)
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH, hasher=colliding) as m:
-        m.store_now(prompt(BLOCK, seed=1), kv(1, 1))
-        assert m.explain(prompt(BLOCK, seed=2), m.config.cache.namespace).reason is ExplainReason.HASH_COLLISION
+        m.store(m.keyed(prompt(BLOCK, seed=1)), kv(1, 1))
+        assert (
+            m.explain(m.keyed(prompt(BLOCK, seed=2), m.config.cache.namespace)).reason is ExplainReason.HASH_COLLISION
+        )
 
 
 def test_explain_finds_where_a_session_diverged(tmp_path: Path) -> None:
     with manager(tmp_path, host_blocks=16) as m:
         ns = m.config.cache.namespace
         turn1 = prompt(6 * BLOCK, seed=1)
-        m.store_now(turn1, kv(6, 1))
+        m.store(m.keyed(turn1), kv(6, 1))
         turn2 = np.concatenate([turn1, prompt(BLOCK, seed=2)])
         turn2[9] += 1  # one token changed inside block 2, as a timestamp would
         at = divergence(turn1, turn2)
         assert at == 9 and divergence(turn1, turn1[:10]) is None
-        why = m.explain(turn2, ns, diverged_at=at)
+        why = m.explain(m.keyed(turn2, ns), diverged_at=at)
         assert (why.reason, why.divergence, why.first_miss_token) == (ExplainReason.SESSION_DIVERGED, 9, 8)

@@ -225,8 +225,8 @@ class _AnnouncedPolicy(ObservedPolicy):
 def listen(cache: CacheManager) -> None:
     """Wrap the disk tier's policy (no public hook hears victims before their removal; this worker needs to)."""
     with cache._lock:
-        inner = cache._policies[TierKind.DISK]
-        cache._policies[TierKind.DISK] = _AnnouncedPolicy(inner, TierKind.DISK, _DiskReports())
+        inner = cache.eviction.policies[TierKind.DISK]
+        cache.eviction.policies[TierKind.DISK] = _AnnouncedPolicy(inner, TierKind.DISK, _DiskReports())
 
 
 # -- one incarnation ----------------------------------------------------------------------------------------------
@@ -238,10 +238,10 @@ class Embedded:
         self.manager = CacheManager(cfg, LAYOUT, model_fingerprint=FINGERPRINT)
 
     def store(self, toks: np.ndarray, payloads: list[torch.Tensor]) -> None:
-        self.manager.store_now(toks, payloads)
+        self.manager.store(self.manager.keyed(toks), payloads)
 
     def fetch(self, toks: np.ndarray) -> ServedBlocks:
-        result = self.manager.lookup(toks)
+        result = self.manager.lookup(self.manager.keyed(toks))
         with self.manager.load(result) as handle:
             served = [(bytes(k).hex(), digest(b)) for k, b in zip(handle.keys, handle.blocks, strict=True)]
         return ServedBlocks(served, sum(t is TierKind.REMOTE for t in result.tiers[: len(served)]))

@@ -98,7 +98,7 @@ class Served:
 
 def serve(cache: CacheManager, prompt: int, blocks: int) -> Served:
     """Look ``prompt`` up, load what is cached, compare every loaded byte with what was stored, release."""
-    result = cache.lookup(tokens(prompt, blocks))
+    result = cache.lookup(cache.keyed(tokens(prompt, blocks)))
     want = kv(prompt, blocks)
     with cache.load(result) as handle:
         wrong = sum(not torch.equal(view, as_bytes(want[i])) for i, view in enumerate(handle.blocks))

@@ -56,7 +56,7 @@ FULL_FS_BYTES = 128 * 1024  # the index and about a third of the 64 configured s
 
 
 def _store_all(cache: CacheManager, prompts: int = PROMPTS, blocks: int = BLOCKS) -> int:
-    return sum(cache.store_now(tokens(p, blocks), kv(p, blocks)) for p in range(prompts))
+    return sum(cache.store(cache.keyed(tokens(p, blocks)), kv(p, blocks)) for p in range(prompts))
 
 
 def _serve_all(cache: CacheManager, prompts: int = PROMPTS, blocks: int = BLOCKS) -> tuple[int, int]:
@@ -126,7 +126,7 @@ def _index_commit_fails(workdir: Path) -> tuple[dict[str, int], int]:
             _store_all(cache, prompts=4)  # 8 blocks on disk, and the one slab file preallocated whole: 16 slots
             with _index_reader(cfg.disk_path / "index.lmdb"):
                 _fill(fs)
-                stored = sum(cache.store_now(tokens(p, BLOCKS), kv(p, BLOCKS)) for p in range(4, 8))
+                stored = sum(cache.store(cache.keyed(tokens(p, BLOCKS)), kv(p, BLOCKS)) for p in range(4, 8))
                 failed, indexed = cache.disk.stats.write_errors, len(cache.disk)
             _host_only(cache)
             served, wrong = _serve_all(cache, prompts=8)

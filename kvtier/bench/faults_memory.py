@@ -74,15 +74,15 @@ def evict_while_reading(workdir: Path) -> FaultOutcome:
     per_writer = prompts // WRITERS
     with toy_cache(cfg) as cache:
         pinned_prompt = prompts  # stored before the churn, outside the writers' range
-        cache.store_now(tokens(pinned_prompt, PROMPT_BLOCKS), kv(pinned_prompt, PROMPT_BLOCKS))
-        held = cache.load(cache.lookup(tokens(pinned_prompt, PROMPT_BLOCKS)))
+        cache.store(cache.keyed(tokens(pinned_prompt, PROMPT_BLOCKS)), kv(pinned_prompt, PROMPT_BLOCKS))
+        held = cache.load(cache.lookup(cache.keyed(tokens(pinned_prompt, PROMPT_BLOCKS))))
         written = [0] * WRITERS
         checked = [[0, 0] for _ in range(READERS)]  # blocks read, blocks wrong
         done = threading.Event()
 
         def writer(w: int) -> None:
             for p in range(w * per_writer, (w + 1) * per_writer):
-                written[w] += cache.store_now(tokens(p, PROMPT_BLOCKS), kv(p, PROMPT_BLOCKS))
+                written[w] += cache.store(cache.keyed(tokens(p, PROMPT_BLOCKS)), kv(p, PROMPT_BLOCKS))
 
         def reader(r: int) -> None:
             p = r
@@ -198,7 +198,7 @@ def _served_both(cache: CacheManager) -> tuple[dict[int, int], int]:
     """Blocks each side's lookup is served, and blocks whose bytes are not that side's."""
     served, wrong = {}, 0
     for side in (HONEST, FOREIGN):
-        with cache.load(cache.lookup(same_key_tokens(side))) as handle:
+        with cache.load(cache.lookup(cache.keyed(same_key_tokens(side)))) as handle:
             want = kv(side, SAME_KEY_BLOCKS)
             served[side] = len(handle.blocks)
             wrong += sum(not torch.equal(v, as_bytes(want[i])) for i, v in enumerate(handle.blocks))
@@ -211,7 +211,7 @@ def _same_key_threads(workdir: Path) -> tuple[dict[str, int], int]:
 
     def write(w: int) -> Callable[[], object]:
         side = FOREIGN if w == foreign_writer else HONEST
-        return lambda: cache.store_now(same_key_tokens(side), kv(side, SAME_KEY_BLOCKS))
+        return lambda: cache.store(cache.keyed(same_key_tokens(side)), kv(side, SAME_KEY_BLOCKS))
 
     with toy_cache(cfg, hasher=colliding_hasher(workdir / "threads" / "data")) as cache:
         keys = cache.keys(same_key_tokens(HONEST))
@@ -375,10 +375,10 @@ def memory_flood(workdir: Path) -> FaultOutcome:
         resident = FLOOD_HOST_BLOCKS // PROMPT_BLOCKS
         on_disk = range(resident, resident + 8)
         for p in on_disk:  # stored first: written through to disk, then pushed out of host by the resident ones
-            cache.store_now(tokens(p, PROMPT_BLOCKS), kv(p, PROMPT_BLOCKS))
+            cache.store(cache.keyed(tokens(p, PROMPT_BLOCKS)), kv(p, PROMPT_BLOCKS))
         for p in range(resident):
-            cache.store_now(tokens(p, PROMPT_BLOCKS), kv(p, PROMPT_BLOCKS))
-        holds = [cache.load(cache.lookup(tokens(p, PROMPT_BLOCKS))) for p in range(resident)]
+            cache.store(cache.keyed(tokens(p, PROMPT_BLOCKS)), kv(p, PROMPT_BLOCKS))
+        holds = [cache.load(cache.lookup(cache.keyed(tokens(p, PROMPT_BLOCKS)))) for p in range(resident)]
         pinned = _pins_left(cache)
         counts = {"stored": 0, "loaded": 0, "calls": 0}
         lock = threading.Lock()
@@ -387,7 +387,7 @@ def memory_flood(workdir: Path) -> FaultOutcome:
             stored = loaded = 0
             for n in range(FLOOD_CALLS):
                 p = 1000 + (round_ * FLOOD_THREADS + t) * FLOOD_CALLS + n  # always a new prompt
-                stored += cache.store_now(tokens(p, PROMPT_BLOCKS), kv(p, PROMPT_BLOCKS))
+                stored += cache.store(cache.keyed(tokens(p, PROMPT_BLOCKS)), kv(p, PROMPT_BLOCKS))
                 loaded += serve(cache, on_disk[n % len(on_disk)], PROMPT_BLOCKS).blocks
             with lock:
                 counts["stored"] += stored

@@ -57,7 +57,7 @@ def remote_down(workdir: Path) -> FaultOutcome:
     with redis:
         with toy_cache(node_config(workdir, "a", redis.url)) as a:
             for p in range(PROMPTS):
-                a.store_now(tokens(p, BLOCKS), kv(p, BLOCKS))
+                a.store(a.keyed(tokens(p, BLOCKS)), kv(p, BLOCKS))
             assert a.remote is not None and a.remote.flush()
         with toy_cache(node_config(workdir, "b", redis.url)) as b:
             warmed = [threading.Event() for _ in range(READERS)]  # each reader's first pass done
@@ -91,7 +91,7 @@ def remote_down(workdir: Path) -> FaultOutcome:
             assert b.remote is not None
             snap = b.remote.snapshot()
             errors_after = _remote_calls(b) - errors_at_kill
-            local = sum(b.lookup(tokens(p, BLOCKS)).cached_blocks > 0 for p in range(PROMPTS))
+            local = sum(b.lookup(b.keyed(tokens(p, BLOCKS))).cached_blocks > 0 for p in range(PROMPTS))
     answered = sum(a[2] for a in after)
     wrong = sum(x[1] for x in before) + sum(x[1] for x in after)
     figures = {

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from kvtier.engine.runtime import LoadedModel
 from kvtier.keys import SECRET_BYTES, BlockDigest, BlockKey, Secret
 from kvtier.layout import KVLayout
-from kvtier.manager import PROMOTE_BATCH
+from kvtier.promote import PROMOTE_BATCH
 from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.remote import RemoteTier
 

@@ -52,7 +52,7 @@ from kvtier.engine.schedule import oldest_share, prefill_budget, prefill_chunks
 from kvtier.engine.speculate import PromptLookup
 from kvtier.engine.verify import BlockVerdict, Check, ShadowVerifier
 from kvtier.fetch import Fetch, LoadHandle
-from kvtier.keys import BlockKey, KeyHasher, block_tokens
+from kvtier.keys import BlockKey, KeyedTokens, KeyHasher
 from kvtier.manager import CacheManager
 from kvtier.model.tokenizer import StreamDecoder, Tokenizer
 from kvtier.service.cache import ServiceCache, ServiceFetch
@@ -73,14 +73,13 @@ class FinishReason(enum.StrEnum):
 @dataclass(eq=False)  # identity: two requests are never "equal"
 class Request:
     id: str
-    prompt_ids: list[int]
+    prompt: KeyedTokens  # the prompt with its blocks' keys, hashed once for the request's whole way
     params: SamplingParams
-    namespace: str
     sampler: Sampler
     decoder: StreamDecoder
     arrival: float
-    keys: list[BlockKey] = field(default_factory=list)  # the prompt's full blocks, hashed once on arrival
-    blocks: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # their tokens
+    prompt_ids: list[int] = field(default_factory=list)
+    chain: KeyedTokens | None = None  # prompt + reply keyed so far (extended as the reply fills blocks)
     table: BlockTable = field(default_factory=BlockTable)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -98,9 +97,34 @@ class Request:
     draft_width: int | None = None  # drafts its next step may carry (prompt lookup; None: not drafted for yet)
     verify_span: tuple[int, int] | None = None  # blocks loaded from kvtier that shadow verification checks
 
+    def __post_init__(self) -> None:
+        self.prompt_ids = self.prompt.tokens.tolist()
+        self.chain = self.prompt
+
+    @property
+    def namespace(self) -> str:
+        return self.prompt.namespace
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        """The prompt's full blocks' keys."""
+        return self.prompt.keys
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """The prompt's full blocks' tokens, ``[n, block_size]``."""
+        return self.prompt.blocks
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def keyed_through(self, blocks: int) -> KeyedTokens:
+        """Prompt + reply keyed through ``blocks`` full blocks at least: only blocks not keyed yet are hashed."""
+        assert self.chain is not None
+        if self.chain.num_blocks < blocks:
+            self.chain = self.chain.extend(self.all_ids[: blocks * self.prompt.hasher.block_size])
+        return self.chain
 
     @property
     def prefilling(self) -> bool:
@@ -181,10 +205,8 @@ class Engine:
         want = model.kv_layout(block_size)
         if cache is not None and cache.layout != want:
             raise ValueError(f"cache layout {cache.layout.descriptor} != the model's {want.descriptor}")
-        if hasher is None and cache is not None:
-            hasher = cache.hasher
-        if keep_resident and hasher is None:
-            raise ValueError("keeping blocks resident needs block keys: pass a cache or a hasher")
+        if hasher is None:
+            hasher = cache.hasher if cache is not None else KeyHasher.process_local(want.descriptor, block_size)
         self.model = model
         self.tokenizer = tokenizer
         self.pool: KVPool = model.make_pool(block_size, pool_blocks)
@@ -215,32 +237,21 @@ class Engine:
         self.speculation = SpeculationCounters()
 
     # -- requests --------------------------------------------------------------
-    def add_request(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        namespace: str | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        if not prompt_ids:
+    def keyed(self, prompt_ids: Sequence[int] | np.ndarray, namespace: str | None = None) -> KeyedTokens:
+        """A prompt keyed by this engine's hasher (its cache's): what :meth:`add_request` takes."""
+        return self.hasher.keyed(prompt_ids, namespace or self.namespace)
+
+    def add_request(self, prompt: KeyedTokens, params: SamplingParams, *, request_id: str | None = None) -> str:
+        """Queue ``prompt`` (from :meth:`keyed`, made once per request by the caller); returns its id."""
+        if prompt.hasher is not self.hasher:
+            raise ValueError("the prompt was keyed by another hasher: key it with Engine.keyed")
+        if not len(prompt):
             raise ValueError("a prompt needs at least one token")
         limit = self.model.config.context_length
-        if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {limit}")
+        if len(prompt) >= limit:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {limit}")
         rid = request_id or f"req-{next(self._ids)}"
-        ns = namespace or self.namespace
-        req = Request(
-            rid,
-            list(prompt_ids),
-            params,
-            ns,
-            Sampler(params),
-            self.tokenizer.decode_stream(),
-            time.perf_counter(),
-            keys=self.hasher.keys(prompt_ids, ns) if self.hasher is not None else [],
-            blocks=block_tokens(prompt_ids, self.block_size),
-        )
+        req = Request(rid, prompt, params, Sampler(params), self.tokenizer.decode_stream(), time.perf_counter())
         self._start_fetch(req)
         self._waiting.append(req)
         return rid
@@ -252,7 +263,7 @@ class Engine:
         disk reads run while the request still waits for a batch slot, and
         admission takes whatever landed in time.
         """
-        if not self.prefetch or self.cache is None or self.hasher is None:
+        if not self.prefetch or self.cache is None:
             return
         usable = (len(req.prompt_ids) - 1) // self.block_size
         if usable <= 0:
@@ -262,7 +273,7 @@ class Engine:
             first = self.resident.peek(req.keys[:usable], req.blocks)
         if first >= usable:
             return
-        result = self.cache.lookup(req.prompt_ids, req.namespace, first_block=first)
+        result = self.cache.lookup(req.prompt, first_block=first)
         end = min(result.cached_blocks, usable)
         if end <= first or end - first > self.cache.load_chunk:
             return  # nothing below, or more than host can pin at once: admission loads it in pieces
@@ -517,7 +528,7 @@ class Engine:
         if fetch is not None:
             fetch.cancel()
             self.prefetch_counters.cancelled += 1
-        result = self.cache.lookup(req.prompt_ids, req.namespace, first_block=first)
+        result = self.cache.lookup(req.prompt, first_block=first)
         end = min(result.cached_blocks, usable)
         at = first
         while at < end:
@@ -619,14 +630,12 @@ class Engine:
         first = req.stored_blocks
         ids = req.table.block_ids[first:full]
         self.pool.share(ids)
-        pool = self.pool
+        pool, cache, chain = self.pool, self.cache, req.keyed_through(full)
 
         def fill(block: int, out: torch.Tensor) -> None:
             pool.read_block_to_payload(ids[block - first], out)
 
-        job = self.cache.store_from(
-            req.all_ids[: full * self.block_size], fill, req.namespace, first_block=first, num_blocks=full - first
-        )
+        job = cache.worker.submit(lambda: cache.store(chain, fill, first_block=first, num_blocks=full - first))
         self._storing.append((job, ids))
         req.stored_blocks = full
 
@@ -705,12 +714,10 @@ class Engine:
             if self._producing.get(key) is req:
                 del self._producing[key]
         self._store_new_blocks(req)
-        if self.resident is not None and self.hasher is not None:
+        if self.resident is not None:
             full = self._cacheable_blocks(req)
-            ids = req.all_ids[: full * self.block_size]
-            self.resident.keep(
-                self.hasher.keys(ids, req.namespace), req.table.block_ids[:full], block_tokens(ids, self.block_size)
-            )
+            chain = req.keyed_through(full)
+            self.resident.keep(chain.keys[:full], req.table.block_ids[:full], chain.blocks[:full])
         self.pool.release(req.table)
         req.finished_at = time.perf_counter()
         self._finished.append(req)
@@ -753,7 +760,7 @@ class Engine:
         on_step: Callable[[StepOutput], None] | None = None,
     ) -> list[Completion]:
         """Run ``prompts`` together (continuously batched) and return them in order."""
-        order = [self.add_request(p, params, namespace=namespace) for p in prompts]
+        order = [self.add_request(self.keyed(p, namespace), params) for p in prompts]
         results: dict[str, Request] = {}
         while len(results) < len(order):
             for out in self.step():

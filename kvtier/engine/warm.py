@@ -14,27 +14,24 @@ running request's), and stops short rather than wait.
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvtier.engine.engine import Engine
+from kvtier.keys import KeyedTokens
 
 
-def warm(engine: Engine, tokens: np.ndarray, namespace: str) -> int:
-    """Make the leading full blocks of ``tokens`` resident in the pool, as far as the tiers hold them.
+def warm(engine: Engine, transcript: KeyedTokens) -> int:
+    """Make the leading full blocks of ``transcript`` resident in the pool, as far as the tiers hold them.
 
     Returns the leading tokens resident now (what the next turn shares).
     """
-    resident, cache, hasher = engine.resident, engine.cache, engine.hasher
-    if resident is None or cache is None or hasher is None:
+    resident, cache = engine.resident, engine.cache
+    if resident is None or cache is None:
         return 0
     bs = engine.pool.block_size
-    n = len(tokens) // bs
-    ids = np.asarray(tokens[: n * bs], dtype=np.int32)
-    keys, blocks = hasher.keys(ids, namespace), ids.reshape(n, bs)  # the resident index's keys, as the engine's
+    keys, blocks, n = transcript.keys, transcript.blocks, transcript.num_blocks
     have = resident.peek(keys, blocks)
     if have == n:
         return have * bs
-    with cache.load(cache.lookup(ids, namespace, first_block=have)) as handle:
+    with cache.load(cache.lookup(transcript, first_block=have)) as handle:
         want = len(handle.blocks)
         short = want - engine.pool.num_free
         if short > 0:

@@ -172,7 +172,7 @@ async def _turn(
 ) -> inference.Job:
     """A request that names a session is that session's next turn (see :mod:`kvtier.server.sessions`)."""
     session = sessions.session_of(request, user)
-    await sessions.begin_turn(state, tenant, session, job.prompt_ids)
+    await sessions.begin_turn(state, session, job.prompt)
     return dataclasses.replace(job, session=session)
 
 
@@ -358,8 +358,9 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
         raise APIError(400, f"ttl_s is {body.ttl_s}; at most {limit} is allowed", param="ttl_s")
     tenant = _tenant(state, body.tenant)
     ids = await _ids(state, body, add_generation_prompt=False)
-    keys = await asyncio.to_thread(state.cache.pin_for, ids, tenant.namespace, body.ttl_s)
-    probe = await asyncio.to_thread(state.cache.probe, ids, tenant.namespace)
+    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    keys = await asyncio.to_thread(state.cache.pin_for, prompt, body.ttl_s)
+    probe = await asyncio.to_thread(state.cache.probe, prompt)
     bs = state.cache.layout.block_size
     return PinResponse(
         tenant=tenant.name,
@@ -375,7 +376,8 @@ async def lookup(body: LookupRequest, state: State) -> LookupResponse:
     """How much of a prompt the tiers hold for a tenant (the remote one too), without touching eviction or stats."""
     tenant = _tenant(state, body.tenant)
     ids = await _ids(state, body, add_generation_prompt=True)
-    probe = await asyncio.to_thread(state.cache.probe, ids, tenant.namespace)
+    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    probe = await asyncio.to_thread(state.cache.probe, prompt)
     return LookupResponse(
         tenant=tenant.name,
         prompt_tokens=len(ids),

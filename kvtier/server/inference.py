@@ -26,6 +26,7 @@ import jinja2
 from starlette.types import Message
 
 from kvtier.engine.sampling import SamplingParams
+from kvtier.keys import KeyedTokens
 from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorCode, ErrorType
 from kvtier.server.loop import ClientGone, EngineUnavailable, Failure, Outcome, Stream, Submission
@@ -57,11 +58,15 @@ DONE = "data: [DONE]\n\n"
 @dataclass(frozen=True)
 class Job:
     request_id: str
-    prompt_ids: list[int]
+    prompt: KeyedTokens  # keyed once here, for the session, the engine, its lookup, fetch and stores
     params: SamplingParams
     tenant: Tenant
     include_usage: bool
     session: str | None = None  # the agent session it is a turn of (kvtier.server.sessions)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.tokens.tolist()
 
 
 # -- from a body to a job ---------------------------------------------------------------------
@@ -165,7 +170,8 @@ def _job(
         seed=body.seed,
         stop=body.stop_strings(),
     )
-    return Job(f"{prefix}-{secrets.token_hex(12)}", ids, params, tenant, body.include_usage)
+    prompt = state.cache.keyed(ids, tenant.namespace)
+    return Job(f"{prefix}-{secrets.token_hex(12)}", prompt, params, tenant, body.include_usage)
 
 
 async def completion_job(state: ServerState, body: CompletionRequest, tenant: Tenant) -> Job:
@@ -197,7 +203,7 @@ def default_chat_max_tokens(state: ServerState, prompt_tokens: int) -> int:
 def submit(state: ServerState, job: Job) -> Stream:
     stream = Stream()
     try:
-        state.loop.submit(Submission(job.request_id, job.prompt_ids, job.params, job.tenant.namespace, stream))
+        state.loop.submit(Submission(job.request_id, job.prompt, job.params, stream))
     except EngineUnavailable as err:
         raise APIError(503, str(err), type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN) from None
     return stream

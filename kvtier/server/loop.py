@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from kvtier.engine.engine import Engine, FinishReason, PrefetchCounters, Request
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.verify import VerifyCounters
+from kvtier.keys import KeyedTokens
 from kvtier.server.metrics import EngineMetrics, PoolSnapshot
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,8 @@ class Stream:
 @dataclass(eq=False)
 class Submission:
     request_id: str
-    prompt_ids: list[int]
+    prompt: KeyedTokens
     params: SamplingParams
-    namespace: str
     stream: Stream
 
 
@@ -270,9 +270,9 @@ class EngineLoop:
 
     def _admit(self, sub: Submission) -> None:
         try:
-            self._engine.add_request(sub.prompt_ids, sub.params, namespace=sub.namespace, request_id=sub.request_id)
+            self._engine.add_request(sub.prompt, sub.params, request_id=sub.request_id)
         except ValueError as err:  # the engine's own refusal of one prompt (empty, longer than the context)
-            sub.stream.put(Outcome.failed(len(sub.prompt_ids), Failure.REJECTED, str(err)))
+            sub.stream.put(Outcome.failed(len(sub.prompt), Failure.REJECTED, str(err)))
             return
         self._subs[sub.request_id] = sub
         self.metrics.set_in_flight(len(self._subs))
@@ -338,7 +338,7 @@ class EngineLoop:
 
     def _fail_all(self, failure: Failure, message: str) -> None:
         for sub in self._subs.values():
-            sub.stream.put(Outcome.failed(len(sub.prompt_ids), failure, message))
+            sub.stream.put(Outcome.failed(len(sub.prompt), failure, message))
         self._subs.clear()
         self.metrics.set_in_flight(0)
 

@@ -32,6 +32,7 @@ from fastapi import Request
 
 from kvtier.engine.warm import warm
 from kvtier.explain import ExplainReason, Explanation, divergence
+from kvtier.keys import KeyedTokens
 from kvtier.manager import CacheManager, Promotion
 from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorType
@@ -71,22 +72,22 @@ def registry(state: ServerState) -> SessionRegistry:
     return state.sessions
 
 
-async def begin_turn(state: ServerState, tenant: Tenant, session: str | None, ids: list[int]) -> None:
+async def begin_turn(state: ServerState, session: str | None, prompt: KeyedTokens) -> None:
     """Make the session live with this transcript before the engine stores it, so its blocks land protected."""
     if session is None or state.sessions is None:
         return
+    ns, ids = prompt.namespace, prompt.tokens
     if isinstance(state.cache, ServiceCache):  # the service keys the transcript and protects it in its host tier
-        state.sessions.turn(tenant.namespace, session, ids, ())
-        await asyncio.to_thread(state.cache.session_turn, tenant.namespace, session, ids)
+        state.sessions.turn(ns, session, ids, ())
+        await asyncio.to_thread(state.cache.session_turn, ns, session, ids)
         return
-    keys = await asyncio.to_thread(state.cache.hasher.keys, ids, tenant.namespace)
-    state.sessions.turn(tenant.namespace, session, ids, keys)
+    state.sessions.turn(ns, session, ids, prompt.keys)
 
 
-def _promote(cache: CacheManager | ServiceCache, namespace: str, session: Session) -> Promotion:
+def _promote(cache: CacheManager | ServiceCache, transcript: KeyedTokens, session: Session) -> Promotion:
     if isinstance(cache, ServiceCache):  # the service also makes the session live again there
-        return cache.session_prefetch(namespace, session.session_id, session.tokens)
-    return cache.prefetch(session.tokens, namespace)
+        return cache.session_prefetch(transcript.namespace, session.session_id, transcript.tokens)
+    return cache.prefetch(transcript)
 
 
 async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> SessionPrefetchResponse:
@@ -94,8 +95,9 @@ async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> Sessi
     session = registry(state).touch(tenant.namespace, session_id)  # first, so its promoted blocks land protected
     if session is None:
         raise APIError(404, "no live session by that id", type=ErrorType.NOT_FOUND, param="session_id")
-    done = await asyncio.to_thread(_promote, state.cache, tenant.namespace, session)
-    pool = await asyncio.wrap_future(state.loop.call(lambda engine: warm(engine, session.tokens, tenant.namespace)))
+    transcript = await asyncio.to_thread(state.cache.keyed, session.tokens, tenant.namespace)
+    done = await asyncio.to_thread(_promote, state.cache, transcript, session)
+    pool = await asyncio.wrap_future(state.loop.call(lambda engine: warm(engine, transcript)))
     return SessionPrefetchResponse(
         session=session_id,
         transcript_tokens=len(session.tokens),
@@ -135,7 +137,8 @@ async def explain(state: ServerState, tenant: Tenant, body: ExplainRequest, sess
         ids = await prompt_ids(state, body.prompt)
     earlier = known.get(tenant.namespace, session) if session is not None else None
     reference, at = _diverged(earlier, ids)
-    why = await asyncio.to_thread(state.cache.explain, ids, tenant.namespace, diverged_at=at)
+    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    why = await asyncio.to_thread(state.cache.explain, prompt, diverged_at=at)
     if why is None:
         raise APIError(503, "the node's cache service did not answer", type=ErrorType.UNAVAILABLE)
     if body.model is not None and body.model != state.model_name:  # keys bind the model: none of its KV is here

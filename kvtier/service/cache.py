@@ -2,7 +2,7 @@
 
 The engine and the server call the same methods on a :class:`ServiceCache`
 as on an embedded :class:`~kvtier.manager.CacheManager` (lookup, load,
-store_from, poll / wait, stats, and the admin probe / pin / clear), so two
+store, poll / wait, stats, and the admin probe / pin / clear), so two
 ``kvtier serve`` instances on one machine share one cache: turn 2 of a
 session sent to the second instance finds the blocks the first one stored.
 
@@ -22,32 +22,31 @@ What differs, and why:
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvtier.breakeven import BreakEvenModel
 from kvtier.config import Config
 from kvtier.explain import Eviction, ExplainReason, Explanation
 from kvtier.index import LookupResult
-from kvtier.keys import SECRET_BYTES, KeyHasher, Secret
+from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import Promotion
 from kvtier.service.client import CacheClient, ClientLoad
+from kvtier.store import Payloads
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobId, JobStatus, TransferWorker
 
 
 @dataclass(frozen=True)
 class ServiceLookup(LookupResult):
-    """A lookup answered by the service, carrying the tokens a load of it must send again."""
+    """A lookup answered by the service, carrying the prompt whose tokens a load of it must send again."""
 
-    tokens: bytes = b""
+    prompt: KeyedTokens | None = None
 
 
 @dataclass(frozen=True)
@@ -84,12 +83,7 @@ class ServiceCache:
         self._fetches = ThreadPoolExecutor(1, thread_name_prefix="kvtier-service-fetch")
         self.config = config
         self.layout = layout
-        self.hasher = KeyHasher(
-            Secret(secrets.token_bytes(SECRET_BYTES), persistent=False),
-            model_fingerprint="process-local",
-            layout_descriptor=layout.descriptor,
-            block_size=layout.block_size,
-        )
+        self.hasher = KeyHasher.process_local(layout.descriptor, layout.block_size)
         self.costs = BreakEvenModel(
             layout.block_size, layout.block_bytes, deadline_slack=config.transfer.deadline_slack
         )
@@ -102,28 +96,25 @@ class ServiceCache:
         """Blocks one load asks for, so that several loads can hold pins at once (as embedded)."""
         return max(1, self.client.welcome.slab_bytes // self.client.welcome.slot_bytes // 4)
 
-    def _ns(self, namespace: str | None) -> str:
-        return namespace or self.config.cache.namespace
+    def keyed(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> KeyedTokens:
+        """``tokens`` keyed for this process (its resident pool); the service keys them again with its own secret."""
+        return self.hasher.keyed(tokens, namespace or self.config.cache.namespace)
 
     # -- the data path ------------------------------------------------------------------------------
-    def lookup(
-        self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None, *, first_block: int = 0
-    ) -> ServiceLookup:
-        ns = self._ns(namespace)
-        raw = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-        r = self.client.lookup(tokens, ns, first_block=first_block)
-        bs = self.layout.block_size
-        return ServiceLookup(ns, bs, len(tokens), (), tuple(r.tiers), r.miss_reason, first_block, tokens=raw)
+    def lookup(self, prompt: KeyedTokens, *, first_block: int = 0) -> ServiceLookup:
+        r = self.client.lookup(prompt.tokens, prompt.namespace, first_block=first_block)
+        bs, ns = self.layout.block_size, prompt.namespace
+        return ServiceLookup(ns, bs, len(prompt), (), tuple(r.tiers), r.miss_reason, first_block, prompt=prompt)
 
-    def probe(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> LookupResult:
-        r = self.client.probe(tokens, self._ns(namespace))
-        return LookupResult(self._ns(namespace), self.layout.block_size, len(tokens), (), tuple(r.tiers), r.miss_reason)
+    def probe(self, prompt: KeyedTokens) -> LookupResult:
+        r = self.client.probe(prompt.tokens, prompt.namespace)
+        bs, ns = self.layout.block_size, prompt.namespace
+        return LookupResult(ns, bs, len(prompt), (), tuple(r.tiers), r.miss_reason)
 
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> ClientLoad:
-        assert isinstance(result, ServiceLookup)
-        tokens = np.frombuffer(result.tokens, dtype="<i4")
+        assert isinstance(result, ServiceLookup) and result.prompt is not None
         first = result.first_block if start is None else start
-        return self.client.load(tokens, result.namespace, start=first, max_blocks=max_blocks)
+        return self.client.load(result.prompt.tokens, result.namespace, start=first, max_blocks=max_blocks)
 
     def fetch(
         self,
@@ -134,8 +125,8 @@ class ServiceCache:
         deadline_s: float | None = None,
     ) -> ServiceFetch:
         """Start pinning blocks ``start ..`` at the service; the engine takes them at admission."""
-        assert isinstance(result, ServiceLookup)
-        tokens = np.frombuffer(result.tokens, dtype="<i4")
+        assert isinstance(result, ServiceLookup) and result.prompt is not None
+        tokens = result.prompt.tokens
         first = result.first_block if start is None else start
         stop = result.cached_blocks if max_blocks is None else min(result.cached_blocks, first + max_blocks)
         ns = result.namespace
@@ -144,20 +135,14 @@ class ServiceCache:
         )
         return ServiceFetch(future, first, stop - first)
 
-    def store_from(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        fill: Callable[[int, torch.Tensor], object],
-        namespace: str | None = None,
-        *,
-        first_block: int = 0,
-        num_blocks: int,
-    ) -> JobId:
-        ids = np.array(tokens, dtype=np.int32)
-        ns = self._ns(namespace)
-        return self.worker.submit(
-            lambda: self.client.store_from(ids, fill, ns, first_block=first_block, num_blocks=num_blocks)
-        )
+    def store(
+        self, prompt: KeyedTokens, payloads: Payloads, *, first_block: int = 0, num_blocks: int | None = None
+    ) -> int:
+        """:meth:`CacheManager.store` at the service: slots reserved there, filled here, committed by checksum."""
+        ids, ns = prompt.tokens, prompt.namespace
+        if callable(payloads):
+            return self.client.store_from(ids, payloads, ns, first_block=first_block, num_blocks=num_blocks)
+        return self.client.store(ids, list(payloads), ns, first_block=first_block)
 
     def poll(self, job: JobId) -> JobStatus:
         return self.worker.poll(job)
@@ -176,18 +161,14 @@ class ServiceCache:
         return Promotion(dict(reply.promoted), reply.host_blocks)
 
     def explain(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        namespace: str,
-        *,
-        own_namespaces: Sequence[str] = (),
-        diverged_at: int | None = None,
+        self, prompt: KeyedTokens, *, own_namespaces: Sequence[str] = (), diverged_at: int | None = None
     ) -> Explanation | None:
         """:meth:`kvtier.manager.CacheManager.explain`, answered by the service; None while it is unreachable."""
-        r = self.client.explain(tokens, namespace, own_namespaces=own_namespaces, diverged_at=diverged_at)
+        ns = prompt.namespace
+        r = self.client.explain(prompt.tokens, ns, own_namespaces=own_namespaces, diverged_at=diverged_at)
         if r is None:
             return None
-        result = LookupResult(namespace, self.layout.block_size, len(tokens), (), tuple(r.tiers), r.miss_reason)
+        result = LookupResult(ns, self.layout.block_size, len(prompt), (), tuple(r.tiers), r.miss_reason)
         evicted = None
         if r.eviction_tier is not None and r.eviction_policy is not None:
             evicted = Eviction(r.eviction_tier, r.eviction_policy, at=0.0)  # the service's clock: the age says when
@@ -218,9 +199,9 @@ class ServiceCache:
     def ttl_pinned(self) -> int:
         return int(self._last_stats.get("ttl_pinned_blocks", 0))
 
-    def pin_for(self, tokens: Sequence[int] | np.ndarray, namespace: str | None, ttl_s: float) -> list[int]:
+    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> list[int]:
         """The indices of the blocks pinned (the keys are the service's)."""
-        return list(range(self.client.pin(tokens, self._ns(namespace), ttl_s)))
+        return list(range(self.client.pin(prompt.tokens, prompt.namespace, ttl_s)))
 
     def clear(self, kind: TierKind | None = None) -> int:
         return self.client.clear(kind)

@@ -41,7 +41,7 @@ import numpy as np
 from kvtier.config import Config
 from kvtier.errors import KVTierError
 from kvtier.fetch import LoadHandle
-from kvtier.keys import KeyHasher
+from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager, StorePlan
 from kvtier.service import protocol as p
@@ -137,7 +137,7 @@ class _Session:
         m = self.service.manager
         match msg:
             case p.Lookup():
-                r = m.lookup(_tokens(msg.tokens), msg.namespace, first_block=msg.first_block)
+                r = m.lookup(m.keyed(_tokens(msg.tokens), msg.namespace), first_block=msg.first_block)
                 return p.LookupReply(r.cached_blocks, list(r.tiers), r.miss_reason)
             case p.Load():
                 return self._load(msg)
@@ -158,10 +158,10 @@ class _Session:
                     return p.Failure("the stored bytes do not match their checksums; nothing was published")
                 return p.Committed(m.complete_store(plan, msg.success))
             case p.Probe():
-                r = m.probe(_tokens(msg.tokens), msg.namespace)
+                r = m.probe(m.keyed(_tokens(msg.tokens), msg.namespace))
                 return p.LookupReply(r.cached_blocks, list(r.tiers), r.miss_reason)
             case p.Pin():
-                return p.Count(len(m.pin_for(_tokens(msg.tokens), msg.namespace, msg.ttl_s)))
+                return p.Count(len(m.pin_for(m.keyed(_tokens(msg.tokens), msg.namespace), msg.ttl_s)))
             case p.Clear():
                 return p.Count(m.clear(msg.tier))
             case p.Stats():
@@ -182,9 +182,9 @@ class _Session:
         return p.Failure(f"{type(msg).__name__} is not asked again after the handshake")
 
     def _explain(self, msg: p.Explain) -> p.Explained:
-        why = self.service.manager.explain(
-            _tokens(msg.tokens), msg.namespace, own_namespaces=msg.own_namespaces, diverged_at=msg.diverged_at
-        )
+        m = self.service.manager
+        prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
+        why = m.explain(prompt, own_namespaces=msg.own_namespaces, diverged_at=msg.diverged_at)
         r, evicted = why.result, why.eviction
         return p.Explained(
             r.cached_blocks,
@@ -200,7 +200,7 @@ class _Session:
 
     def _load(self, msg: p.Load) -> p.Reply:
         m = self.service.manager
-        result = m.lookup(_tokens(msg.tokens), msg.namespace, first_block=msg.start)
+        result = m.lookup(m.keyed(_tokens(msg.tokens), msg.namespace), first_block=msg.start)
         fetch = m.fetch(result, start=msg.start, max_blocks=msg.max_blocks, deadline_s=msg.deadline_s)
         return self._hold(fetch.take(), msg.start)
 
@@ -213,9 +213,8 @@ class _Session:
 
     def _reserve(self, msg: p.Reserve) -> p.Reply:
         m = self.service.manager
-        plan = m.prepare_store(
-            _tokens(msg.tokens), msg.namespace, first_block=msg.first_block, num_blocks=msg.num_blocks
-        )
+        prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
+        plan = m.prepare_store(prompt, first_block=msg.first_block, num_blocks=msg.num_blocks)
         return self._hold_plan(plan)
 
     def _hold_plan(self, plan: StorePlan) -> p.Reserved:
@@ -374,13 +373,18 @@ class CacheService:
 
     def session_turn(self, namespace: str, session_id: str, tokens: np.ndarray) -> None:
         if self.agent_sessions is not None:
-            self.agent_sessions.turn(namespace, session_id, tokens, self.manager.keys(tokens, namespace))
+            self._turn(self.manager.keyed(tokens, namespace), session_id)
+
+    def _turn(self, transcript: KeyedTokens, session_id: str) -> None:
+        assert self.agent_sessions is not None
+        self.agent_sessions.turn(transcript.namespace, session_id, transcript.tokens, transcript.keys)
 
     def session_prefetch(self, namespace: str, session_id: str, tokens: np.ndarray) -> p.Prefetched:
         """Live again (protected before its blocks move, so they land protected), then promoted to host."""
+        transcript = self.manager.keyed(tokens, namespace)
         if self.agent_sessions is not None and self.agent_sessions.touch(namespace, session_id) is None:
-            self.session_turn(namespace, session_id, tokens)  # expired here, or this service restarted since
-        done = self.manager.prefetch(tokens, namespace)
+            self._turn(transcript, session_id)  # expired here, or this service restarted since
+        done = self.manager.prefetch(transcript)
         return p.Prefetched(done.promoted, done.host_blocks)
 
     def expire_reservations(self) -> int:

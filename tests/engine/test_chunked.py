@@ -68,7 +68,7 @@ def test_a_prompt_prefilled_in_chunks_decodes_the_same_tokens(
 ) -> None:
     ids = words(loaded_model, 300, seed=1)
     engine = make_engine(loaded_model, config(tmp_path, max_step_tokens=64), cache=None, keep_resident=False)
-    rid = engine.add_request(ids, GREEDY)
+    rid = engine.add_request(engine.keyed(ids), GREEDY)
     steps = 0
     while not engine.step():
         steps += 1
@@ -83,9 +83,9 @@ def test_a_short_request_is_not_held_behind_a_long_prefill(
 ) -> None:
     long_ids, short_ids = words(loaded_model, 400, seed=2), words(loaded_model, 3, seed=3)
     engine = make_engine(loaded_model, config(tmp_path, max_step_tokens=64), cache=None, keep_resident=False)
-    long_id = engine.add_request(long_ids, GREEDY)
+    long_id = engine.add_request(engine.keyed(long_ids), GREEDY)
     engine.step()  # the long prompt's first chunk
-    short_id = engine.add_request(short_ids, GREEDY)
+    short_id = engine.add_request(engine.keyed(short_ids), GREEDY)
     first = engine.step()
     assert [o.request_id for o in first] == [short_id]  # its first token, the very next step
     assert engine._running[0].prefilling  # while the long prompt is still being prefilled
@@ -99,7 +99,7 @@ def test_a_prefix_being_computed_is_computed_once(loaded_model: LoadedModel, tmp
     cut = len(prefix) // B * B
     prompts = [prefix[:cut] + words(loaded_model, 12 + i, seed=10 + i) for i in range(4)]
     engine = pooled(loaded_model, tmp_path, max_step_tokens=96)
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    ids = [engine.add_request(engine.keyed(p), GREEDY) for p in prompts]
     done = run(engine)
     assert [done[i] for i in ids] == [alone(reference, p) for p in prompts]
     assert engine.prefill_tokens_computed == sum(len(p) for p in prompts) - 3 * cut  # the prefix once, not 4x
@@ -111,9 +111,9 @@ def test_abort_frees_the_pool_whether_waiting_prefilling_or_decoding(
 ) -> None:
     engine = pooled(loaded_model, tmp_path, max_step_tokens=64, max_batch=2)
     params = SamplingParams(max_tokens=200)
-    decoding = engine.add_request(words(loaded_model, 20, seed=5), params)
-    prefilling = engine.add_request(words(loaded_model, 300, seed=6), params)
-    waiting = engine.add_request(words(loaded_model, 30, seed=7), params)
+    decoding = engine.add_request(engine.keyed(words(loaded_model, 20, seed=5)), params)
+    prefilling = engine.add_request(engine.keyed(words(loaded_model, 300, seed=6)), params)
+    waiting = engine.add_request(engine.keyed(words(loaded_model, 30, seed=7)), params)
     engine.step()
     engine.step()
     states = {r.id: r.prefilling for r in engine._running}
@@ -130,7 +130,7 @@ def test_abort_frees_the_pool_whether_waiting_prefilling_or_decoding(
     assert engine.pool.num_free + len(engine.resident) == engine.pool.num_blocks
     assert engine.resident.evictable() == len(engine.resident)
     again = words(loaded_model, 300, seed=6)
-    rid = engine.add_request(again, GREEDY)
+    rid = engine.add_request(engine.keyed(again), GREEDY)
     assert run(engine)[rid] == alone(reference, again)
 
 
@@ -142,7 +142,7 @@ def test_without_a_resident_pool_nobody_waits_for_blocks_it_could_not_attach(
     prompts = [prefix[:cut] + words(loaded_model, 5 + i, seed=20 + i) for i in range(2)]
     engine = make_engine(loaded_model, config(tmp_path, max_step_tokens=64), cache=None, keep_resident=False)
     for p in prompts:
-        engine.add_request(p, GREEDY)
+        engine.add_request(engine.keyed(p), GREEDY)
     engine.step()
     assert len(engine._running) == 2 and not engine._waiting  # both admitted at once: no producer to wait for
     assert engine._producing == {}

@@ -153,11 +153,36 @@ def test_a_full_pool_queues_requests_and_an_oversized_one_fails_alone(
     tight = make_engine(loaded_model, config(tmp_path, pool_bytes=need * 46080 * B), cache=None, keep_resident=False)
     assert tight.pool.num_blocks == need  # room for one request at a time
     assert [c.token_ids for c in tight.generate(prompts, GREEDY)] == alone
-    too_big = tight.add_request(list(range(100, 100 + need * B)), GREEDY)
-    ok = tight.add_request(prompts[0], GREEDY)
+    too_big = tight.add_request(tight.keyed(list(range(100, 100 + need * B))), GREEDY)
+    ok = tight.add_request(tight.keyed(prompts[0]), GREEDY)
     done = {}
     while tight.has_unfinished():
         tight.step()
         done.update((r.id, r) for r in tight.collect_finished())
     assert done[too_big].finish_reason is FinishReason.ERROR and "KV blocks" in done[too_big].error
     assert done[ok].output_ids == alone[0]
+
+
+def test_each_block_of_a_conversation_is_hashed_once(
+    tmp_path: Path, loaded_model: LoadedModel, baseline: list[tuple[list[int], list[int], int]]
+) -> None:
+    """A prompt is keyed once (lookup, fetch, store and the resident pool share it); a reply's blocks once more."""
+    cfg = config(tmp_path)
+    with open_cache(loaded_model, cfg) as cache:
+        hashed: list[tuple[int, bool]] = []  # (blocks hashed, chained from the root)
+        keys = cache.hasher.keys
+
+        def counted(tokens, namespace, *, parent=None):  # type: ignore[no-untyped-def]
+            out = keys(tokens, namespace, parent=parent)
+            hashed.append((len(out), parent is None))
+            return out
+
+        cache.hasher.keys = counted  # type: ignore[method-assign]
+        engine = make_engine(loaded_model, cfg, cache=cache)
+        for ids, output, _ in baseline:
+            hashed.clear()
+            (done,) = engine.generate([ids], GREEDY)
+            engine.drain_stores()
+            assert done.token_ids == output
+            assert [n for n, root in hashed if root] == [len(ids) // B]  # the prompt, once
+            assert sum(n for n, _ in hashed) == (len(ids) + len(output) - 1) // B  # the last token has no KV

@@ -143,7 +143,7 @@ def test_prefetch_serves_disk_blocks_and_a_missed_deadline_recomputes_exactly(
         for _ in range(strict.transfer.workers):  # hold the transfer threads: nothing lands before the take
             cache.worker.submit(lambda: (started.wait(), go.wait()))
         started.wait()
-        engine.add_request(ids, GREEDY)
+        engine.add_request(engine.keyed(ids), GREEDY)
         engine.step()
         go.set()
         while engine.has_unfinished():
@@ -162,7 +162,7 @@ def test_close_gives_back_the_pins_of_requests_still_waiting(loaded_model: Loade
         engine = make_engine(loaded_model, cfg, cache=cache)
         engine.generate([ids], GREEDY)
         engine.drain_stores()
-        engine.add_request(ids, GREEDY)  # its fetch pins the host blocks at once
+        engine.add_request(engine.keyed(ids), GREEDY)  # its fetch pins the host blocks at once
         assert cache.stats()["pinned_blocks"] == engine.prefetch_counters.blocks_planned > 0
         engine.close()
         assert cache.stats()["pinned_blocks"] == 0

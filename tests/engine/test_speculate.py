@@ -99,7 +99,7 @@ def test_each_step_leaves_the_pool_as_one_token_steps_would(loaded_model: Loaded
     states = []
     for on in (False, True):
         eng = engine(loaded_model, tmp_path, on=on)
-        rid = eng.add_request(ids, GREEDY)
+        rid = eng.add_request(eng.keyed(ids), GREEDY)
         tokens: list[int] = []
         pages = set()
         while eng.has_unfinished():

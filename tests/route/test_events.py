@@ -42,14 +42,14 @@ def test_observed_manager_reports_stores_demotions_and_clears(tmp_path: Path) ->
     layout = toy_layout()
     with CacheManager(cfg, layout, model_fingerprint="toy-model") as m:
         first = prompt(2 * BLOCK, seed=1)
-        m.store_now(first, [payload(layout, i) for i in range(2)])
+        m.store(m.keyed(first), [payload(layout, i) for i in range(2)])
         seen = Recorder()
         m.observe(seen)
         assert seen.held[H] == set(m.keys(first))  # what was there before: reported at once
         tokens = prompt(5 * BLOCK)
-        m.store_now(tokens, [payload(layout, i) for i in range(5)])
+        m.store(m.keyed(tokens), [payload(layout, i) for i in range(5)])
         keys = m.keys(tokens)
-        tiers = m.lookup(tokens).tiers
+        tiers = m.lookup(m.keyed(tokens)).tiers
         assert seen.held[H] == {k for k, t in zip(keys, tiers, strict=True) if t is H}
         assert {k for k in keys if k in seen.held[D]} == {k for k, t in zip(keys, tiers, strict=True) if t is D}
         m.clear(TierKind.HOST)

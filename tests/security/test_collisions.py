@@ -87,9 +87,9 @@ def test_ten_thousand_colliding_prompts_serve_no_foreign_byte_from_host_or_disk(
                 m.clear()
                 owners.clear()
             for j in (i, *owners[i % 7 : i % 7 + 1]):  # this prompt, then one that owns its keys (host or disk)
-                with m.load(m.lookup(rows[j])) as handle:
+                with m.load(m.lookup(m.keyed(rows[j]))) as handle:
                     tally.check(j, [b.clone() for b in handle.blocks])
-            if m.store_now(rows[i], own_kv(i)) == BLOCKS:
+            if m.store(m.keyed(rows[i]), own_kv(i)) == BLOCKS:
                 owners.append(i)
         stats = m.stats()
     assert tally.foreign == 0

@@ -96,7 +96,7 @@ def node(tmp: Path, who: Identity, redis_url: str, **disk: object) -> CacheManag
 
 
 def stored(m: CacheManager) -> None:
-    assert m.store_now(TOKENS, [payload(BASE.layout, i) for i in range(BLOCKS)], namespace=NAMESPACE) == BLOCKS
+    assert m.store(m.keyed(TOKENS, NAMESPACE), [payload(BASE.layout, i) for i in range(BLOCKS)]) == BLOCKS
     assert m.remote is not None and m.remote.flush()
 
 
@@ -124,7 +124,7 @@ def test_a_node_serving_a_changed_identity_gets_no_remote_hit(tmp_path: Path, re
     who = CHANGED[change]
     with node(tmp_path / "a", BASE, redis_server.url) as a, node(tmp_path / "b", who, redis_server.url) as b:
         stored(a)
-        assert b.lookup(TOKENS, who.namespace).cached_blocks == 0
+        assert b.lookup(b.keyed(TOKENS, who.namespace)).cached_blocks == 0
         assert b.stats()["remote"]["hit_tokens"] == 0
 
 
@@ -140,7 +140,7 @@ def test_a_restart_with_a_changed_identity_never_reads_the_old_disk(
     with pytest.raises(KVTierError):
         node(tmp_path / "a", who, redis_server.url)
     with node(tmp_path / "a", who, redis_server.url, on_mismatch="wipe") as b:
-        assert b.lookup(TOKENS, who.namespace).cached_blocks == 0
+        assert b.lookup(b.keyed(TOKENS, who.namespace)).cached_blocks == 0
         assert b.disk is not None and len(b.disk) == 0
 
 

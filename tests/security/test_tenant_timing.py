@@ -87,7 +87,7 @@ class Bench:
         self.only_in_tier()
         ns = B if arm is Arm.FOREIGN else A
         started = time.perf_counter_ns()
-        with self.m.load(self.m.lookup(tokens, ns)) as handle:
+        with self.m.load(self.m.lookup(self.m.keyed(tokens, ns))) as handle:
             served = handle.num_tokens
         elapsed = time.perf_counter_ns() - started
         assert (served > 0) is (arm is Arm.HIT)
@@ -101,7 +101,7 @@ class Bench:
             self.m.clear()  # host and disk: only Redis holds P
 
     def store(self, tokens: np.ndarray) -> None:
-        assert self.m.store_now(tokens, [payload(toy_layout(), i) for i in range(BLOCKS)], namespace=A) == BLOCKS
+        assert self.m.store(self.m.keyed(tokens, A), [payload(toy_layout(), i) for i in range(BLOCKS)]) == BLOCKS
         if self.m.remote is not None:
             assert self.m.remote.flush(60)  # written behind the store: wait until Redis holds it
 
@@ -170,24 +170,24 @@ def test_another_tenant_takes_the_path_of_a_miss(bench: Bench) -> None:
     moved = {}
     for arm, tokens, ns in ((Arm.FOREIGN, p, B), (Arm.MISS, q, A)):
         before = bench.m.stats()
-        got = bench.m.lookup(tokens, ns)
+        got = bench.m.lookup(bench.m.keyed(tokens, ns))
         assert (got.cached_tokens, got.miss_reason) == (0, MissReason.ABSENT)  # not CONFIRM_MISMATCH: other keys
         moved[arm] = _stats_moved(bench.m, before)
     assert moved[Arm.FOREIGN] == moved[Arm.MISS]
     work = {k: v for k, v in moved[Arm.MISS].items() if not k.endswith(("lookups", "miss_tokens"))}
     assert work == dict.fromkeys(work, 0)  # nothing hit, confirmed, read or pinned
-    assert bench.m.lookup(p, A).tiers == (bench.tier,) * BLOCKS
+    assert bench.m.lookup(bench.m.keyed(p, A)).tiers == (bench.tier,) * BLOCKS
 
 
 @pytest.mark.timing
 def test_another_tenant_takes_the_time_of_a_miss(bench: Bench) -> None:
     p, q = prompt(BLOCKS * BLOCK, seed=1), prompt(BLOCKS * BLOCK, seed=2)
     bench.store(p)
-    foreign, miss = bench.m.lookup(p, B), bench.m.lookup(q, A)
+    foreign, miss = bench.m.lookup(bench.m.keyed(p, B)), bench.m.lookup(bench.m.keyed(q, A))
     assert (foreign.cached_tokens, foreign.miss_reason) == (0, MissReason.ABSENT)  # not CONFIRM_MISMATCH: other keys
     assert (miss.cached_tokens, miss.miss_reason) == (0, MissReason.ABSENT)
     bench.only_in_tier()
-    assert bench.m.lookup(p, A).tiers == (bench.tier,) * BLOCKS
+    assert bench.m.lookup(bench.m.keyed(p, A)).tiers == (bench.tier,) * BLOCKS
     verdicts = []
     for run in range(RUNS):
         samples = bench.run(seed=run)

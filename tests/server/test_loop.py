@@ -14,11 +14,13 @@ from kvtier.config import Config
 from kvtier.engine.engine import Engine, FinishReason
 from kvtier.engine.runtime import LoadedModel, make_engine
 from kvtier.engine.sampling import SamplingParams
+from kvtier.keys import KeyHasher
 from kvtier.server.loop import Delta, EngineLoop, Failure, Outcome, Stream, Submission
 from kvtier.server.metrics import EngineMetrics
 from tests.server.live import B, Reference, reference_config
 
 GREEDY = SamplingParams(max_tokens=6)
+HASHER = KeyHasher.process_local("test-loop", B)  # every engine a loop builds keys with it, as a server's cache's
 
 
 def small_pool(tmp: Path, blocks: int) -> Config:
@@ -32,7 +34,7 @@ async def run(loop: EngineLoop, prompts: list[list[int]], params: SamplingParams
     """Submit every prompt at once (they batch) and gather each one's outcome; deltas must add up to its text."""
     streams = [Stream() for _ in prompts]
     for i, (ids, stream) in enumerate(zip(prompts, streams, strict=True)):
-        loop.submit(Submission(f"r{i}", ids, params, "default", stream))
+        loop.submit(Submission(f"r{i}", HASHER.keyed(ids, "default"), params, stream))
 
     async def outcome(stream: Stream) -> Outcome:
         text = ""
@@ -56,7 +58,10 @@ def test_a_request_the_engine_refuses_ends_alone(
     loaded_model: LoadedModel, tmp_path: Path, prompts: list[list[int]]
 ) -> None:
     expected = [Reference(loaded_model, tmp_path).run(p, GREEDY.max_tokens).text for p in prompts]
-    loop = EngineLoop(lambda: make_engine(loaded_model, small_pool(tmp_path, 8), cache=None), EngineMetrics())
+    loop = EngineLoop(
+        lambda: make_engine(loaded_model, small_pool(tmp_path, 8), cache=None, hasher=HASHER, keep_resident=False),
+        EngineMetrics(),
+    )
     loop.start()
     try:
         too_big = prompts[0] * 6  # more KV blocks than the whole pool: refused at admission
@@ -77,7 +82,7 @@ def test_a_failed_step_fails_the_batch_then_a_rebuilt_engine_serves(
     built: list[Engine] = []
 
     def build() -> Engine:
-        engine = make_engine(loaded_model, small_pool(tmp_path, 64), cache=None)
+        engine = make_engine(loaded_model, small_pool(tmp_path, 64), cache=None, hasher=HASHER, keep_resident=False)
         if not built:
 
             def crash() -> list:
@@ -106,7 +111,10 @@ def test_a_failed_step_fails_the_batch_then_a_rebuilt_engine_serves(
 
 
 def test_call_hands_back_the_exception(loaded_model: LoadedModel, tmp_path: Path) -> None:
-    loop = EngineLoop(lambda: make_engine(loaded_model, small_pool(tmp_path, 8), cache=None), EngineMetrics())
+    loop = EngineLoop(
+        lambda: make_engine(loaded_model, small_pool(tmp_path, 8), cache=None, hasher=HASHER, keep_resident=False),
+        EngineMetrics(),
+    )
     loop.start()
     try:
         with pytest.raises(ZeroDivisionError):
@@ -120,12 +128,16 @@ def test_abort_takes_a_request_out_between_steps(
     loaded_model: LoadedModel, tmp_path: Path, prompts: list[list[int]]
 ) -> None:
     """A client gone after its third token: the request leaves at the next step, and the pool gets its pages back."""
-    loop = EngineLoop(lambda: make_engine(loaded_model, small_pool(tmp_path, 64), cache=None), EngineMetrics())
+    loop = EngineLoop(
+        lambda: make_engine(loaded_model, small_pool(tmp_path, 64), cache=None, hasher=HASHER, keep_resident=False),
+        EngineMetrics(),
+    )
     loop.start()
 
     async def three_then_leave() -> int:
         stream = Stream()
-        loop.submit(Submission("leaver", prompts[0], SamplingParams(max_tokens=900, ignore_eos=True), "ns", stream))
+        leaver = HASHER.keyed(prompts[0], "ns")
+        loop.submit(Submission("leaver", leaver, SamplingParams(max_tokens=900, ignore_eos=True), stream))
         seen = 0
         async for event in stream.events():
             assert isinstance(event, Delta)

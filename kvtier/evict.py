@@ -1,0 +1,125 @@
+"""Step ⑤'s second half: making room in a tier, and where its victims go.
+
+Policies (``kvtier/policy``) only rank victims; this module acts on their
+answer: it skips what :class:`~kvtier.pins.Pins` and live sessions protect,
+records each victim for ``explain``, demotes host victims (write-back to
+disk, a copy to the remote by config) and keeps every tier's policy told of
+what enters and leaves. Everything here runs with the tier set's lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.config import RemoteWriteOn, WriteMode
+from kvtier.events import BlockEventSink, ObservedPolicy
+from kvtier.explain import EvictionLog
+from kvtier.keys import BlockKey
+from kvtier.pins import Pins
+from kvtier.policy import EvictionPolicy
+from kvtier.policy.base import NO_PROTECTION, Protection
+from kvtier.tiers.base import BlockRecord, Tier, TierKind
+from kvtier.tierset import TierSet
+
+
+class Eviction:
+    def __init__(
+        self,
+        tiers: TierSet,
+        policies: dict[TierKind, EvictionPolicy],
+        pins: Pins,
+        log: EvictionLog,
+        write_mode: WriteMode,
+        clock: Callable[[], float],
+    ) -> None:
+        self.tiers = tiers
+        self.policies = policies
+        self.pins = pins
+        self.log = log  # what explain says was evicted
+        self.write_mode = write_mode
+        self.protect: Callable[[int], Protection] | None = None  # host capacity -> keys to keep (sessions)
+        self._clock = clock
+        for tier in tiers.local:
+            for key, record in tier.entries():
+                policies[tier.kind].on_insert(key, record.parent)
+
+    # -- what the policies hear -------------------------------------------------------------
+    def inserted(self, kind: TierKind, key: BlockKey, parent: BlockKey | None) -> None:
+        self.policies[kind].on_insert(key, parent)
+
+    def accessed(self, kind: TierKind, key: BlockKey) -> None:
+        """A hit in ``kind``; the remote tier has no policy of ours, so its hits refresh nothing here."""
+        if kind in self.policies:
+            self.policies[kind].on_access(key)
+
+    def index_disk(self, written: list[tuple[BlockKey, BlockRecord]], ok: list[bool]) -> None:
+        policy = self.policies[TierKind.DISK]
+        for (key, record), stored in zip(written, ok, strict=True):
+            if stored and key not in policy:
+                policy.on_insert(key, record.parent)
+
+    # -- making room -----------------------------------------------------------------------------
+    def make_room(self, tier: Tier, n: int) -> bool:
+        """Evict (demoting host victims) until ``n`` slots are free or nothing more may go."""
+        short = n - tier.free_blocks()
+        if short <= 0:
+            return True
+        host = tier is self.tiers.host
+        exclude = self.pins.exclude() if host else frozenset()
+        protection = self.protect(tier.capacity_blocks) if host and self.protect else NO_PROTECTION
+        policy = self.policies[tier.kind]
+        victims = policy.ranked_victims(short, exclude, protection)
+        self.log.record(victims, tier.kind, policy.name, self._clock())
+        if host:
+            self._demote(victims)
+        tier.remove_many(victims)
+        for key in victims:
+            policy.on_remove(key)
+        tier.stats.add(evictions=len(victims))
+        return len(victims) == short
+
+    def _demote(self, victims: list[BlockKey]) -> None:
+        """Write-back: host victims go down to disk unless disk already has them (and to the remote, by config).
+
+        This runs under the lock (the victims' slots are about to be freed, so
+        they cannot be pinned and written later); it is the one place where
+        disk I/O holds the lock, and only when host memory is full. The
+        remote gets copies on its queue, never a network call here.
+        """
+        host, disk, remote = self.tiers.host, self.tiers.disk, self.tiers.remote
+        if remote is not None and remote.write_on is RemoteWriteOn.HOST_EVICTION and victims:
+            out = [(k, r) for k in victims if (r := host.record(k)) is not None]
+            remote.put_many([k for k, _ in out], [host.view(k) for k, _ in out], [r for _, r in out])  # type: ignore[misc]
+        if disk is None or self.write_mode is not WriteMode.WRITE_BACK:
+            return
+        down = [(k, r) for k in victims if not disk.contains(k) and (r := host.record(k)) is not None]
+        if not down:
+            return
+        self.make_room(disk, min(len(down), disk.capacity_blocks))
+        ok = disk.put_many([k for k, _ in down], [host.view(k) for k, _ in down], [r for _, r in down])  # type: ignore[misc]
+        self.index_disk(down, ok)
+        host.stats.add(demotions=sum(ok))
+
+    # -- operators ----------------------------------------------------------------------------------
+    def observe(self, sink: BlockEventSink) -> None:
+        """Tell ``sink`` of every key that enters or leaves a tier from now on, after the keys held now.
+
+        The policies hear of every insert and removal already, so the sink
+        listens beside them (:class:`ObservedPolicy`); under the lock, so no
+        change slips between the keys reported now and the first event.
+        """
+        for tier in self.tiers.local:
+            sink.stored(tier.kind, [k for k, _ in tier.entries()])
+            self.policies[tier.kind] = ObservedPolicy(self.policies[tier.kind], tier.kind, sink)
+
+    def clear(self, kind: TierKind | None = None) -> int:
+        """Drop every block of one tier (or all) that no read pins; returns how many."""
+        dropped = 0
+        for tier in self.tiers.local:
+            if kind is not None and tier.kind is not kind:
+                continue
+            keys = [k for k, _ in tier.entries() if not (tier is self.tiers.host and k in self.pins)]
+            dropped += tier.remove_many(keys)
+            for key in keys:
+                self.policies[tier.kind].on_remove(key)
+        return dropped

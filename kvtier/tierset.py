@@ -1,0 +1,129 @@
+"""The tiers one manager runs, fastest first, and the one lock their metadata changes under.
+
+Lookup, fetch, store and eviction each work on the same tiers and must
+agree on one order and one lock: a block is reserved, committed, pinned or
+evicted only under :attr:`TierSet.lock`, while payload copies run outside
+it. The remote tier is apart from the local list: it is shared with other
+nodes, has no policy of ours, and is asked last.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import Config
+from kvtier.errors import DiskUnavailableError
+from kvtier.keys import BlockKey, Secret
+from kvtier.layout import KVLayout
+from kvtier.stats import TierStats
+from kvtier.tiers.base import BlockRecord, Tier, TierKind
+from kvtier.tiers.disk import DiskTier, io_mode_for
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.remote import RemoteTier
+
+log = logging.getLogger("kvtier")
+
+
+@dataclass
+class TierSet:
+    host: HostTier
+    disk: DiskTier | None
+    remote: RemoteTier | None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def local(self) -> list[Tier]:
+        """Host, then disk where there is one: the tiers this node owns and evicts from."""
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    @property
+    def every(self) -> list[Tier]:
+        """The local tiers, fastest first, then the remote one."""
+        return self.local if self.remote is None else [*self.local, self.remote]
+
+    @property
+    def below_host(self) -> list[Tier]:
+        """The tiers a block is promoted from, in the order they are asked."""
+        return [t for t in (self.disk, self.remote) if t is not None]
+
+    def stats(self, kind: TierKind) -> TierStats:
+        return next(t.stats for t in self.every if t.kind is kind)
+
+    def record(self, key: BlockKey) -> BlockRecord | None:
+        """The record of the fastest local tier that holds ``key`` (call with the lock held)."""
+        for tier in self.local:
+            record = tier.record(key)
+            if record is not None:
+                return record
+        return None
+
+    def holder_below_host(self, key: BlockKey) -> tuple[Tier, BlockRecord] | None:
+        """The fastest tier under host that holds ``key`` (disk, then what the remote's probe saw), with its record."""
+        for tier in self.below_host:
+            record = tier.record(key)
+            if record is not None:
+                return tier, record
+        return None
+
+    def report(self) -> dict[str, Any]:
+        """Each tier's counters and occupancy, by tier name (the remote's sizes are a shared store's: zero here)."""
+        out: dict[str, Any] = {}
+        for tier in self.local:
+            snap = tier.stats.snapshot()
+            snap.update(
+                capacity_bytes=tier.capacity_blocks * tier.slot_bytes,
+                used_bytes=(tier.capacity_blocks - tier.free_blocks()) * tier.slot_bytes,
+                blocks=len(tier),
+                capacity_blocks=tier.capacity_blocks,
+            )
+            out[tier.kind.value] = snap
+        if self.remote is not None:
+            sizes = {"capacity_bytes": 0, "used_bytes": 0, "capacity_blocks": 0, "blocks": 0}
+            out["remote"] = {**self.remote.snapshot(), **sizes}
+        return out
+
+
+def open_tiers(
+    config: Config, layout: KVLayout, secret: Secret, model_fingerprint: str, host_file: Path | None = None
+) -> TierSet:
+    """The tiers ``config`` asks for: host always; disk and remote when enabled (see the helpers for what may fail)."""
+    host = HostTier(layout, int(config.host.capacity_bytes), shared_file=host_file)
+    disk = _open_disk(config, layout, model_fingerprint) if config.disk.enabled else None
+    remote = _open_remote(config, layout, secret, model_fingerprint) if config.remote.enabled else None
+    return TierSet(host, disk, remote)
+
+
+def _open_disk(config: Config, layout: KVLayout, model_fingerprint: str) -> DiskTier | None:
+    """The disk tier, or None (said once in the log) where its directory cannot be created or written.
+
+    A read-only or unwritable disk path costs persistence, not service:
+    host memory still caches. A disk tier held by another process, or
+    damaged under ``disk.on_corrupt: error``, still stops the start.
+    """
+    cfg = config.disk
+    try:
+        return DiskTier(
+            config.disk_path,
+            layout,
+            int(cfg.capacity_bytes),
+            model_fingerprint=model_fingerprint,
+            file_bytes=int(cfg.file_bytes),
+            fsync=cfg.fsync,
+            on_mismatch=cfg.on_mismatch,
+            on_corrupt=cfg.on_corrupt,
+            io_mode=io_mode_for(cfg.io),
+        )
+    except DiskUnavailableError as err:
+        log.warning("%s; running without the disk tier (host memory only)", err)
+        return None
+
+
+def _open_remote(config: Config, layout: KVLayout, secret: Secret, model_fingerprint: str) -> RemoteTier:
+    """The shared tier; a Redis that is down at start costs misses (and a breaker), never the start."""
+    if not secret.persistent:
+        log.warning("the remote tier needs a key secret every node shares; this one is process-local")
+    return RemoteTier.open(config.remote, layout, secret, model_fingerprint)
