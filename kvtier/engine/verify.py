@@ -41,6 +41,7 @@ import torch
 
 from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.pool import BlockTable, KVPool
+from kvtier.engine.request import Request
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierKind
 
@@ -230,3 +231,24 @@ class ShadowVerifier:
 
 
 __all__ = ["BlockVerdict", "Check", "ShadowVerifier", "Verdict", "VerifyCounters", "VerifySettings"]
+
+
+def offer_served(verifier: ShadowVerifier, pool: KVPool, batch: list[Request]) -> None:
+    """After the forward that onboarded them: copy the sampled hits' pool blocks aside for the verifier.
+
+    Copied now, while the request still holds its pages: what is checked
+    later is exactly what the forward read, whatever happens to the pool after.
+    """
+    bs = pool.layout.block_size
+    for req in batch:
+        if req.verify_span is None:
+            continue
+        (first, end), req.verify_span = req.verify_span, None
+        if not verifier.room():
+            continue
+        served = torch.empty((end - first, pool.layout.block_bytes), dtype=torch.uint8)
+        for row, block_id in zip(served, req.table.block_ids[first:end], strict=True):
+            pool.read_block_to_payload(block_id, row)
+        tiers = tuple(kind for kind in req.served_from if kind is not TierKind.DEVICE)
+        tokens = req.prompt_ids[: end * bs]
+        verifier.offer(Check(req.namespace, tokens, first, req.keys[first:end], served, tiers))

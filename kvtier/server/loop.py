@@ -36,7 +36,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from kvtier.engine.engine import Engine, FinishReason, PrefetchCounters, Request
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import FinishReason, PrefetchCounters, Request
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.verify import VerifyCounters
 from kvtier.keys import KeyedTokens

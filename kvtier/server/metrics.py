@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvtier.engine.engine import FinishReason, PrefetchCounters, Request, SpeculationCounters
+from kvtier.engine.request import FinishReason, PrefetchCounters, Request, SpeculationCounters
 from kvtier.engine.verify import VerifyCounters
 from kvtier.hardware import cpu_isa, gpu_facts
 from kvtier.manager import CacheManager

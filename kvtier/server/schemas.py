@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from kvtier.engine.engine import FinishReason
+from kvtier.engine.request import FinishReason
 from kvtier.explain import ExplainReason
 from kvtier.index import MissReason
 from kvtier.tiers.base import TierKind

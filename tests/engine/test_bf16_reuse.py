@@ -64,7 +64,7 @@ def test_greedy_output_with_the_cache_is_the_output_without_it(bf16_model: Loade
         cfg = config(tmp_path / str(keep_resident), dtype="bfloat16", keep_resident=keep_resident, max_step_tokens=48)
         with open_cache(bf16_model, cfg) as cache:
             engine = make_engine(bf16_model, cfg, cache=cache, keep_resident=keep_resident)
-            assert not engine.cache_decoded  # decoded_kv: auto, in bfloat16
+            assert not engine.publisher.cache_decoded  # decoded_kv: auto, in bfloat16
             turns = converse(engine, bf16_model)
         seen: list[list[int]] = []
         for (ids, out, cached), (cold_ids, cold_out, _) in zip(turns, cold, strict=True):

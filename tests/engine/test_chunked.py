@@ -125,7 +125,7 @@ def test_abort_frees_the_pool_whether_waiting_prefilling_or_decoding(
     assert not engine.has_unfinished()
     ended = engine.collect_finished()
     assert {r.id: r.finish_reason for r in ended} == dict.fromkeys((waiting, prefilling, decoding), FinishReason.ABORT)
-    assert engine._producing == {}
+    assert engine.publisher.producing == {}
     # Nothing is held but the resident index's one reference per kept block: every other page is free.
     assert engine.pool.num_free + len(engine.resident) == engine.pool.num_blocks
     assert engine.resident.evictable() == len(engine.resident)
@@ -145,4 +145,4 @@ def test_without_a_resident_pool_nobody_waits_for_blocks_it_could_not_attach(
         engine.add_request(engine.keyed(p), GREEDY)
     engine.step()
     assert len(engine._running) == 2 and not engine._waiting  # both admitted at once: no producer to wait for
-    assert engine._producing == {}
+    assert engine.publisher.producing == {}

@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtier.breakeven import BreakEvenModel
-from kvtier.engine.engine import PrefetchCounters, SpeculationCounters
+from kvtier.engine.request import PrefetchCounters, SpeculationCounters
 from kvtier.manager import CacheManager
 from kvtier.server.metrics import EngineMetrics, StatsCollector, build_report
 from kvtier.server.schemas import BreakEvenReport, PrefetchReport, SpeculationReport, StatsReport
