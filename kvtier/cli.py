@@ -43,6 +43,7 @@ from typing import Any
 
 from kvtier.config import ConfigError, load_config
 from kvtier.errors import KVTierError
+from kvtier.hardware import compute_dtype
 from kvtier.layout import LayoutOrder
 
 
@@ -94,7 +95,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(session.as_json(results)))
     else:
-        print(f"kvtier demo: {loaded.path.name}, {config.engine.dtype.value}, block_size {config.cache.block_size}")
+        print(f"kvtier demo: {loaded.path.name}, {compute_dtype(config).value}, block_size {config.cache.block_size}")
         print(session.table(results))
         print(f"  wrote {path}")
     return 0
@@ -311,7 +312,7 @@ def _cache_serve(args: argparse.Namespace) -> int:
     # the engine whose KV this service keeps: kvtier's own by default, another engine's files and block shape by flag
     layout, fingerprint = kv_identity_for(
         args.model or config.engine.model_path or default_gguf_path(),
-        dtype_from_name(args.dtype or config.engine.dtype.value),
+        dtype_from_name(args.dtype or compute_dtype(config).value),
         config.cache.block_size,
         config.data_dir,
         order=args.kv_order,

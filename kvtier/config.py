@@ -182,7 +182,13 @@ class CacheConfig(_Section):
 class ComputeDtype(enum.StrEnum):
     """The engine's weights, activations and KV dtype.
 
-    ``float32`` is the default: greedy output with cached KV is token-for-token
+    ``auto`` (the default) is picked once at start
+    (:func:`kvtier.hardware.compute_dtype`): ``bfloat16`` on a CPU with native
+    bf16 arithmetic (AVX-512 BF16 or AMX), where it is the faster of the two,
+    ``float32`` everywhere else (an AVX2-only CPU converts every bf16 value in
+    software; on a GPU exact reuse is proven in float32 only, see below). A
+    fleet whose machines differ sets it explicitly, since the dtype enters
+    every block key. With ``float32`` greedy output with cached KV is token-for-token
     identical to a full recompute (tested), the differences between KV
     computed in different chunks or by a decode step being far below what
     moves a greedy token. ``bfloat16`` halves the bytes every weight and KV
@@ -198,6 +204,7 @@ class ComputeDtype(enum.StrEnum):
     only as far as its kernels are invariant too.
     """
 
+    AUTO = "auto"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
 
@@ -207,10 +214,10 @@ class DecodeWeights(enum.StrEnum):
 
     ``gguf``: the file's own quantized blocks (Q4_1, Q8_0), read by a C kernel
     (kvtier/engine/quant.py): the same weights in a fifth of the bytes, and a
-    decode step is bound by the bytes it reads. Used for float32 on the CPU
-    when the native extension is built and every matrix is in a supported
-    format; otherwise, and always for prefills, ``dense``: float32 matmuls of
-    the dequantized weights.
+    decode step is bound by the bytes it reads. Used on the CPU (activations
+    in float32, whatever the engine's dtype) when the native extension is
+    built and every matrix is in a supported format; otherwise, and always
+    for prefills, ``dense``: matmuls of the dequantized weights.
     """
 
     GGUF = "gguf"
@@ -264,7 +271,9 @@ class SpeculativeConfig(_Section):
 class EngineConfig(_Section):
     model_path: Path | None = Field(None, description="A Llama GGUF file; null: the embedded SmolLM2-135M-Instruct.")
     device: EngineDevice = Field(EngineDevice.AUTO, description="auto: cuda when a GPU is visible, else cpu.")
-    dtype: ComputeDtype = ComputeDtype.FLOAT32
+    dtype: ComputeDtype = Field(
+        ComputeDtype.AUTO, description="auto: bfloat16 on a CPU with AVX-512 BF16 or AMX, else float32."
+    )
     decode_weights: DecodeWeights = DecodeWeights.GGUF
     pool_bytes: ByteSize = Field(ByteSize(1024**3), description="The engine's paged KV pool (the device tier).")
     max_batch: int = Field(16, ge=1, description="Requests decoded together in one step.")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kvtier.config import ComputeDtype, Config, ConfigError, EngineDevice
+
 log = logging.getLogger(__name__)
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
@@ -32,6 +34,31 @@ def cpu_isa() -> tuple[str, ...]:
         return ()
     flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
     return tuple(f for f in ISA_FLAGS if f in flags)
+
+
+NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def engine_device(config: Config) -> torch.device:
+    """The device ``engine.device`` names on this machine; ``cuda`` where torch sees no GPU is a one-line error."""
+    cuda = torch.cuda.is_available()
+    wanted = config.engine.device
+    if wanted is EngineDevice.CUDA and not cuda:
+        raise ConfigError("engine.device is cuda, but torch sees no CUDA device on this machine")
+    return torch.device("cuda" if wanted is EngineDevice.CUDA or (wanted is EngineDevice.AUTO and cuda) else "cpu")
+
+
+def compute_dtype(config: Config) -> ComputeDtype:
+    """``engine.dtype`` resolved: ``auto`` is bfloat16 on a CPU with native bf16 arithmetic, float32 elsewhere.
+
+    Every process that keys blocks for this model (server, cache service,
+    router) resolves it here, from the same machine facts, so they agree.
+    """
+    wanted = config.engine.dtype
+    if wanted is not ComputeDtype.AUTO:
+        return wanted
+    native = engine_device(config).type == "cpu" and bool(NATIVE_BF16.intersection(cpu_isa()))
+    return ComputeDtype.BFLOAT16 if native else ComputeDtype.FLOAT32
 
 
 @dataclass(frozen=True)

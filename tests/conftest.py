@@ -66,7 +66,8 @@ def loaded_model(tmp_path_factory: pytest.TempPathFactory):
     from kvtier.engine.runtime import load_model
 
     data = tmp_path_factory.mktemp("model-data")
-    return load_model(load_config(environ={"KVTIER_DATA_DIR": str(data)}), progress=False)
+    env = {"KVTIER_DATA_DIR": str(data), "KVTIER_ENGINE__DTYPE": "float32"}  # the same on every CPU
+    return load_model(load_config(environ=env), progress=False)
 
 
 @pytest.fixture(scope="session")

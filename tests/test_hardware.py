@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.config import ConfigError, load_config
-from kvtier.engine.runtime import engine_device
-from kvtier.hardware import ISA_FLAGS, cpu_isa, gpu_facts
+from kvtier import hardware
+from kvtier.config import ComputeDtype, ConfigError, load_config
+from kvtier.hardware import ISA_FLAGS, compute_dtype, cpu_isa, engine_device, gpu_facts
 from kvtier.server.metrics import hardware_report
 
 
@@ -54,3 +54,16 @@ def test_cuda_device_and_nvml_facts() -> None:
     assert facts is not None and 0 < facts.memory_used_bytes <= facts.memory_total_bytes
     report = hardware_report(torch.device("cuda:0"), torch.float32)
     assert report.gpu is not None and report.gpu.name
+
+
+def test_auto_dtype_is_bfloat16_exactly_where_the_cpu_has_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(environ={"KVTIER_ENGINE__DEVICE": "cpu"})
+    assert cfg.engine.dtype is ComputeDtype.AUTO
+    native = bool({"avx512_bf16", "amx_bf16"} & set(cpu_isa()))  # this machine, read from /proc/cpuinfo
+    assert compute_dtype(cfg) is (ComputeDtype.BFLOAT16 if native else ComputeDtype.FLOAT32)
+    for isa, want in ((("avx2",), ComputeDtype.FLOAT32), (("avx2", "avx512f", "avx512_bf16"), ComputeDtype.BFLOAT16)):
+        monkeypatch.setattr(hardware, "cpu_isa", lambda isa=isa: isa)  # another machine of this kind
+        assert compute_dtype(cfg) is want
+    for explicit in (ComputeDtype.FLOAT32, ComputeDtype.BFLOAT16):  # a set dtype is kept on any machine
+        fixed = load_config(environ={"KVTIER_ENGINE__DTYPE": explicit.value})
+        assert compute_dtype(fixed) is explicit

@@ -57,6 +57,7 @@ from kvtier.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvtier.engine.runtime import LoadedModel
+from kvtier.hardware import compute_dtype
 from kvtier.keys import SECRET_BYTES, BlockDigest, BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.promote import PROMOTE_BATCH
@@ -234,7 +235,7 @@ def cross_node(url: str, config: Config, spec: RemoteSpec, loaded: LoadedModel) 
         "cached_tokens": hit.cached_tokens,  # of the prompt, served from Redis (the rest was prefilled)
         "prefetch": prefetch,  # what the break-even model planned on arrival, and what landed in time
         "same_output": hit.token_ids == cold.token_ids,
-        "dtype": config.engine.dtype.value,
+        "dtype": compute_dtype(config).value,
     }
 
 

@@ -45,6 +45,7 @@ from kvtier.demo.session import load_session
 from kvtier.engine.engine import Engine
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
+from kvtier.hardware import compute_dtype
 from kvtier.tiers.base import TierKind
 
 NEW_TOKENS = 64
@@ -149,7 +150,7 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
     out.update({k: round(statistics.median(v), 4) for k, v in times.items()})
     out["cold"] = all(cold)
     out["setup"] = {
-        "dtype": config.engine.dtype.value,
+        "dtype": compute_dtype(config).value,
         "device": _device_name(loaded.model.device),
         "block_size": config.cache.block_size,
         "reps": spec.reps,

@@ -169,9 +169,9 @@ class LlamaModel:
     ) -> None:
         """``blocks`` (from :func:`~kvtier.model.load_gguf_blocks`): the quantized form of the same weights.
 
-        Given, and where it applies (float32 on the CPU, the native kernel
-        built, every projection and the lm_head in a supported format),
-        decode steps read those instead of the float32 matrices.
+        Given, and where it applies (float32 or bfloat16 on the CPU, the native
+        kernel built, every projection and the lm_head in a supported format),
+        decode steps read those instead of the dense matrices.
         """
         if config.num_heads % config.num_kv_heads:
             raise ValueError(f"{config.num_heads} heads do not group evenly over {config.num_kv_heads} KV heads")
@@ -190,7 +190,8 @@ class LlamaModel:
         self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.decode_layers: list[_QuantLayer] | None = None
         self.lm_head_blocks: QuantMatrix | None = None
-        if blocks is not None and dtype == torch.float32 and self.device.type == "cpu" and quant.NATIVE:
+        dense_ok = dtype in (torch.float32, torch.bfloat16)
+        if blocks is not None and dense_ok and self.device.type == "cpu" and quant.NATIVE:
             self._load_decode_blocks(blocks)
         cos, sin = rope_table(config)
         self.cos = cos.to(device=self.device, dtype=dtype)
@@ -369,8 +370,8 @@ class LlamaModel:
 
     def _mlp(self, layer: _Layer, q: _QuantLayer | None, h: torch.Tensor) -> torch.Tensor:
         if q is not None:
-            gate, up = q.w_gate_up(h).chunk(2, dim=-1)
-            return q.w_down(F.silu(gate) * up)
+            gate, up = q.w_gate_up(h).chunk(2, dim=-1)  # float32 through the activation, as the dense path would
+            return q.w_down(F.silu(gate) * up).to(h.dtype)
         gate, up = (h @ layer.w_gate_up.T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ layer.w_down.T
 
@@ -386,7 +387,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = h @ layer.wqkv.T if quantized is None else quantized.wqkv(h)
+        qkv = h @ layer.wqkv.T if quantized is None else quantized.wqkv(h).to(h.dtype)
         q, k, v = qkv.split((q_dim, kv_dim, kv_dim), dim=-1)
         q = apply_rope(q.reshape(-1, c.num_heads, c.head_dim), plan.cos, plan.sin)
         k = apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), plan.cos, plan.sin)
@@ -405,7 +406,7 @@ class LlamaModel:
             if plan.decode is not None:
                 out[plan.decode.rows] = self._decode_attention(index, plan.decode, q[plan.decode.rows], pool)
         out = out.reshape(-1, q_dim)
-        return out @ layer.wo.T if quantized is None else quantized.wo(out)
+        return out @ layer.wo.T if quantized is None else quantized.wo(out).to(h.dtype)
 
     def _prefill_attention(
         self, index: int, p: _Prefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool

@@ -11,8 +11,13 @@ Q8_0 matrices are 5-6x larger than the blocks they were dequantized from;
 The weights are exactly the ones the float32 matmuls use (same values, only
 stored smaller), and the products accumulate in float32; what differs is
 the order of the sums, by a few ulps, as it already does between a 1-row
-and a 64-row float32 matmul. Prefills keep the dense float32 matmuls: they
-are compute-bound, and there the blocked GEMM is faster.
+and a 64-row float32 matmul. Prefills keep the dense matmuls: they are
+compute-bound, and there the blocked GEMM is faster. A bfloat16 engine's
+decode steps use these too (activations widened to float32, results
+rounded back): its dense weights are the blocks' values rounded to
+bfloat16, but no decode-computed KV is cached in bfloat16
+(``engine.decoded_kv``), so decode may round differently from a prefill
+and reuse stays exact.
 """
 
 from __future__ import annotations
@@ -72,7 +77,9 @@ class QuantMatrix:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
     def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
-        """``x [n, cols]`` (float32) times the matrix's transpose: ``[n, rows]`` float32."""
+        """``x [n, cols]`` (float32, or bfloat16 widened first) times the matrix's transpose: ``[n, rows]`` float32."""
+        if x.dtype == torch.bfloat16:
+            x = x.float()  # exact: every bfloat16 is a float32
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols or x.device.type != "cpu":
             raise ValueError(f"need float32 [n, {self.cols}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
         n = x.shape[0]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from kvtier.config import ComputeDtype, Config, ConfigError, DecodedKV, DecodeWeights, EngineDevice
+from kvtier.config import ComputeDtype, Config, DecodedKV, DecodeWeights
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.speculate import PromptLookup
 from kvtier.engine.verify import ShadowVerifier, VerifySettings
+from kvtier.hardware import compute_dtype, cpu_isa, engine_device
 from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher
 from kvtier.layout import KVLayout, dtype_from_name
@@ -28,6 +28,8 @@ from kvtier.model import (
 )
 from kvtier.service.cache import ServiceCache
 from kvtier.service.client import CacheClient
+
+log = logging.getLogger("kvtier")
 
 
 @dataclass(frozen=True)
@@ -62,19 +64,13 @@ def chat_ids(
     return ids
 
 
-def engine_device(config: Config) -> torch.device:
-    """The device ``engine.device`` names on this machine; ``cuda`` where torch sees no GPU is a one-line error."""
-    cuda = torch.cuda.is_available()
-    wanted = config.engine.device
-    if wanted is EngineDevice.CUDA and not cuda:
-        raise ConfigError("engine.device is cuda, but torch sees no CUDA device on this machine")
-    return torch.device("cuda" if wanted is EngineDevice.CUDA or (wanted is EngineDevice.AUTO and cuda) else "cpu")
-
-
 def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
     path = config.engine.model_path or default_gguf_path()
-    dtype = dtype_from_name(config.engine.dtype.value)
+    chosen = compute_dtype(config)
+    dtype = dtype_from_name(chosen.value)
     device = engine_device(config)
+    if config.engine.dtype is ComputeDtype.AUTO:
+        log.info("engine dtype %s (auto, on %s with %s)", chosen.value, device.type, " ".join(cpu_isa()) or "no ISA")
     blocks = None
     if config.engine.decode_weights is DecodeWeights.GGUF and device.type == "cpu":  # the C kernels are CPU code
         (cfg, weights, metadata), blocks = load_gguf_with_blocks(path, dtype, progress=progress)
@@ -108,7 +104,8 @@ def kv_identity(config: Config) -> tuple[KVLayout, str]:
     The cache service needs them to check its clients, not the weights.
     """
     path = config.engine.model_path or default_gguf_path()
-    return kv_identity_for(path, dtype_from_name(config.engine.dtype.value), config.cache.block_size, config.data_dir)
+    dtype = dtype_from_name(compute_dtype(config).value)
+    return kv_identity_for(path, dtype, config.cache.block_size, config.data_dir)
 
 
 def make_engine(
@@ -153,7 +150,7 @@ def cache_decoded(config: Config) -> bool:
     """``engine.decoded_kv`` resolved: ``auto`` caches decode-computed blocks in float32 only."""
     e = config.engine
     if e.decoded_kv is DecodedKV.AUTO:
-        return e.dtype is ComputeDtype.FLOAT32
+        return compute_dtype(config) is ComputeDtype.FLOAT32
     return e.decoded_kv is DecodedKV.CACHE
 
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from kvtier.config import Config
 from kvtier.engine.runtime import chat_ids
+from kvtier.hardware import compute_dtype
 from kvtier.identity import kv_identity_for
 from kvtier.keys import BlockKey, KeyHasher, Secret
 from kvtier.layout import dtype_from_name
@@ -50,7 +51,7 @@ class Prompts:
         meta = read_gguf_metadata(path)
         self.tokenizer = load_tokenizer(meta)
         self.chat = load_chat_template(meta)
-        dtype = dtype_from_name(config.engine.dtype.value)
+        dtype = dtype_from_name(compute_dtype(config).value)
         layout, fingerprint = kv_identity_for(path, dtype, config.cache.block_size, config.data_dir)
         self.hasher = KeyHasher(
             Secret.load_or_create(config.data_dir, config.cache.secret_file),

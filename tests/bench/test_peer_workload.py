@@ -75,7 +75,8 @@ def test_ttft_prompts_are_exactly_what_ttft_run_sends(
     monkeypatch.setattr(ttft, "_ttft", lambda engine, ids: sent.append((engine, list(ids))) or 0.0)
     monkeypatch.setattr(ttft, "raw_prefill_s", lambda loaded, tokens: 0.0)  # no weights in the fake
     loaded = FakeLoaded()
-    ttft.run(loaded, load_config(environ={"KVTIER_DATA_DIR": str(tmp_path)}), ttft.TTFTSpec(tokens=tokens, reps=reps))
+    env = {"KVTIER_DATA_DIR": str(tmp_path), "KVTIER_ENGINE__DTYPE": "float32"}
+    ttft.run(loaded, load_config(environ=env), ttft.TTFTSpec(tokens=tokens, reps=reps))
 
     mine = workload.ttft_prompts(loaded, tokens, reps)
     assert len(mine.prefix) == tokens and [len(t) for t in mine.tails] == [ttft.NEW_TOKENS] * (reps + 1)

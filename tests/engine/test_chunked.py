@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=6)
 
 
 def config(tmp: Path, **engine: object) -> Config:
-    cfg = load_config(environ={"KVTIER_DATA_DIR": str(tmp / "data")})
+    cfg = load_config(environ={"KVTIER_DATA_DIR": str(tmp / "data"), "KVTIER_ENGINE__DTYPE": "float32"})
     tree = cfg.model_dump()
     tree["engine"] = {**tree["engine"], "pool_bytes": 400 * 46080 * B, **engine}
     return Config.model_validate(tree)

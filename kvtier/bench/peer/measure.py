@@ -30,6 +30,7 @@ from kvtier.config import Config
 from kvtier.engine.engine import Engine
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
+from kvtier.hardware import compute_dtype
 
 ENGINE = "kvtier"
 DISK_BYTES = 1024**3  # the longest trace's KV in float32 is ~330 MB; the slab is preallocated
@@ -43,8 +44,8 @@ def run(loaded: LoadedModel, config: Config, workload: Workload) -> dict[str, An
         "version": kvtier.__version__,
         "setup": {
             "weights": loaded.path.name,
-            "compute": f"dequantized to {config.engine.dtype.value}, KV in {config.engine.dtype.value}",
-            "dtype": config.engine.dtype.value,
+            "compute": f"dequantized to {compute_dtype(config).value}, KV in {compute_dtype(config).value}",
+            "dtype": compute_dtype(config).value,
             "block_size": config.cache.block_size,
             "host_bytes": int(config.host.capacity_bytes),
             "ttft_api": "kvtier.bench.ttft.run (Engine.generate, max_tokens=1)",
