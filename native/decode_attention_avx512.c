@@ -160,23 +160,6 @@ ATTN512_INLINE __m512 attn512_scores(const char *kv, ptrdiff_t k_off, ptrdiff_t 
     return attn512_fold(attn512_fold(quad[0], quad[1]), attn512_fold(quad[2], quad[3]));
 }
 
-/* kvt_exp, 16 at a time (the same polynomial; scalef puts in 2^n). */
-ATTN512_INLINE __m512 attn512_exp(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
-}
-
 ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, float *part, const int bf16,
                                  const int split, const int nv_const) {
     const int G = j->group, D = j->dim, B = j->block;
@@ -231,7 +214,7 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
                     c = kvt_exp(m[g] - mx);
                     m[g] = mx;
                 }
-                const __m512 e = _mm512_maskz_mov_ps(live, attn512_exp(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
+                const __m512 e = _mm512_maskz_mov_ps(live, kvt_exp512(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
                 l[g] = l[g] * c + _mm512_reduce_add_ps(e);
                 _mm512_store_ps(w + g * ATTN_LANES, e);
                 corr[g] = c;

@@ -79,16 +79,24 @@ typedef struct {
     float *qt, *ot, *s, *m, *l, *c, *qpos, *kt, *vt;
 } pf_scratch_t;
 
+#define PF_PANEL_BF16 32 /* query rows per register tile of the bf16 build: two vectors of 16 */
+
+static size_t pf_padded(int rows, int panel) { return (size_t)(rows + panel - 1) / panel * panel; }
+
 static size_t pf_scratch_floats(int group, int dim) {
-    const size_t rp = (size_t)(PF_UNIT_ROWS / group * group + PF_PANEL - 1) / PF_PANEL * PF_PANEL;
-    return 2 * (size_t)dim * rp + (size_t)PF_TILE * rp + 4 * rp + 2 * (size_t)PF_TILE * (size_t)dim;
+    const int rows = PF_UNIT_ROWS / group * group;
+    const size_t a = pf_padded(rows, PF_PANEL), b = pf_padded(rows, PF_PANEL_BF16);
+    const size_t rp = a > b ? a : b;
+    const size_t floats = 2 * (size_t)dim * rp + (size_t)PF_TILE * rp + 4 * rp + 2 * (size_t)PF_TILE * (size_t)dim;
+    /* the bf16 build's pairs: Q [dim/2][rp], P [tile/2][rp], V [tile/2][dim], K and V of a partial tile */
+    return floats + (size_t)dim / 2 * rp + (size_t)PF_TILE / 2 * rp + (size_t)PF_TILE / 2 * dim + (size_t)PF_TILE * dim;
 }
 
 /* Lays the scratch out and fills Qt (scaled, transposed; padding rows 0), O = 0, m = -inf. */
-static void pf_begin(const pf_job_t *j, const pf_unit_t *u, float *buf, pf_scratch_t *w) {
+static void pf_begin(const pf_job_t *j, const pf_unit_t *u, float *buf, pf_scratch_t *w, int panel) {
     const int G = j->group, D = j->dim, H = j->kv_heads * G;
     w->rows = (u->t1 - u->t0) * G;
-    w->padded = (w->rows + PF_PANEL - 1) / PF_PANEL * PF_PANEL;
+    w->padded = (int)pf_padded(w->rows, panel);
     const int RP = w->padded;
     w->qt = buf;
     w->ot = w->qt + (size_t)D * RP;
@@ -157,7 +165,7 @@ static inline void pf_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scrat
 static void pf_unit_base(const pf_job_t *j, const pf_unit_t *u, float *buf) {
     const int D = j->dim, B = j->block;
     pf_scratch_t w;
-    pf_begin(j, u, buf, &w);
+    pf_begin(j, u, buf, &w, PF_PANEL);
     const int RP = w.padded;
     const int n_keys = j->start + u->t1;
     const float first = (float)(j->start + u->t0);
@@ -298,10 +306,36 @@ PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int m
     }
 }
 
+/*
+ * A whole bfloat16 tile widened into kt/vt eight elements at a time (a bfloat16 is the
+ * top half of a float32: zero-extend, shift), the same bits pf_tile's scalar loop gives;
+ * anything else goes through pf_tile. Every unit widens every tile it reads, so this
+ * runs as often as the score products do.
+ */
+PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scratch_t *w, int b, int t0, int nt,
+                               const float **k, const float **v) {
+    const int D = j->dim;
+    if (!j->bf16 || nt != PF_TILE || D % 8) {
+        pf_tile(j, u, w, b, t0, nt, k, v);
+        return;
+    }
+    const ptrdiff_t k_off = (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
+    const uint16_t *ks = (const uint16_t *)j->kv + k_off, *vs = (const uint16_t *)j->kv + k_off + j->s_kv;
+    for (int p = 0; p < PF_TILE; p++)
+        for (int d = 0; d < D; d += 8) {
+            const ptrdiff_t at = (ptrdiff_t)p * j->s_pos + d;
+            const __m128i kh = _mm_loadu_si128((const __m128i *)(ks + at)), vh = _mm_loadu_si128((const __m128i *)(vs + at));
+            _mm256_storeu_ps(w->kt + p * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(kh), 16)));
+            _mm256_storeu_ps(w->vt + p * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(vh), 16)));
+        }
+    *k = w->kt;
+    *v = w->vt;
+}
+
 PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *buf) {
     const int D = j->dim, B = j->block;
     pf_scratch_t w;
-    pf_begin(j, u, buf, &w);
+    pf_begin(j, u, buf, &w, PF_PANEL);
     const int RP = w.padded;
     const int n_keys = j->start + u->t1;
     const int first = j->start + u->t0;
@@ -320,12 +354,184 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
             const int nt = n - t0 < PF_TILE ? n - t0 : PF_TILE;
             const int pos0 = b * B + t0;
             const float *k, *v;
-            pf_tile(j, u, &w, b, t0, nt, &k, &v);
+            pf256_tile(j, u, &w, b, t0, nt, &k, &v);
             for (int r = 0; r < RP; r += PF_PANEL)
                 for (int p = 0; p < PF_TILE; p += 4) pf256_scores(w.qt + r, RP, k + p * D, D, w.s + (size_t)p * RP + r);
             pf256_softmax(&w, pos0, nt, nt < PF_TILE || pos0 + PF_TILE - 1 > first);
             for (int r = 0; r < RP; r += PF_PANEL)
                 for (int d = 0; d < D; d += 4) pf256_values(w.ot + (size_t)d * RP + r, RP, w.s + r, v + d, D, w.c + r);
+        }
+    }
+    pf_end(j, u, &w);
+}
+
+/* -- AVX-512 BF16 ------------------------------------------------------------------ */
+/*
+ * For a bfloat16 pool: the products take bfloat16 pairs straight from the pool with
+ * VDPBF16PS, two multiply-adds per float32 lane (twice AVX2's), and no widening of K.
+ * Scores pair up the head dimension: a K row's elements d, d + 1 are adjacent in the
+ * pool, one 32-bit broadcast; Q is laid out as the same pairs once per unit (exact for
+ * a bf16 model's q scaled by a power of two). Outputs pair up positions: the softmax
+ * weights of positions p, p + 1 rounded to bfloat16 (as flash-attention kernels do for
+ * this product) against V rows p, p + 1 interleaved once per tile. The softmax and
+ * every sum stay float32, and each row is still computed alone, in one order of tiles.
+ */
+#define PF_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define PF_BF16_INLINE static inline __attribute__((always_inline)) PF_BF16
+
+typedef struct {
+    uint32_t *qp, *pp, *vp; /* Q [dim/2][RP], P [tile/2][RP], V [tile/2][dim]: bf16 pairs */
+    uint16_t *kb, *vb;      /* a partial tile's K and V rows, zero past its end */
+} pf_pairs_t;
+
+PF_BF16_INLINE __m512 pf512_dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+/* Two bf16 values per 32-bit lane: lo from a, hi from b (eight... sixteen lanes). */
+PF_BF16_INLINE __m512i pf512_pair(__m256i a, __m256i b) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* S[p0 + i][r0 .. r0 + 32) for i < 8: 16 accumulators over dim/2 pairs. */
+PF_BF16_INLINE void pf512_scores(const uint32_t *qp, int rp, const uint16_t *k, ptrdiff_t k_stride, int dim,
+                                 float *s) {
+    __m512 a[8][2];
+    for (int i = 0; i < 8; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    for (int dp = 0; dp < dim / 2; dp++) {
+        const uint32_t *q = qp + (size_t)dp * rp;
+        const __m512i q0 = _mm512_load_si512(q), q1 = _mm512_load_si512(q + 16);
+        for (int i = 0; i < 8; i++) {
+            uint32_t kk;
+            memcpy(&kk, k + i * k_stride + 2 * dp, 4);
+            const __m512i kd = _mm512_set1_epi32((int)kk);
+            a[i][0] = pf512_dot(a[i][0], q0, kd);
+            a[i][1] = pf512_dot(a[i][1], q1, kd);
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        _mm512_store_ps(s + (size_t)i * rp, a[i][0]);
+        _mm512_store_ps(s + (size_t)i * rp + 16, a[i][1]);
+    }
+}
+
+/* O[d0 + i][r0 .. r0 + 32) = c O + sum_p P[p] V[p][d0 + i] for i < 8, over tile/2 position pairs. */
+PF_BF16_INLINE void pf512_values(float *ot, int rp, const uint32_t *pp, const uint32_t *vp, int dim, const float *c) {
+    __m512 o[8][2];
+    const __m512 c0 = _mm512_load_ps(c), c1 = _mm512_load_ps(c + 16);
+    for (int i = 0; i < 8; i++) {
+        o[i][0] = _mm512_mul_ps(_mm512_load_ps(ot + (size_t)i * rp), c0);
+        o[i][1] = _mm512_mul_ps(_mm512_load_ps(ot + (size_t)i * rp + 16), c1);
+    }
+    for (int pr = 0; pr < PF_TILE / 2; pr++) {
+        const uint32_t *prow = pp + (size_t)pr * rp;
+        const __m512i p0 = _mm512_load_si512(prow), p1 = _mm512_load_si512(prow + 16);
+        for (int i = 0; i < 8; i++) {
+            const __m512i vd = _mm512_set1_epi32((int)vp[(size_t)pr * dim + i]);
+            o[i][0] = pf512_dot(o[i][0], p0, vd);
+            o[i][1] = pf512_dot(o[i][1], p1, vd);
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        _mm512_store_ps(ot + (size_t)i * rp, o[i][0]);
+        _mm512_store_ps(ot + (size_t)i * rp + 16, o[i][1]);
+    }
+}
+
+/* pf256_softmax, sixteen rows at a time. */
+PF_BF16_INLINE void pf512_softmax(const pf_scratch_t *w, int pos0, int nt, int masked) {
+    const int RP = w->padded;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < RP; r += 16) {
+        const __m512 qpos = _mm512_load_ps(w->qpos + r);
+        __mmask16 live[PF_TILE];
+        __m512 mx = _mm512_load_ps(w->m + r);
+        for (int p = 0; p < PF_TILE; p++) {
+            float *s = w->s + (size_t)p * RP + r;
+            __m512 x = _mm512_load_ps(s);
+            if (masked) {
+                live[p] = p < nt ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(pos0 + p)), qpos, _CMP_LE_OQ) : 0;
+                x = _mm512_mask_mov_ps(ninf, live[p], x);
+            }
+            mx = _mm512_max_ps(mx, x);
+            _mm512_store_ps(s, x);
+        }
+        const __m512 c = kvt_exp512(_mm512_sub_ps(_mm512_load_ps(w->m + r), mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int p = 0; p < PF_TILE; p++) {
+            float *s = w->s + (size_t)p * RP + r;
+            __m512 e = kvt_exp512(_mm512_sub_ps(_mm512_load_ps(s), mx));
+            if (masked) e = _mm512_maskz_mov_ps(live[p], e);
+            sum = _mm512_add_ps(sum, e);
+            _mm512_store_ps(s, e);
+        }
+        _mm512_store_ps(w->l + r, _mm512_fmadd_ps(_mm512_load_ps(w->l + r), c, sum));
+        _mm512_store_ps(w->m + r, mx);
+        _mm512_store_ps(w->c + r, c);
+    }
+}
+
+PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *buf) {
+    const int D = j->dim, B = j->block;
+    if (!j->bf16 || D % 16) { /* a float32 pool, or a dimension the pairs do not tile */
+        pf_unit_avx2(j, u, buf);
+        return;
+    }
+    pf_scratch_t w;
+    pf_begin(j, u, buf, &w, PF_PANEL_BF16);
+    const int RP = w.padded;
+    pf_pairs_t x;
+    x.qp = (uint32_t *)(w.vt + (size_t)PF_TILE * D);
+    x.pp = x.qp + (size_t)D / 2 * RP;
+    x.vp = x.pp + (size_t)PF_TILE / 2 * RP;
+    x.kb = (uint16_t *)(x.vp + (size_t)PF_TILE / 2 * D);
+    x.vb = x.kb + (size_t)PF_TILE * D;
+    for (int dp = 0; dp < D / 2; dp++) /* Qt holds bf16 values times the scale: pairs of its rows */
+        for (int r = 0; r < RP; r += 16) {
+            const __m256i a = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(w.qt + (size_t)(2 * dp) * RP + r));
+            const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(w.qt + (size_t)(2 * dp + 1) * RP + r));
+            _mm512_store_si512(x.qp + (size_t)dp * RP + r, pf512_pair(a, b));
+        }
+    const int n_keys = j->start + u->t1;
+    const int first = j->start + u->t0;
+    for (int b = 0; b * B < n_keys; b++) {
+        const int n = n_keys - b * B < B ? n_keys - b * B : B;
+        for (int t0 = 0; t0 < n; t0 += PF_TILE) {
+            const int nt = n - t0 < PF_TILE ? n - t0 : PF_TILE;
+            const int pos0 = b * B + t0;
+            const ptrdiff_t k_off =
+                (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
+            const uint16_t *k = (const uint16_t *)j->kv + k_off, *v = (const uint16_t *)j->kv + k_off + j->s_kv;
+            ptrdiff_t stride = j->s_pos;
+            if (nt < PF_TILE) { /* copy the live rows, zero the rest: masked below, and 0 * 0 in the sums */
+                memset(x.kb, 0, sizeof(uint16_t) * 2 * PF_TILE * (size_t)D);
+                for (int p = 0; p < nt; p++) {
+                    memcpy(x.kb + (size_t)p * D, k + p * stride, sizeof(uint16_t) * (size_t)D);
+                    memcpy(x.vb + (size_t)p * D, v + p * stride, sizeof(uint16_t) * (size_t)D);
+                }
+                k = x.kb;
+                v = x.vb;
+                stride = D;
+            }
+            for (int pr = 0; pr < PF_TILE / 2; pr++) /* V rows 2pr, 2pr + 1 interleaved */
+                for (int d = 0; d < D; d += 16) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(v + 2 * pr * stride + d));
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(v + (2 * pr + 1) * stride + d));
+                    _mm512_storeu_si512(x.vp + (size_t)pr * D + d, pf512_pair(a, c));
+                }
+            for (int r = 0; r < RP; r += PF_PANEL_BF16)
+                for (int p = 0; p < PF_TILE; p += 8)
+                    pf512_scores(x.qp + r, RP, k + p * stride, stride, D, w.s + (size_t)p * RP + r);
+            pf512_softmax(&w, pos0, nt, nt < PF_TILE || pos0 + PF_TILE - 1 > first);
+            for (int pr = 0; pr < PF_TILE / 2; pr++) /* the weights of positions 2pr, 2pr + 1, rounded */
+                for (int r = 0; r < RP; r += 16) {
+                    const __m256i a = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(w.s + (size_t)(2 * pr) * RP + r));
+                    const __m256i c = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(w.s + (size_t)(2 * pr + 1) * RP + r));
+                    _mm512_store_si512(x.pp + (size_t)pr * RP + r, pf512_pair(a, c));
+                }
+            for (int r = 0; r < RP; r += PF_PANEL_BF16)
+                for (int d = 0; d < D; d += 8)
+                    pf512_values(w.ot + (size_t)d * RP + r, RP, x.pp + r, x.vp + d, D, w.c + r);
         }
     }
     pf_end(j, u, &w);
@@ -340,13 +546,15 @@ typedef struct {
 } pf_impl_t;
 
 /* The builds this CPU runs, best first; probed once (the engine calls once per layer). */
-static pf_impl_t pf_impls[2];
+static pf_impl_t pf_impls[3];
 static int pf_n_impls = 0;
 static pthread_once_t pf_once = PTHREAD_ONCE_INIT;
 
 static void pf_pick(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        pf_impls[pf_n_impls++] = (pf_impl_t){"avx512bf16", pf_unit_bf16};
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         pf_impls[pf_n_impls++] = (pf_impl_t){"avx2", pf_unit_avx2};
 #endif

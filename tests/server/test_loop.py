@@ -33,8 +33,12 @@ def small_pool(tmp: Path, blocks: int) -> Config:
 async def run(loop: EngineLoop, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[Outcome]:
     """Submit every prompt at once (they batch) and gather each one's outcome; deltas must add up to its text."""
     streams = [Stream() for _ in prompts]
-    for i, (ids, stream) in enumerate(zip(prompts, streams, strict=True)):
-        loop.submit(Submission(f"r{i}", HASHER.keyed(ids, "default"), params, stream))
+    subs = [
+        Submission(f"r{i}", HASHER.keyed(ids, "default"), params, st)
+        for i, (ids, st) in enumerate(zip(prompts, streams, strict=True))
+    ]
+    for sub in subs:  # back to back, keyed beforehand: the loop takes them in one wake-up, so they batch
+        loop.submit(sub)
 
     async def outcome(stream: Stream) -> Outcome:
         text = ""
