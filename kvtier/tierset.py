@@ -9,6 +9,7 @@ nodes, has no policy of ours, and is asked last.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -30,22 +31,24 @@ log = logging.getLogger("kvtier")
 
 @dataclass
 class TierSet:
+    """Fixed at construction: the tier lists below are computed once (every lookup walks them)."""
+
     host: HostTier
     disk: DiskTier | None
     remote: RemoteTier | None
     lock: threading.RLock = field(default_factory=threading.RLock)
 
-    @property
+    @functools.cached_property
     def local(self) -> list[Tier]:
         """Host, then disk where there is one: the tiers this node owns and evicts from."""
         return [t for t in (self.host, self.disk) if t is not None]
 
-    @property
+    @functools.cached_property
     def every(self) -> list[Tier]:
         """The local tiers, fastest first, then the remote one."""
         return self.local if self.remote is None else [*self.local, self.remote]
 
-    @property
+    @functools.cached_property
     def below_host(self) -> list[Tier]:
         """The tiers a block is promoted from, in the order they are asked."""
         return [t for t in (self.disk, self.remote) if t is not None]

@@ -64,10 +64,6 @@ class Job:
     include_usage: bool
     session: str | None = None  # the agent session it is a turn of (kvtier.server.sessions)
 
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.prompt.tokens.tolist()
-
 
 # -- from a body to a job ---------------------------------------------------------------------
 def check_model(state: ServerState, name: str | None) -> None:
