@@ -6,7 +6,8 @@ or a wheel build), one file per job (native/README.md has the table):
 * ``kvtier._native_io``: the disk tier's batched positional I/O, aligned buffers and
   CRC-32C;
 * ``kvtier._native_kernels``: the block-key chain, the engine's region copies, its
-  decode and prefill attention and its quantized decode products.
+  decode and prefill attention, its quantized decode products and a layer's
+  element-wise steps.
 
 They are required: an install needs a C compiler and the Python headers, and fails
 without them rather than run the pure-Python references (kept for the tests to
@@ -38,6 +39,7 @@ setup(
                 "native/decode_attention_avx2.c",
                 "native/prefill_attention.c",
                 "native/quant_matvec.c",
+                "native/rowwise.c",
             ],
             depends=["native/kernels.h", "native/team.h", "native/decode_attention.h", "native/float_math.h"],
             extra_compile_args=_FLAGS,

@@ -27,6 +27,12 @@ PyObject *kvt_py_paged_prefill_attention_impls(PyObject *mod, PyObject *arg);
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw);
 const char *kvt_quant_impl(void);
 
+/* A decoder layer's element-wise steps: RMSNorm, RoPE + the K/V write, SwiGLU's gate (rowwise.c). */
+PyObject *kvt_py_rms_norm(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *kvt_py_rope_kv(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *kvt_py_silu_mul(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *kvt_py_rowwise_impls(PyObject *mod, PyObject *arg);
+
 /* The names of a table of builds, as a tuple of str; every entry of the table
  * (entry_bytes apart) starts with its name, a const char * (kernels_module.c). */
 PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n);

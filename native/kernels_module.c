@@ -13,8 +13,9 @@
  *   paged_prefill_attention       prefill_attention.c: prefill attention over cached
  *                                 positions
  *   quant_matvec                  quant_matvec.c: decode weight products from GGUF blocks
+ *   rms_norm / rope_kv / silu_mul rowwise.c: a layer's element-wise steps, one pass each
  *
- * The attention kernels and quant_matvec share the sleeping worker team of team.c.
+ * The attention kernels, quant_matvec and the row kernels share the sleeping worker team of team.c.
  * The key chain has a Python loop in kvtier/keys.py, copy_regions a Python loop in
  * kvtier/tiers/native.py, the attention kernels torch (kvtier/engine/kernels.py): the
  * references the tests compare this module with.
@@ -78,6 +79,25 @@ static PyMethodDef methods[] = {
     {"paged_decode_attention_impls", (PyCFunction)kvt_py_paged_decode_attention_impls, METH_NOARGS,
      "paged_decode_attention_impls() -> tuple[str, ...]\n\nThe builds of paged_decode_attention this CPU runs "
      "(avx512, avx2, base), best first: the first is the one it uses."},
+    {"rms_norm", (PyCFunction)(void (*)(void))kvt_py_rms_norm, METH_VARARGS | METH_KEYWORDS,
+     "rms_norm(x, delta, w, out, rows, cols, eps, bf16, threads=1, impl=None) -> None\n\n"
+     "For each of rows rows of cols elements: x += delta first when delta is not 0 (in place), then "
+     "out = w * (x / sqrt(mean(x^2) + eps)), rounded as torch's float32 / bfloat16 (bf16) operators round. "
+     "Addresses of C-contiguous rows (trusted, like copy_regions'); the GIL is released."},
+    {"rope_kv", (PyCFunction)(void (*)(void))kvt_py_rope_kv, METH_VARARGS | METH_KEYWORDS,
+     "rope_kv(qkv, rows, row_elems, q_heads, kv_heads, head_dim, cos, sin, positions, q_out, kv, strides, blocks, "
+     "offsets, bf16, threads=1, impl=None) -> None\n\n"
+     "Rotate-half RoPE of each row's q heads into q_out ([rows, q_heads, head_dim]) and of its k heads in place, "
+     "by the cos / sin rows ([positions, head_dim]) at positions[r] (int64); then, when kv is not 0, the rotated k "
+     "and the v heads into pool layer kv at block blocks[r], offset offsets[r] (int64), strides (block, K|V, head, "
+     "position) in elements. Addresses trusted; the GIL is released."},
+    {"silu_mul", (PyCFunction)(void (*)(void))kvt_py_silu_mul, METH_VARARGS | METH_KEYWORDS,
+     "silu_mul(gate_up, out, rows, inter, bf16, threads=1, impl=None) -> None\n\n"
+     "out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:], rounded as torch rounds. Addresses trusted; the "
+     "GIL is released."},
+    {"rowwise_impls", (PyCFunction)kvt_py_rowwise_impls, METH_NOARGS,
+     "rowwise_impls() -> tuple[str, ...]\n\nThe builds of the row kernels this CPU runs (avx512, avx2, base), "
+     "best first: the first is the one they use."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,12 @@ writes its new K/V into the pool first, then attends:
   matrices when the model was given them (:mod:`kvtier.engine.quant`):
   the step is bound by weight bytes, and those are 5-6x fewer.
 
+Between the matrix products, a layer's element-wise steps (each residual
+add fused with the RMSNorm after it, RoPE fused with the K/V write into the
+pool, SwiGLU's gate) are one C pass each (:mod:`kvtier.engine.rowwise`):
+on a short prefill over a cached prefix and on a decode step, torch's
+several operator calls per step cost more than their arithmetic.
+
 Choices made by measurement on the shared 2-core development CPU, with the
 machine otherwise idle (another busy process there starves 2-thread OpenMP,
 so numbers taken under load mean nothing; current figures are in
@@ -55,6 +61,7 @@ from kvtier.engine import quant
 from kvtier.engine.kernels import DecodePlan, NativePrefill, plan_decode, plan_prefill
 from kvtier.engine.pool import BlockTable, Gather, KVPool, Slots
 from kvtier.engine.quant import QuantMatrix
+from kvtier.engine.rowwise import Rope, add_rms_norm, rope_table, silu_mul
 from kvtier.layout import KVLayout
 from kvtier.model import QuantBlocks
 from kvtier.model.config import ModelConfig
@@ -124,35 +131,10 @@ class _Plan:
     """Everything about a batch that is the same for every layer, computed once per forward."""
 
     ids: torch.Tensor
-    cos: torch.Tensor  # [N, 1, head_dim], RoPE of each new token's position
-    sin: torch.Tensor
-    slots: Slots
+    rope: Rope  # each new token's rotation, and its pool slot
     last_rows: torch.Tensor
     prefills: list[_Prefill]
     decode: _Decode | None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back before the weight, as the HF Llama reference does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rope_table(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, ``[context_length, head_dim]`` in float32, in rotate-half (HF) order."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    freqs = torch.arange(config.context_length).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [N, heads, head_dim]`` by per-token ``cos``/``sin [N, 1, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -193,7 +175,7 @@ class LlamaModel:
         dense_ok = dtype in (torch.float32, torch.bfloat16)
         if blocks is not None and dense_ok and self.device.type == "cpu" and quant.NATIVE:
             self._load_decode_blocks(blocks)
-        cos, sin = rope_table(config)
+        cos, sin = rope_table(config.head_dim, config.rope_theta, config.context_length)
         self.cos = cos.to(device=self.device, dtype=dtype)
         self.sin = sin.to(device=self.device, dtype=dtype)
 
@@ -289,15 +271,18 @@ class LlamaModel:
         self._check(seqs, pool)
         plan = self._plan(seqs, pool)
         eps = self.config.rms_norm_eps
-        x = F.embedding(plan.ids, self.embed)
         decode = self._decode_blocks(plan)
+        # each residual add is fused with the RMSNorm that follows it: the norm's input is the sum
+        x, h = add_rms_norm(F.embedding(plan.ids, self.embed), None, self.layers[0].attn_norm, eps)
+        norms = [layer.mlp_norm for layer in self.layers]
+        after = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         for i, layer in enumerate(self.layers):
             q = None if decode is None else decode[i]
-            x = x + self._attention(i, layer, q, rms_norm(x, layer.attn_norm, eps), plan, pool, layer_ready)
-            x = x + self._mlp(layer, q, rms_norm(x, layer.mlp_norm, eps))
+            x, h = add_rms_norm(x, self._attention(i, layer, q, h, plan, pool, layer_ready), norms[i], eps)
+            x, h = add_rms_norm(x, self._mlp(layer, q, h), after[i], eps)
         for s in seqs:
             s.table.num_tokens = s.start + len(s.token_ids)
-        return rms_norm(x, self.norm, eps), plan
+        return h, plan
 
     def _decode_blocks(self, plan: _Plan) -> list[_QuantLayer] | None:
         """The quantized matrices when this forward is a decode step they can serve, else None (dense)."""
@@ -338,11 +323,10 @@ class LlamaModel:
             last_rows += range(row, row + n) if s.verify else [row + n - 1]
             row += n
         pos = torch.cat(positions).to(self.device)
+        slot = Slots(torch.cat([x.blocks for x in slots]), torch.cat([x.offsets for x in slots]))
         return _Plan(
             ids=torch.cat(ids).to(self.device),
-            cos=self.cos[pos].unsqueeze(1),
-            sin=self.sin[pos].unsqueeze(1),
-            slots=Slots(torch.cat([x.blocks for x in slots]), torch.cat([x.offsets for x in slots])),
+            rope=Rope(self.cos, self.sin, pos, slot, pool, self.config.num_heads),
             last_rows=torch.tensor(last_rows, device=self.device),
             prefills=prefills,
             decode=self._plan_decode(decoding, pool) if decoding else None,
@@ -369,11 +353,9 @@ class LlamaModel:
         return _Decode(rows, plan_decode(pool, tables, lengths, self.config.num_heads))
 
     def _mlp(self, layer: _Layer, q: _QuantLayer | None, h: torch.Tensor) -> torch.Tensor:
-        if q is not None:
-            gate, up = q.w_gate_up(h).chunk(2, dim=-1)  # float32 through the activation, as the dense path would
-            return q.w_down(F.silu(gate) * up).to(h.dtype)
-        gate, up = (h @ layer.w_gate_up.T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ layer.w_down.T
+        if q is not None:  # float32 through the activation
+            return q.w_down(silu_mul(q.w_gate_up(h))).to(h.dtype)
+        return silu_mul(h @ layer.w_gate_up.T) @ layer.w_down.T
 
     def _attention(
         self,
@@ -386,15 +368,11 @@ class LlamaModel:
         layer_ready: Callable[[int], None] | None,
     ) -> torch.Tensor:
         c = self.config
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_dim = c.num_heads * c.head_dim
         qkv = h @ layer.wqkv.T if quantized is None else quantized.wqkv(h).to(h.dtype)
-        q, k, v = qkv.split((q_dim, kv_dim, kv_dim), dim=-1)
-        q = apply_rope(q.reshape(-1, c.num_heads, c.head_dim), plan.cos, plan.sin)
-        k = apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), plan.cos, plan.sin)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         if layer_ready is not None:
             layer_ready(index)  # cached K/V of this layer are in the pool from here on
-        pool.write(index, plan.slots, k, v)
+        q, k, v = plan.rope.apply(index, qkv)  # and this forward's new ones from here
         if plan.decode is not None and not plan.prefills:  # a decode step: its rows are the whole batch, in order
             out = self._decode_attention(index, plan.decode, q, pool)
         elif plan.decode is None and len(plan.prefills) == 1:  # one prompt: likewise
