@@ -11,7 +11,7 @@ On the CPU, one layer of every block is one call of the native
 ``copy_regions`` (a ``memcpy`` per block with the GIL released), from the
 pinned host slots straight into the pool's layer slice: a block payload and a
 pool block have the same per-layer byte layout. On a GPU the copies are
-issued on a dedicated CUDA stream and layer *l* is done when an event
+issued on the pool's own CUDA stream (one for its life) and layer *l* is done when an event
 recorded after its copies has fired; the compute stream waits on that event
 (device-side, no host sync) before reading the layer. There the bytes cross
 the host link whole (:func:`staged_layers`): one copy per run of host slots
@@ -99,7 +99,7 @@ class LayerwiseLoad:
             self._ready[layer].set()
 
     def _copy_cuda(self) -> None:
-        stream = torch.cuda.Stream(self.pool.device)
+        stream = self.pool.copy_stream
         blocks = [b for handle, _ in self.parts for b in handle.blocks]
         ids = [i for _, ids in self.parts for i in ids]
         with torch.cuda.stream(stream):

@@ -17,6 +17,7 @@ the sequence that owns the block table.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -91,6 +92,19 @@ class KVPool:
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    @functools.cached_property
+    def copy_stream(self) -> torch.cuda.Stream:
+        """The CUDA stream every load into this pool copies on (:class:`~kvtier.engine.onboard.LayerwiseLoad`).
+
+        One for the pool's life, not one per load: the caching allocator
+        keeps freed memory per stream, so each load's staging buffer reuses
+        the previous load's memory instead of asking the driver again; and
+        loads into one pool run in order.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"a pool on {self.device} copies without streams")
+        return torch.cuda.Stream(self.device)
 
     # -- allocator -------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from kvtier.config import Config
@@ -166,3 +167,26 @@ def test_close_gives_back_the_pins_of_requests_still_waiting(loaded_model: Loade
         assert cache.stats()["pinned_blocks"] == engine.prefetch_counters.blocks_planned > 0
         engine.close()
         assert cache.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.cuda
+def test_loads_into_one_gpu_pool_share_its_stream_and_land_exactly() -> None:
+    """Two loads copy on the pool's one stream (the allocator reuses the staging memory) and land byte for byte."""
+    layout = toy_layout()
+    pool = KVPool(layout, 8, device="cuda")
+    for seed in (1, 2):
+        blocks = [as_bytes(payload(layout, seed * 10 + i)).pin_memory() for i in range(3)]
+        released: list[bool] = []
+        load = LayerwiseLoad(pool, [(handle_of(blocks, released), [4, 0, 6])])
+        for layer in range(layout.num_layers):
+            load.wait(layer)
+        load.finish()
+        assert released == [True]
+        for block, row in zip(blocks, [4, 0, 6], strict=True):
+            assert torch.equal(pool.kv[:, row].cpu().contiguous().view(torch.uint8).reshape(-1), block)
+    assert pool.copy_stream is pool.copy_stream
+
+
+def test_a_cpu_pool_has_no_copy_stream() -> None:
+    with pytest.raises(ValueError, match="without streams"):
+        _ = KVPool(toy_layout(), 2).copy_stream
