@@ -26,6 +26,7 @@ PyObject *kvt_py_paged_prefill_attention_impls(PyObject *mod, PyObject *arg);
 /* Quantized matrix-vector products (quant_matvec.c). */
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw);
 const char *kvt_quant_impl(void);
+int kvt_quant_bf16(void); /* whether Q4_1 times bfloat16 rows runs on AVX-512 BF16 here */
 
 /* A decoder layer's element-wise steps: RMSNorm, RoPE + the K/V write, SwiGLU's gate (rowwise.c). */
 PyObject *kvt_py_rms_norm(PyObject *mod, PyObject *args, PyObject *kw);

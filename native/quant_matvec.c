@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "float_math.h"
 #include "kernels.h"
 #include "team.h"
 
@@ -50,6 +51,9 @@ typedef struct {
     const float *m;    /* rows x blocks (Q4_1 only) */
     const float *x;    /* n x cols */
     const float *xsum; /* n x blocks (Q4_1 only) */
+    const uint16_t *xb; /* the bfloat16 build's x: n x pairs x 64, in its lane order (qv_arrange) */
+    const float *xs8;   /* and its minimums' sums: n x pairs x 16 */
+    int64_t pairs;      /* blocks / 2, rounded up */
     float *out;        /* n x rows */
     int64_t rows, cols, blocks, row_bytes;
     int n;
@@ -199,6 +203,128 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
 }
 #endif
 
+/* -- AVX-512 BF16, Q4_1 times bfloat16 rows ---------------------------------------------
+ * A bfloat16 engine's activations are bfloat16 already, and a Q4_1 quant (0..15) is
+ * exactly a bfloat16, so q . x can run on VDPBF16PS: 32 products an instruction, each
+ * exact in float32, summed in float32. Two blocks at a time: their 32 packed bytes split
+ * into 64 nibbles (low: q[0..15] of each block, high: q[16..31]), two byte lookups give
+ * each nibble's bfloat16 high and low byte, and interleaving those makes the words. x is
+ * laid out once per call in the order that interleave leaves the weights in
+ * (qv_arrange): per 128-bit lane of the two weight vectors, eight consecutive x of one
+ * block. Dword lanes 0-3 and 8-11 then sum block 2p's products, 4-7 and 12-15 block
+ * 2p + 1's; one multiply-add scales them by their d, and one more adds the minimums'
+ * share, m * sum(x) / 8 in each of a block's eight lanes (the / 8 is exact). Against the
+ * float32 build only the summation order differs. Every row of x runs the same sequence
+ * of operations, alone or in a group, so a row's result does not depend on its call. */
+#ifdef QV_X86
+#define QV_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+
+/* Where word w of the two weight vectors of a pair comes from: block (0 or 1) and index
+ * in the block. Vector v, 128-bit lane l, word i: the nibbles unpacked from lane l hold
+ * bytes 16l..16l+15 of [low nibbles of both blocks | high nibbles of both blocks]. */
+static void qv_source(int v, int w, int *block, int *k) {
+    const int lane = w / 8, i = w % 8;
+    const int nibble = 16 * lane + 8 * v + i; /* 0..63 in [lo blk0 | lo blk1 | hi blk0 | hi blk1] */
+    *block = (nibble / 16) & 1;
+    *k = (nibble % 16) + (nibble >= 32 ? 16 : 0);
+}
+
+/* x rows (bfloat16) into that order, an odd last block padded with zeros; the per-block
+ * sums of x (for the other builds' minimums) and, per pair, sum / 8 in each dword lane of
+ * its block (for this one's). */
+static void qv_arrange(const uint16_t *x, int n, int64_t cols, int64_t pairs, uint16_t *xb, float *xsum, float *xs8) {
+    const int64_t blocks = cols / QV_BLOCK;
+    for (int i = 0; i < n; i++) {
+        const uint16_t *row = x + (int64_t)i * cols;
+        float *sums = xsum + (int64_t)i * blocks;
+        for (int64_t b = 0; b < blocks; b++) {
+            float sum = 0.0f;
+            for (int k = 0; k < QV_BLOCK; k++) sum += kvt_bf16_to_f32(row[b * QV_BLOCK + k]);
+            sums[b] = sum;
+        }
+        for (int64_t p = 0; p < pairs; p++) {
+            uint16_t *dst = xb + ((int64_t)i * pairs + p) * 64;
+            for (int v = 0; v < 2; v++)
+                for (int w = 0; w < 32; w++) {
+                    int blk, k;
+                    qv_source(v, w, &blk, &k);
+                    const int64_t b = 2 * p + blk;
+                    dst[32 * v + w] = b < blocks ? row[b * QV_BLOCK + k] : 0;
+                }
+            float *s8 = xs8 + ((int64_t)i * pairs + p) * 16;
+            for (int lane = 0; lane < 16; lane++) {
+                const int64_t b = 2 * p + ((lane / 4) & 1);
+                s8[lane] = b < blocks ? sums[b] * 0.125f : 0.0f;
+            }
+        }
+    }
+}
+
+/* One weight row times G rows of x, G a constant at every call site so that the
+ * accumulators stay in registers (a runtime G kept them on the stack, and every pair
+ * waited on a store and a reload). Each x row's operations are the same for any G. */
+QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv_job_t *j, int64_t r, int i0,
+                                                                       const int G) {
+    /* bfloat16 of 0..15, high bytes and low bytes, as vpshufb tables (each 128-bit lane alike) */
+    const __m512i hi_bytes = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41));
+    const __m512i lo_bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, (char)0x80, 0x00, 0x40, (char)0x80, (char)0xA0,
+                                                                  (char)0xC0, (char)0xE0, 0x00, 0x10, 0x20, 0x30, 0x40,
+                                                                  0x50, 0x60, 0x70));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const int64_t qb = QV_BLOCK / 2, whole = j->blocks / 2;
+    const uint8_t *q = j->q + r * j->row_bytes;
+    const float *d = j->d + r * j->blocks, *m = j->m + r * j->blocks;
+    __m512 acc0[QV_GROUP], acc1[QV_GROUP]; /* even and odd pairs */
+    for (int i = 0; i < G; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < j->pairs; p++) {
+        __m256i packed;
+        double dm[2]; /* d, then m, of blocks 2p and 2p + 1 (0 past the row's end) */
+        if (p < whole) {
+            packed = _mm256_loadu_si256((const __m256i *)(q + 2 * p * qb));
+            memcpy(&dm[0], d + 2 * p, 8);
+            memcpy(&dm[1], m + 2 * p, 8);
+        } else {
+            packed = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + 2 * p * qb)));
+            const float tail[4] = {d[2 * p], 0.0f, m[2 * p], 0.0f};
+            memcpy(dm, tail, sizeof tail);
+        }
+        const __m512 scale = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(dm[0])));
+        const __m512 mins = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(dm[1])));
+        const __m256i lo = _mm256_and_si256(packed, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        const __m512i nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        const __m512i h = _mm512_shuffle_epi8(hi_bytes, nib), l = _mm512_shuffle_epi8(lo_bytes, nib);
+        const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(l, h), w1 = (__m512bh)_mm512_unpackhi_epi8(l, h);
+        for (int i = 0; i < G; i++) {
+            const int64_t at = (int64_t)(i0 + i) * j->pairs + p;
+            const uint16_t *x = j->xb + at * 64;
+            __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512(x));
+            dot = _mm512_dpbf16_ps(dot, w1, (__m512bh)_mm512_loadu_si512(x + 32));
+            const __m512 bias = _mm512_mul_ps(mins, _mm512_loadu_ps(j->xs8 + at * 16));
+            if (p & 1) acc1[i] = _mm512_add_ps(_mm512_fmadd_ps(scale, dot, bias), acc1[i]);
+            else acc0[i] = _mm512_add_ps(_mm512_fmadd_ps(scale, dot, bias), acc0[i]);
+        }
+    }
+    for (int i = 0; i < G; i++)
+        j->out[(int64_t)(i0 + i) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
+}
+
+QV_BF16 static void qv_rows_bf16(const void *job, int64_t r0, int64_t r1) {
+    const qv_job_t *j = job;
+    for (int64_t r = r0; r < r1; r++)
+        for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
+            switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {
+            case 1: qv_bf16_group(j, r, i0, 1); break;
+            case 2: qv_bf16_group(j, r, i0, 2); break;
+            case 3: qv_bf16_group(j, r, i0, 3); break;
+            default: qv_bf16_group(j, r, i0, 4); break;
+            }
+        }
+}
+#endif
+
 /* -- the team's work and the entry point -------------------------------------------- */
 static void qv_work(void *ctx) {
     qv_job_t *j = ctx;
@@ -212,6 +338,7 @@ static void qv_work(void *ctx) {
 
 static const char *qv_impl_name = NULL;
 static void (*qv_rows_best)(const void *, int64_t, int64_t) = NULL;
+static int qv_has_bf16 = 0; /* the CPU runs qv_rows_bf16 */
 
 static void qv_pick(void) {
     qv_rows_best = qv_rows_base;
@@ -222,7 +349,14 @@ static void qv_pick(void) {
         qv_rows_best = qv_rows_avx2;
         qv_impl_name = "avx2";
     }
+    qv_has_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
+}
+
+int kvt_quant_bf16(void) {
+    kvt_quant_impl();
+    return qv_has_bf16;
 }
 
 const char *kvt_quant_impl(void) {
@@ -232,13 +366,13 @@ const char *kvt_quant_impl(void) {
 
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
-    static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", NULL};
-    int kind, n, threads = 1;
+    static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", "x_bf16", NULL};
+    int kind, n, threads = 1, x_bf16 = 0;
     unsigned long long q, d, m, x, out;
     long long rows, cols;
     const char *impl = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|iz:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols, &x,
-                                     &n, &out, &threads, &impl))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izp:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols, &x,
+                                     &n, &out, &threads, &impl, &x_bf16))
         return NULL;
     if (kind != QV_Q4_1 && kind != QV_Q8_0) return PyErr_Format(PyExc_ValueError, "kind must be 0 (Q4_1) or 1 (Q8_0)");
     if (rows <= 0 || cols <= 0 || cols % QV_BLOCK) return PyErr_Format(PyExc_ValueError, "cols must be a positive multiple of 32");
@@ -247,20 +381,31 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     if (!q || !d || !x || !out || (kind == QV_Q4_1 && !m)) return PyErr_Format(PyExc_ValueError, "null address");
     kvt_quant_impl();
     void (*rows_fn)(const void *, int64_t, int64_t) = qv_rows_best;
+    int use_bf16 = x_bf16 && kind == QV_Q4_1 && qv_has_bf16 && impl == NULL;
     if (impl != NULL) {
         if (strcmp(impl, "base") == 0) rows_fn = qv_rows_base;
+        else if (strcmp(impl, "avx512bf16") == 0 && qv_has_bf16 && x_bf16 && kind == QV_Q4_1) use_bf16 = 1;
         else if (strcmp(impl, qv_impl_name) != 0) return PyErr_Format(PyExc_ValueError, "no %s build on this CPU", impl);
     }
-    const int64_t blocks = cols / QV_BLOCK;
-    float *xsum = NULL;
-    if (kind == QV_Q4_1 && (xsum = malloc(sizeof(float) * (size_t)(n * blocks))) == NULL) return PyErr_NoMemory();
+    const int64_t blocks = cols / QV_BLOCK, pairs = (blocks + 1) / 2;
+    const size_t n_xsum = kind == QV_Q4_1 ? (size_t)(n * blocks) : 0;
+    const size_t n_wide = x_bf16 && !use_bf16 ? (size_t)(n * cols) : 0; /* another build: x widened to float32 */
+    const size_t n_xs8 = use_bf16 ? (size_t)(n * pairs * 16) : 0, n_xb = use_bf16 ? (size_t)(n * pairs * 64) : 0;
+    char *scratch = malloc(sizeof(float) * (n_xsum + n_wide + n_xs8) + sizeof(uint16_t) * n_xb + 1);
+    if (scratch == NULL) return PyErr_NoMemory();
+    float *xsum = n_xsum ? (float *)scratch : NULL;
+    float *wide = (float *)scratch + n_xsum, *xs8 = (float *)scratch + n_xsum + n_wide;
+    uint16_t *xb = (uint16_t *)((float *)scratch + n_xsum + n_wide + n_xs8);
     qv_job_t job = {
         .kind = (qv_kind_t)kind,
         .q = (const uint8_t *)(uintptr_t)q,
         .d = (const float *)(uintptr_t)d,
         .m = (const float *)(uintptr_t)m,
-        .x = (const float *)(uintptr_t)x,
+        .x = n_wide ? wide : (const float *)(uintptr_t)x,
         .xsum = xsum,
+        .xb = use_bf16 ? xb : NULL,
+        .xs8 = use_bf16 ? xs8 : NULL,
+        .pairs = pairs,
         .out = (float *)(uintptr_t)out,
         .rows = rows,
         .cols = cols,
@@ -272,16 +417,25 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
         .rows_fn = rows_fn,
     };
     Py_BEGIN_ALLOW_THREADS
-    if (xsum != NULL)
-        for (int i = 0; i < n; i++)
-            for (int64_t b = 0; b < blocks; b++) {
-                const float *p = job.x + (int64_t)i * cols + b * QV_BLOCK;
-                float s = 0.0f;
-                for (int k = 0; k < QV_BLOCK; k++) s += p[k];
-                xsum[i * blocks + b] = s;
-            }
+    if (use_bf16) {
+#ifdef QV_X86
+        qv_arrange((const uint16_t *)(uintptr_t)x, n, cols, pairs, xb, xsum, xs8);
+        job.rows_fn = qv_rows_bf16;
+#endif
+    } else {
+        if (n_wide)
+            for (size_t k = 0; k < n_wide; k++) wide[k] = kvt_bf16_to_f32(((const uint16_t *)(uintptr_t)x)[k]);
+        if (xsum != NULL)
+            for (int i = 0; i < n; i++)
+                for (int64_t b = 0; b < blocks; b++) {
+                    const float *p = job.x + (int64_t)i * cols + b * QV_BLOCK;
+                    float s = 0.0f;
+                    for (int k = 0; k < QV_BLOCK; k++) s += p[k];
+                    xsum[i * blocks + b] = s;
+                }
+    }
     kvt_team_run(qv_work, &job, job.n_units > 1 ? threads : 1);
     Py_END_ALLOW_THREADS
-    free(xsum);
+    free(scratch);
     Py_RETURN_NONE;
 }

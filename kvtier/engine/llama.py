@@ -353,8 +353,8 @@ class LlamaModel:
         return _Decode(rows, plan_decode(pool, tables, lengths, self.config.num_heads))
 
     def _mlp(self, layer: _Layer, q: _QuantLayer | None, h: torch.Tensor) -> torch.Tensor:
-        if q is not None:  # float32 through the activation
-            return q.w_down(silu_mul(q.w_gate_up(h))).to(h.dtype)
+        if q is not None:  # the activation in the model's dtype, as the dense path computes it
+            return q.w_down(silu_mul(q.w_gate_up(h).to(h.dtype))).to(h.dtype)
         return silu_mul(h @ layer.w_gate_up.T) @ layer.w_down.T
 
     def _attention(

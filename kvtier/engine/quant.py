@@ -6,18 +6,20 @@ streams, not by arithmetic. float32 copies of the embedded model's Q4_1 and
 Q8_0 matrices are 5-6x larger than the blocks they were dequantized from;
 :class:`QuantMatrix` keeps the blocks (repacked by
 :func:`~kvtier.model.load_gguf_blocks`) and multiplies with the native
-``quant_matvec`` (``native/kvtier_quant.c``).
+``quant_matvec`` (``native/quant_matvec.c``).
 
 The weights are exactly the ones the float32 matmuls use (same values, only
 stored smaller), and the products accumulate in float32; what differs is
 the order of the sums, by a few ulps, as it already does between a 1-row
 and a 64-row float32 matmul. Prefills keep the dense matmuls: they are
 compute-bound, and there the blocked GEMM is faster. A bfloat16 engine's
-decode steps use these too (activations widened to float32, results
-rounded back): its dense weights are the blocks' values rounded to
-bfloat16, but no decode-computed KV is cached in bfloat16
-(``engine.decoded_kv``), so decode may round differently from a prefill
-and reuse stays exact.
+decode steps use these too: its activations are bfloat16 and a Q4_1 quant
+is exactly one, so on a CPU with AVX-512 BF16 the Q4_1 products run on
+bfloat16 pairs (exact products, float32 sums; ``native/quant_matvec.c``),
+elsewhere on the float32 build. Its dense weights are the blocks' values
+rounded to bfloat16, so decode may round differently from a prefill, but
+no decode-computed KV is cached in bfloat16 (``engine.decoded_kv``) and
+reuse stays exact.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ except ImportError:  # not built: the engine keeps the dense matmuls
 
 NATIVE: bool = hasattr(_native, "quant_matvec")
 IMPL: str | None = getattr(_native, "QUANT_IMPL", None)  # the build used on this CPU: "avx2" or "base"
+BF16: bool = bool(getattr(_native, "QUANT_BF16", 0))
+"""Whether Q4_1 times bfloat16 rows runs on AVX-512 BF16 here (``avx512bf16``): a bfloat16 engine's decode."""
 MAX_ROWS = 64  # activation rows per call (the C kernel's limit): a decode batch
 
 
@@ -77,11 +81,22 @@ class QuantMatrix:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
     def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
-        """``x [n, cols]`` (float32, or bfloat16 widened first) times the matrix's transpose: ``[n, rows]`` float32."""
-        if x.dtype == torch.bfloat16:
-            x = x.float()  # exact: every bfloat16 is a float32
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols or x.device.type != "cpu":
-            raise ValueError(f"need float32 [n, {self.cols}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        """``x [n, cols]`` (float32 or bfloat16) times the matrix's transpose: ``[n, rows]`` float32.
+
+        bfloat16 rows go to the C side as they are: for Q4_1 on a CPU with
+        AVX-512 BF16 (:data:`BF16`) the products run on bfloat16 pairs (a
+        quant is exactly a bfloat16, so each product is exact); otherwise
+        the C side widens them to float32, exactly.
+        """
+        if (
+            x.dtype not in (torch.float32, torch.bfloat16)
+            or x.dim() != 2
+            or x.shape[1] != self.cols
+            or x.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"need float32 or bfloat16 [n, {self.cols}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
         n = x.shape[0]
         if not 1 <= n <= MAX_ROWS:
             raise ValueError(f"{n} rows; the kernel takes 1..{MAX_ROWS}")
@@ -100,8 +115,9 @@ class QuantMatrix:
             out.data_ptr(),
             threads or torch.get_num_threads(),  # the team's workers watch between calls: even a small matrix gains
             impl,
+            x.dtype == torch.bfloat16,
         )
         return out
 
 
-__all__ = ["IMPL", "MAX_ROWS", "NATIVE", "QuantMatrix"]
+__all__ = ["BF16", "IMPL", "MAX_ROWS", "NATIVE", "QuantMatrix"]

@@ -99,3 +99,42 @@ def test_decode_steps_use_the_blocks_and_prefills_only_for_the_head(loaded_model
     assert int(p_blocks.argmax()) == int(p_dense.argmax())
     assert (d_blocks - d_dense).abs().max().item() < 1e-3
     assert int(d_blocks.argmax()) == int(d_dense.argmax())
+
+
+def random_q4_1(rows: int, cols: int, seed: int) -> QuantMatrix:
+    g = torch.Generator().manual_seed(seed)
+    blocks = cols // 32
+    return QuantMatrix(
+        QuantKind.Q4_1,
+        torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8),
+        torch.rand(rows, blocks, generator=g) * 0.1,
+        torch.randn(rows, blocks, generator=g) * 0.05,
+        rows,
+        cols,
+    )
+
+
+@pytest.mark.skipif(not quant.BF16, reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("cols", [576, 1536, 96])  # 96: an odd block count, the last pair half empty
+def test_bfloat16_rows_on_avx512_bf16_match_float64_as_closely_as_float32(cols: int) -> None:
+    """Q4_1 times bfloat16 rows on VDPBF16PS: within float32's own error of the exact product, every row alone
+    the same bits as in a batch, and the float32 build given the same rows (widened on the C side) agrees."""
+    m = random_q4_1(40, cols, seed=cols)
+    dense = dequantized(m)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    exact = x.double() @ dense.double().T
+    got = m(x)
+    float32_error = (x.float() @ dense.T - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 1e-6 * exact.abs().max().item() + 4 * float32_error
+    assert torch.equal(got, m(x, impl="avx512bf16"))
+    for i in range(5):
+        assert torch.equal(m(x[i : i + 1])[0], got[i])  # a decode step and a verify step agree
+    assert torch.equal(m(x, threads=1), m(x, threads=2))
+    if quant.IMPL == "avx2":
+        assert torch.equal(m(x, impl="avx2"), m(x.float(), impl="avx2"))  # widened exactly
+
+
+def test_bfloat16_rows_of_q8_0_are_widened_exactly(loaded_model: LoadedModel) -> None:
+    head = loaded_model.model.lm_head_blocks
+    x = torch.randn(2, head.cols, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert torch.equal(head(x), head(x.float()))
