@@ -172,28 +172,20 @@ RW_INLINE void silu_row(const silu_job_t *j, int64_t r, const int bf16) {
 /* -- builds: each row function for both dtypes, per ISA ---------------------------- */
 typedef void (*rows_fn_t)(const void *job, int64_t r0, int64_t r1);
 
-#define RW_BUILD(SUFFIX, TARGET)                                                                             \
-    TARGET static void norm_rows_##SUFFIX(const void *job, int64_t r0, int64_t r1) {                         \
-        const norm_job_t *j = job;                                                                           \
-        if (j->bf16)                                                                                         \
-            for (int64_t r = r0; r < r1; r++) norm_row(j, r, 1);                                             \
-        else                                                                                                 \
-            for (int64_t r = r0; r < r1; r++) norm_row(j, r, 0);                                             \
-    }                                                                                                        \
-    TARGET static void rope_rows_##SUFFIX(const void *job, int64_t r0, int64_t r1) {                         \
-        const rope_job_t *j = job;                                                                           \
-        if (j->bf16)                                                                                         \
-            for (int64_t r = r0; r < r1; r++) rope_row(j, r, 1);                                             \
-        else                                                                                                 \
-            for (int64_t r = r0; r < r1; r++) rope_row(j, r, 0);                                             \
-    }                                                                                                        \
-    TARGET static void silu_rows_##SUFFIX(const void *job, int64_t r0, int64_t r1) {                         \
-        const silu_job_t *j = job;                                                                           \
-        if (j->bf16)                                                                                         \
-            for (int64_t r = r0; r < r1; r++) silu_row(j, r, 1);                                             \
-        else                                                                                                 \
-            for (int64_t r = r0; r < r1; r++) silu_row(j, r, 0);                                             \
+/* One row function over rows [r0, r1), with the dtype a constant inside each loop. */
+#define RW_ROWS(NAME, JOB, ROW, TARGET)                                            \
+    TARGET static void NAME(const void *job, int64_t r0, int64_t r1) {             \
+        const JOB *j = job;                                                        \
+        if (j->bf16)                                                               \
+            for (int64_t r = r0; r < r1; r++) ROW(j, r, 1);                        \
+        else                                                                       \
+            for (int64_t r = r0; r < r1; r++) ROW(j, r, 0);                        \
     }
+
+#define RW_BUILD(SUFFIX, TARGET)                                                   \
+    RW_ROWS(norm_rows_##SUFFIX, norm_job_t, norm_row, TARGET)                      \
+    RW_ROWS(rope_rows_##SUFFIX, rope_job_t, rope_row, TARGET)                      \
+    RW_ROWS(silu_rows_##SUFFIX, silu_job_t, silu_row, TARGET)
 
 RW_BUILD(base, )
 #ifdef RW_X86
