@@ -27,6 +27,7 @@
 #include <Python.h>
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -50,20 +51,11 @@ RW_INLINE float rw_load(const void *p, int64_t i, const int bf16) {
     return bf16 ? kvt_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Branch-free round to nearest even, NaN kept a quiet NaN: the loops it sits in vectorise. */
-RW_INLINE uint16_t rw_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    const uint16_t nan = (uint16_t)((u >> 16) | 0x40u);
-    return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
-}
-
 /* The value a tensor of the dtype holds for f: f itself in float32, rounded in bfloat16. */
-RW_INLINE float rw_round(float f, const int bf16) { return bf16 ? kvt_bf16_to_f32(rw_bf16(f)) : f; }
+RW_INLINE float rw_round(float f, const int bf16) { return bf16 ? kvt_bf16_to_f32(kvt_f32_to_bf16(f)) : f; }
 
 RW_INLINE void rw_store(void *p, int64_t i, float f, const int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = rw_bf16(f);
+    if (bf16) ((uint16_t *)p)[i] = kvt_f32_to_bf16(f);
     else ((float *)p)[i] = f;
 }
 
@@ -194,47 +186,32 @@ RW_BUILD(avx512, RW_AVX512)
 #endif
 
 typedef struct {
-    const char *name;
+    const char *name; /* first: kvt_impl_names reads it */
     rows_fn_t norm, rope, silu;
 } rw_impl_t;
 
-static const rw_impl_t rw_impls[] = {
-#ifdef RW_X86
-    {"avx512", norm_rows_avx512, rope_rows_avx512, silu_rows_avx512},
-    {"avx2", norm_rows_avx2, rope_rows_avx2, silu_rows_avx2},
-#endif
-    {"base", norm_rows_base, rope_rows_base, silu_rows_base},
-};
-#define RW_N_IMPLS ((int)(sizeof rw_impls / sizeof rw_impls[0]))
-
-static int rw_runs(const rw_impl_t *impl) {
-#ifdef RW_X86
-    __builtin_cpu_init();
-    if (strcmp(impl->name, "avx512") == 0)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (strcmp(impl->name, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-    return 1;
-}
-
-/* The builds this CPU runs, best first. */
-static const rw_impl_t *rw_runnable[RW_N_IMPLS];
-static int rw_n_runnable = -1;
+/* The builds this CPU runs, best first; probed once. */
+static rw_impl_t rw_impls[3];
+static int rw_n_impls = 0;
+static pthread_once_t rw_once = PTHREAD_ONCE_INIT;
 
 static void rw_pick(void) {
-    if (rw_n_runnable >= 0) return;
-    int n = 0;
-    for (int i = 0; i < RW_N_IMPLS; i++)
-        if (rw_runs(&rw_impls[i])) rw_runnable[n++] = &rw_impls[i];
-    rw_n_runnable = n;
+#ifdef RW_X86
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        rw_impls[rw_n_impls++] = (rw_impl_t){"avx512", norm_rows_avx512, rope_rows_avx512, silu_rows_avx512};
+    if (avx2) rw_impls[rw_n_impls++] = (rw_impl_t){"avx2", norm_rows_avx2, rope_rows_avx2, silu_rows_avx2};
+#endif
+    rw_impls[rw_n_impls++] = (rw_impl_t){"base", norm_rows_base, rope_rows_base, silu_rows_base};
 }
 
 static const rw_impl_t *rw_find(const char *name) {
-    rw_pick();
-    if (name == NULL) return rw_runnable[0];
-    for (int i = 0; i < rw_n_runnable; i++)
-        if (strcmp(rw_runnable[i]->name, name) == 0) return rw_runnable[i];
+    pthread_once(&rw_once, rw_pick);
+    if (name == NULL) return &rw_impls[0];
+    for (int i = 0; i < rw_n_impls; i++)
+        if (strcmp(rw_impls[i].name, name) == 0) return &rw_impls[i];
     PyErr_Format(PyExc_ValueError, "no %s build of the row kernels on this CPU", name);
     return NULL;
 }
@@ -360,12 +337,6 @@ PyObject *kvt_py_silu_mul(PyObject *mod, PyObject *args, PyObject *kw) {
 PyObject *kvt_py_rowwise_impls(PyObject *mod, PyObject *arg) {
     (void)mod;
     (void)arg;
-    rw_pick();
-    PyObject *names = PyTuple_New(rw_n_runnable);
-    for (int i = 0; names != NULL && i < rw_n_runnable; i++) {
-        PyObject *name = PyUnicode_FromString(rw_runnable[i]->name);
-        if (name == NULL) Py_CLEAR(names);
-        else PyTuple_SET_ITEM(names, i, name);
-    }
-    return names;
+    pthread_once(&rw_once, rw_pick);
+    return kvt_impl_names(rw_impls, sizeof rw_impls[0], rw_n_impls);
 }
