@@ -4,8 +4,9 @@ What an engine on a GPU pays to load a cached prefix: ``h2d`` is the
 engine's own onboarding (:class:`~kvtier.engine.onboard.LayerwiseLoad`)
 from host-tier slots into a KV pool in device memory, every layer of every
 block in place and its last event complete. ``d2h`` is the store path's
-copy, pool block by pool block into host slots (what the engine's store
-job does). The baseline of each is one ``cudaMemcpyAsync`` of the same
+copy: the blocks gathered in device memory, then copied block by block
+into their host slots on a transfer thread (what the engine's store job
+does). The baseline of each is one ``cudaMemcpyAsync`` of the same
 bytes between one pinned buffer and device memory (a torch ``copy_`` with
 ``non_blocking=True``). Medians after a warm-up. Without CUDA it says so
 and measures nothing.
@@ -60,9 +61,11 @@ def run(mib: int = 256, reps: int = 5, block_size: int = 16) -> dict[str, Any]:
     worker = TransferWorker(1)
 
     def d2h() -> None:
+        read = pool.payload_reader(rows)  # on the engine's thread, as the publisher gathers
+
         def copy() -> None:
-            for row, view in zip(rows, views, strict=True):
-                pool.read_block_to_payload(row, view)
+            for j, view in enumerate(views):
+                read(j, view)
 
         worker.wait(worker.submit(copy))
 

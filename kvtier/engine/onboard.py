@@ -161,16 +161,21 @@ def staged_layers(pool: KVPool, blocks: Sequence[torch.Tensor], ids: Sequence[in
     caller records an event per yielded layer. The staging buffer and the
     row ids are allocated on the current stream and used only there, so the
     caching allocator hands their memory out again only after these copies.
+
+    The row ids cross first (:meth:`KVPool.ids_on_device`): behind the
+    payloads, a copy that held the host would keep every layer's
+    ``index_copy_`` from being queued while the link is busy, and their
+    launches would add up after it.
     """
     lay = pool.layout
     n = len(blocks)
     device = pool.device
+    rows = pool.ids_on_device(ids)
     staging = torch.empty((n, lay.block_bytes), dtype=torch.uint8, device=device)
     flat = staging.view(-1)
     for first, run in contiguous_runs(blocks):
         flat[first * lay.block_bytes : first * lay.block_bytes + run.numel()].copy_(run, non_blocking=True)
     typed = staging.view(lay.dtype).view(n, lay.num_layers, *pool.layers[0].shape[1:])
-    rows = torch.tensor(list(ids), dtype=torch.long).to(device, non_blocking=True)
     for layer, view in enumerate(pool.layers):
         view.index_copy_(0, rows, typed[:, layer])
         yield layer

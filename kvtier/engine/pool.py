@@ -18,7 +18,7 @@ the sequence that owns the block table.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +106,24 @@ class KVPool:
             raise ValueError(f"a pool on {self.device} copies without streams")
         return torch.cuda.Stream(self.device)
 
+    @functools.cached_property
+    def store_stream(self) -> torch.cuda.Stream:
+        """The CUDA stream stores copy out on (:meth:`payload_reader`), apart from loads: neither waits on the other."""
+        if self.device.type != "cuda":
+            raise ValueError(f"a pool on {self.device} copies without streams")
+        return torch.cuda.Stream(self.device)
+
+    def ids_on_device(self, ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as int64 on the pool's device, queued on the current stream without holding the host.
+
+        A copy from pageable memory may hold the host until the stream has
+        drained; from pinned memory it is queued like any other work.
+        """
+        rows = torch.tensor(list(ids), dtype=torch.long)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory()
+        return rows.to(self.device, non_blocking=True)
+
     # -- allocator -------------------------------------------------------------
     @property
     def num_free(self) -> int:
@@ -165,6 +183,37 @@ class KVPool:
     def read_block_to_payload(self, block_id: int, out: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Copy pool block ``block_id`` into a ``uint8`` buffer of ``layout.block_bytes`` (any device)."""
         self._typed(out).copy_(self.kv[:, block_id], non_blocking=non_blocking)
+
+    def gather_payloads(self, ids: Sequence[int]) -> torch.Tensor:
+        """Blocks ``ids`` as payloads, ``[len(ids), block_bytes]`` uint8 on the pool's device, in one gather."""
+        lay = self.layout
+        by_block = self.kv.view(lay.num_layers, self.num_blocks, -1).transpose(0, 1)
+        return by_block[self.ids_on_device(ids)].view(torch.uint8).reshape(len(ids), lay.block_bytes)
+
+    def payload_reader(self, ids: Sequence[int]) -> Callable[[int, torch.Tensor], None]:
+        """``read(j, out)`` copies pool block ``ids[j]`` into payload ``out``, from a store job's thread.
+
+        On the CPU that is :meth:`read_block_to_payload`, one strided copy
+        with nothing to stage. On a GPU a block is ``num_layers`` pieces far
+        apart in device memory; copied out alone, each costs a gather kernel
+        and a host sync on the stream the forward runs on. So the blocks are
+        gathered here, on the calling (compute) stream, ordered after the
+        forward that wrote them, in one kernel; the store stream waits for
+        that, and each read is then one contiguous device → host copy whose
+        sync waits for the store's own copies only.
+        """
+        if self.device.type != "cuda":
+            return lambda j, out: self.read_block_to_payload(ids[j], out)
+        staged = self.gather_payloads(ids)
+        stream = self.store_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        staged.record_stream(stream)
+
+        def read(j: int, out: torch.Tensor) -> None:
+            with torch.cuda.stream(stream):
+                out.reshape(-1).copy_(staged[j])
+
+        return read
 
     def _typed(self, payload: torch.Tensor) -> torch.Tensor:
         if payload.dtype != torch.uint8 or payload.numel() != self.layout.block_bytes:

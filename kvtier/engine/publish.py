@@ -84,8 +84,9 @@ class Publisher:
     def _store_new_blocks(self, req: Request) -> None:
         """Offer kvtier the request's full blocks it does not have yet, copied out of the pool off this thread.
 
-        The store job copies each pool block straight into its host slot on
-        a transfer thread. Until it is done the engine holds an extra
+        The store job copies each pool block into its host slot on a
+        transfer thread (on a GPU, out of one gather made here:
+        :meth:`KVPool.payload_reader`). Until it is done the engine holds an extra
         reference on those blocks (:meth:`reap` drops it), so they can be
         neither freed nor reused under the copy; full blocks are never
         written again, so nothing changes them either.
@@ -97,10 +98,10 @@ class Publisher:
         first = req.stored_blocks
         ids = req.table.block_ids[first:full]
         self.pool.share(ids)
-        pool, chain = self.pool, req.keyed_through(full)
+        read, chain = self.pool.payload_reader(ids), req.keyed_through(full)
 
         def fill(block: int, out: torch.Tensor) -> None:
-            pool.read_block_to_payload(ids[block - first], out)
+            read(block - first, out)
 
         job = cache.worker.submit(lambda: cache.store(chain, fill, first_block=first, num_blocks=full - first))
         self.storing.append((job, ids))

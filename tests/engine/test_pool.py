@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -58,3 +60,51 @@ def test_a_payload_round_trips_through_a_pool_block() -> None:
     out = torch.empty(p.layout.block_bytes, dtype=torch.uint8)
     p.read_block_to_payload(block, out)
     assert torch.equal(out, as_bytes(data))
+
+
+def fill_blocks(p: KVPool, seeds: list[int]) -> list[torch.Tensor]:
+    data = [as_bytes(payload(p.layout, seed)) for seed in seeds]
+    for block, d in enumerate(data):
+        p.write_block_from_payload(block, d)
+    return data
+
+
+def test_gathered_payloads_are_the_blocks_as_stored_in_any_order() -> None:
+    """The GPU store path's one gather (run on the CPU): row j holds block ids[j], byte for byte."""
+    p = pool(6)
+    data = fill_blocks(p, [10, 11, 12, 13, 14, 15])
+    ids = [4, 0, 5, 2]
+    got = p.gather_payloads(ids)
+    assert got.shape == (4, p.layout.block_bytes) and got.dtype == torch.uint8
+    for j, block in enumerate(ids):
+        assert torch.equal(got[j], data[block])
+
+
+def test_a_cpu_payload_reader_copies_each_block_out_of_the_pool() -> None:
+    p = pool(4)
+    data = fill_blocks(p, [20, 21, 22, 23])
+    read = p.payload_reader([3, 1])
+    out = torch.empty(2, p.layout.block_bytes, dtype=torch.uint8)
+    read(1, out[1])
+    read(0, out[0])
+    assert torch.equal(out[0], data[3]) and torch.equal(out[1], data[1])
+    with pytest.raises(ValueError, match="streams"):
+        p.store_stream  # noqa: B018 (the property raises)
+
+
+@pytest.mark.cuda
+def test_a_gpu_payload_reader_copies_out_on_another_thread_after_later_writes_are_queued() -> None:
+    """The gather is ordered after the writes before it; reads on a transfer thread see exactly those bytes."""
+    layout = toy_layout()
+    p = KVPool(layout, 6, device="cuda")
+    data = [as_bytes(payload(layout, seed)) for seed in range(6)]
+    for block, d in enumerate(data):
+        p.write_block_from_payload(block, d.cuda())
+    read = p.payload_reader([5, 2, 0])
+    p.kv.zero_()  # queued after the gather: the reads must not see it
+    outs = [torch.empty(layout.block_bytes, dtype=torch.uint8).pin_memory() for _ in range(3)]
+    worker = threading.Thread(target=lambda: [read(j, out) for j, out in enumerate(outs)])
+    worker.start()
+    worker.join()
+    for out, block in zip(outs, [5, 2, 0], strict=True):
+        assert torch.equal(out, data[block])
