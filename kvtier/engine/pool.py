@@ -106,13 +106,6 @@ class KVPool:
             raise ValueError(f"a pool on {self.device} copies without streams")
         return torch.cuda.Stream(self.device)
 
-    @functools.cached_property
-    def store_stream(self) -> torch.cuda.Stream:
-        """The CUDA stream stores copy out on (:meth:`payload_reader`), apart from loads: neither waits on the other."""
-        if self.device.type != "cuda":
-            raise ValueError(f"a pool on {self.device} copies without streams")
-        return torch.cuda.Stream(self.device)
-
     def ids_on_device(self, ids: Sequence[int]) -> torch.Tensor:
         """Block ids as int64 on the pool's device, queued on the current stream without holding the host.
 
@@ -198,20 +191,20 @@ class KVPool:
         apart in device memory; copied out alone, each costs a gather kernel
         and a host sync on the stream the forward runs on. So the blocks are
         gathered here, on the calling (compute) stream, ordered after the
-        forward that wrote them, in one kernel; the store stream waits for
-        that, and each read is then one contiguous device → host copy whose
-        sync waits for the store's own copies only.
+        forward that wrote them, in one kernel. A read waits for that gather
+        on its own thread's stream (a transfer worker's, :mod:`kvtier.transfer`)
+        and is one contiguous device → host copy, synchronous, so its sync
+        waits for that stream alone and the buffer is not freed under a copy.
         """
         if self.device.type != "cuda":
             return lambda j, out: self.read_block_to_payload(ids[j], out)
         staged = self.gather_payloads(ids)
-        stream = self.store_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        staged.record_stream(stream)
+        gathered = torch.cuda.Event()
+        gathered.record()
 
         def read(j: int, out: torch.Tensor) -> None:
-            with torch.cuda.stream(stream):
-                out.reshape(-1).copy_(staged[j])
+            torch.cuda.current_stream(self.device).wait_event(gathered)
+            out.reshape(-1).copy_(staged[j])
 
         return read
 
