@@ -130,9 +130,7 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
         const int n = len - b * B < B ? len - b * B : B;
         const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head;
         const ptrdiff_t v_off = k_off + j->s_kv;
-        /* The next block is anywhere in the pool: fetch its two tiles whole now, into L2 (as the
-         * prefill kernel does): 64 lines at once into L1 queue behind its few miss buffers,
-         * and from DRAM that measured slower. */
+        /* The next block's two tiles, whole, into L2: why, in the AVX-512 build. */
         if (b + 1 < u->b1) {
             const char *nk = j->kv + ((ptrdiff_t)ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head) * esize;
             const ptrdiff_t tile = (ptrdiff_t)B * D * esize;

@@ -42,9 +42,9 @@
  * Rows are dealt out in units a thread streams start to finish: two per thread, a
  * multiple of 16 rows (whole cache lines of out per unit). A decode step reads every
  * matrix from DRAM, and the hardware prefetchers follow one long sequential run but
- * start over at every jump; in units of 16 rows (a 4.6 KB page of Q4_1 quants) the two
- * threads' rows came at a fraction of the bandwidth. Two units rather than one let a
- * worker that joins late take less.
+ * start over at every jump; in units of 16 rows (4.6 KB of Q4_1 quants at 576
+ * columns) the two threads' rows came at a fraction of the bandwidth. Two units rather
+ * than one let a worker that joins late take less.
  */
 #define QV_UNITS_PER_THREAD 2
 #define QV_UNIT_ALIGN 16
