@@ -5,6 +5,9 @@ The data path, one module per step: ``keys`` (① name blocks) → ``index``
 ⑤ store and evict) over ``tiers`` (host, disk) ranked by ``policy``.
 """
 
+from kvtier import openmp  # noqa: F401  (first: loads torch, whose OpenMP runtime reads its settings once)
+
+# isort: split
 from kvtier.config import Config, load_config
 from kvtier.index import LookupResult, MissReason
 from kvtier.keys import BlockKey, KeyHasher, Secret

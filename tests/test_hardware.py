@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier import hardware
+from kvtier import hardware, openmp
 from kvtier.config import ComputeDtype, ConfigError, load_config
 from kvtier.hardware import ISA_FLAGS, compute_dtype, cpu_isa, engine_device, gpu_facts
 from kvtier.server.metrics import hardware_report
@@ -22,6 +22,7 @@ def test_cpu_device_and_report() -> None:
     report = hardware_report(torch.device("cpu"), torch.float32)
     assert (report.device, report.dtype, report.gpu) == ("cpu", "float32", None)
     assert report.cpu_isa == list(cpu_isa())
+    assert report.omp_wait_policy == openmp.wait_policy  # what torch loaded with (tests/test_openmp.py)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from kvtier import openmp
 from kvtier.bench import results
 from kvtier.config import Config
 from kvtier.demo.session import load_session
@@ -152,6 +153,7 @@ def run(loaded: LoadedModel, config: Config, spec: TTFTSpec) -> dict[str, Any]:
     out["setup"] = {
         "dtype": compute_dtype(config).value,
         "device": _device_name(loaded.model.device),
+        "omp_wait_policy": openmp.wait_policy,
         "block_size": config.cache.block_size,
         "reps": spec.reps,
         "statistic": "median",

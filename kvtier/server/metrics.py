@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvtier import openmp
 from kvtier.engine.request import FinishReason, PrefetchCounters, Request, SpeculationCounters
 from kvtier.engine.verify import VerifyCounters
 from kvtier.hardware import cpu_isa, gpu_facts
@@ -215,6 +216,7 @@ def hardware_report(device: torch.device, dtype: torch.dtype) -> HardwareReport:
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         cpu_isa=list(cpu_isa()),
+        omp_wait_policy=openmp.wait_policy,
         gpu=None if gpu is None else GpuReport(**dataclasses.asdict(gpu)),
     )
 

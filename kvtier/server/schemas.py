@@ -447,11 +447,17 @@ class GpuReport(BaseModel):
 
 
 class HardwareReport(BaseModel):
-    """What produced every figure in this report: the engine's device and dtype, the CPU's vector extensions."""
+    """What produced every figure in this report: the engine's device and dtype, the CPU's vector extensions,
+    and whether torch's idle OpenMP workers spin (they take cores from kvtier's own kernels when they do)."""
 
     device: str = Field(description="Where the weights and the KV pool live (engine.device resolved): cpu, cuda:0.")
     dtype: str = Field(description="The engine's compute and KV dtype.")
     cpu_isa: list[str] = Field(description="Vector extensions of this CPU that the kernels use.")
+    omp_wait_policy: str | None = Field(
+        None,
+        description="OMP_WAIT_POLICY torch's OpenMP runtime loaded with: PASSIVE as kvtier sets it "
+        "(kvtier/openmp.py), the process's own, or null for the runtime's default.",
+    )
     gpu: GpuReport | None = Field(None, description="The GPU's memory and utilisation (NVML); null without one.")
 
 

@@ -21,9 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 import kvtier
+from kvtier import openmp
 from kvtier.bench import ttft
 from kvtier.bench.peer.workload import Trace, Workload
 from kvtier.config import Config
@@ -47,6 +49,8 @@ def run(loaded: LoadedModel, config: Config, workload: Workload) -> dict[str, An
             "compute": f"dequantized to {compute_dtype(config).value}, KV in {compute_dtype(config).value}",
             "dtype": compute_dtype(config).value,
             "block_size": config.cache.block_size,
+            "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": openmp.wait_policy,  # torch's idle OpenMP workers asleep (PASSIVE) or spinning
             "host_bytes": int(config.host.capacity_bytes),
             "ttft_api": "kvtier.bench.ttft.run (Engine.generate, max_tokens=1)",
             "decode_api": "Engine.generate, greedy, ignore_eos",
