@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvtier.bench import peer
-from kvtier.bench.peer import report
+from kvtier.bench.peer import limits, report
 from kvtier.bench.peer.runners import PeerRun, Status
 from kvtier.bench.peer.workload import PeerSpec, Trace, Workload
 
@@ -120,3 +120,21 @@ def test_save_writes_json_and_png(tmp_path: Path) -> None:
     path, png = peer.save(result, tmp_path)
     assert path.name == "peer-20261202T000000Z.json" and (tmp_path / "peer-latest.json").exists()
     assert png is not None and png.stat().st_size > 0 and (tmp_path / "peer-latest.png").exists()
+
+
+def test_the_table_shows_each_floor_and_ceiling_next_to_the_engines() -> None:
+    bounds = limits.Limits(
+        matmul_gflops=200.0,
+        read_gbs=20.0,
+        new_tokens=64,
+        hit_gflop={2048: 20.0, 4096: 40.0},
+        decode_context=2048,
+        decode_mb=160.0,
+    )
+    assert bounds.hit_s(2048) == pytest.approx(0.1) and bounds.decode_tok_s == pytest.approx(125.0)
+    result = _result(PeerRun(peer.Peer.VLLM, Status.SKIPPED, reason="not installed"))
+    result["setup"]["limits"] = bounds.as_json()
+    text = report.table(result)
+    assert "limits: matmul 200 GFLOP/s" in text
+    assert "hit 2,048 + 64: 20.0 GFLOP, at least 0.100 s; kvtier host hit 0.200 s, llama-cpp ram hit 1.200 s" in text
+    assert "decode at 2,048: 160.0 MB read a token (kvtier's weights and K/V), at most 125 tok/s" in text

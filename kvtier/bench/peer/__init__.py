@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvtier.bench import results, ttft
-from kvtier.bench.peer import machine, measure, report
+from kvtier.bench.peer import limits, machine, measure, report
 from kvtier.bench.peer.runners import Peer, PeerRun, Status, ensure_hf_dir, run_peer
 from kvtier.bench.peer.workload import PeerSpec, Workload, build
 from kvtier.config import Config
@@ -58,6 +58,7 @@ def run(
     meter = machine.Contention.start()
     kv = measure.run(loaded, config, workload)
     contention[report.KVTIER] = {**meter.stop(), "others_before": quiet}
+    bounds = limits.measure(loaded.model, spec.sizes, ttft.NEW_TOKENS, spec.decode_context)
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{spec.threads - 1}", "PEER_VLLM_DTYPE": vllm_dtype}
     peers: dict[Peer, PeerRun] = {}
     for peer in Peer:  # one at a time: two engines on two cores would time each other
@@ -71,7 +72,7 @@ def run(
         meter = machine.Contention.start()
         peers[peer] = run_peer(peer, python, path, out_dir, env=env, timeout_s=timeout_s)
         contention[peer.value] = {**meter.stop(), "others_before": quiet}
-    return assemble(date, spec, workload, kv, peers, contention)
+    return assemble(date, spec, workload, kv, peers, contention, bounds)
 
 
 def _prepare(peer: Peer, python: Path | None, gguf: Path, hf_dir: Path) -> PeerRun | None:
@@ -94,11 +95,13 @@ def assemble(
     kv: dict[str, Any],
     peers: Mapping[Peer, PeerRun],
     contention: Mapping[str, dict[str, Any]] | None = None,
+    bounds: limits.Limits | None = None,
 ) -> dict[str, Any]:
     """The saved result: setup, each engine's raw times and medians, the rows of the table.
 
     ``contention``: per engine, the share of all cores that other work used
-    while it ran (:class:`machine.Contention`).
+    while it ran (:class:`machine.Contention`); ``bounds``: what the machine
+    allows a hit and a decode step (:mod:`.limits`).
     """
     engines: dict[str, Any] = {report.KVTIER: _engine_entry(kv, status=Status.OK.value)}
     for peer, outcome in peers.items():
@@ -129,6 +132,7 @@ def assemble(
         "decode_tokens": spec.decode_tokens,
         "n_ctx": spec.n_ctx,
         "traces": {t.name: [len(ids) for ids in t.turns] for t in workload.traces},
+        "limits": None if bounds is None else bounds.as_json(),
     }
     return {"setup": setup, "engines": engines, "rows": [r.as_json() for r in rows]}
 

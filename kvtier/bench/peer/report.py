@@ -293,6 +293,7 @@ def table(result: Mapping[str, Any]) -> str:
     passed = sum(r["verdict"] == Verdict.PASS for r in gated)
     lines.append("-" * len(head))
     lines.append(f"{passed}/{len(gated)} targets met")
+    lines += _limit_lines(result)
     agree = {n: e["summary"]["decode"] for n, e in result["engines"].items() if n != KVTIER and "summary" in e}
     if agree:
         lines.append(
@@ -303,6 +304,37 @@ def table(result: Mapping[str, Any]) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _limit_lines(result: Mapping[str, Any]) -> list[str]:
+    """What the machine allows (:mod:`.limits`) next to each engine's figure: a hit's floor, decode's ceiling."""
+    bounds = result["setup"].get("limits")
+    if not bounds:
+        return []
+    summaries = {SHORT[n]: e["summary"] for n, e in result["engines"].items() if "summary" in e}
+    lines = [
+        f"limits: matmul {bounds['matmul_gflops']:.0f} GFLOP/s ({bounds['matmul']}), "
+        f"read {bounds['read_gbs']:.1f} GB/s ({bounds['read']})"
+    ]
+    for hit in bounds["hit"]:
+        n = str(hit["cached"])
+        seen = [
+            f"{name} {case.replace('_', ' ')} {s['ttft'][n][case]:.3f} s"
+            for name, s in summaries.items()
+            for case in ("host_hit", "prefix_hit", "ram_hit")
+            if case in s["ttft"].get(n, {})
+        ]
+        lines.append(
+            f"  hit {hit['cached']:,} + {hit['new']}: {hit['gflop']:.1f} GFLOP, at least {hit['min_s']:.3f} s; "
+            + ", ".join(seen)
+        )
+    d = bounds["decode"]
+    rates = ", ".join(f"{name} {s['decode']['tok_s']:.1f}" for name, s in summaries.items())
+    lines.append(
+        f"  decode at {d['context']:,}: {d['mb_per_token']:.1f} MB read a token (kvtier's weights and K/V), "
+        f"at most {d['max_tok_s']:.0f} tok/s; {rates} tok/s"
+    )
+    return lines
 
 
 TTFT_BARS: tuple[tuple[str, str, str], ...] = (
