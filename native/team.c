@@ -1,7 +1,8 @@
 /*
  * The team: workers that sleep on a condition variable between calls (the engine's
  * matmuls run in between, on the same cores: a worker spinning through them would take
- * a core from them), after watching for the next call for TEAM_WATCH_NS. One task is on
+ * a core from them), after watching for the next call for TEAM_WATCH_NS. torch's
+ * OpenMP workers are asked for the same courtesy (kvtier/openmp.py). One task is on
  * offer at a time; a caller that finds another task in flight runs its own alone. A
  * task's work function claims units from a counter of its own until none are left, so a
  * worker that joins late only takes fewer. Decode attention (decode_attention.c),
