@@ -61,7 +61,8 @@ def smollm2_layout(block_size: int, dtype: torch.dtype = torch.bfloat16) -> KVLa
     return KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=block_size, dtype=dtype)
 
 
-def _median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
+def median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``reps`` runs of ``fn`` after one dropped; ``before`` runs untimed ahead of each."""
     times = []
     for _ in range(reps + 1):  # the first run warms caches and page tables; it is dropped
         if before is not None:
@@ -125,10 +126,10 @@ def bench_host(layout: KVLayout, n: int, reps: int) -> dict[str, float]:
     tier = HostTier(layout, n * tier_slot(layout))
     w = _Workload.make(layout, n)
     src, dst, keys, outs, nbytes = w.src, w.dst, w.keys, w.outs, w.nbytes
-    put = _median_s(lambda: tier.put_many(keys, w.blocks, w.records), reps, before=lambda: tier.remove_many(keys))
-    get = _median_s(lambda: tier.get_many(keys, outs), reps)
+    put = median_s(lambda: tier.put_many(keys, w.blocks, w.records), reps, before=lambda: tier.remove_many(keys))
+    get = median_s(lambda: tier.get_many(keys, outs), reps)
     assert torch.equal(dst, src), "host tier returned other bytes"
-    memcpy = _median_s(lambda: dst.copy_(src), reps)
+    memcpy = median_s(lambda: dst.copy_(src), reps)
     return {"put_gbps": _gbps(nbytes, put), "get_gbps": _gbps(nbytes, get), "memcpy_gbps": _gbps(nbytes, memcpy)}
 
 
@@ -173,7 +174,7 @@ def bench_disk(layout: KVLayout, n: int, reps: int, where: Path, io_mode: IOMode
     )
     w = _Workload.make(layout, n)
     src, dst, keys, outs, nbytes = w.src, w.dst, w.keys, w.outs, w.nbytes
-    put = _median_s(lambda: tier.put_many(keys, w.blocks, w.records), reps, before=lambda: tier.remove_many(keys))
+    put = median_s(lambda: tier.put_many(keys, w.blocks, w.records), reps, before=lambda: tier.remove_many(keys))
 
     raw_path = where / "raw.bin"
     raw = np.empty(nbytes, dtype=np.uint8)
@@ -223,8 +224,8 @@ def bench_keys(data_dir: Path, reps: int, block_size: int) -> dict[str, float | 
     hasher = KeyHasher(secret, model_fingerprint="bench", layout_descriptor="bench", block_size=block_size)
     tokens = np.random.default_rng(0).integers(0, 49152, KEY_TOKENS, dtype=np.int32)
     raw = tokens.astype("<i4").tobytes()
-    keys_s = _median_s(lambda: hasher.keys(tokens, "bench"), reps)
-    raw_s = _median_s(lambda: xxhash.xxh3_128_digest(raw, secret.seed), reps)
+    keys_s = median_s(lambda: hasher.keys(tokens, "bench"), reps)
+    raw_s = median_s(lambda: xxhash.xxh3_128_digest(raw, secret.seed), reps)
     return {
         "tokens": KEY_TOKENS,
         "block_size": block_size,

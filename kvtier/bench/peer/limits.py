@@ -14,14 +14,13 @@ rates are measured in the run, on the threads the engines get.
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvtier.bench.tiers import median_s
 from kvtier.engine.llama import LlamaModel
 from kvtier.model.config import ModelConfig
 
@@ -50,26 +49,16 @@ def decode_bytes(model: LlamaModel, context: int, kv_itemsize: int) -> int:
     return sum(t.numel() * t.element_size() for t in (*dense, model.lm_head)) + kv
 
 
-def _median_s(fn: Callable[[], object]) -> float:
-    fn()  # warm: first-touch page faults, the BLAS's own set-up
-    times = []
-    for _ in range(REPS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def matmul_gflops(dtype: torch.dtype, n: int = MATMUL_N) -> float:
     """The rate of one ``[n, n] @ [n, n]`` in ``dtype``, GFLOP/s: the best this CPU sustains through torch."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _median_s(lambda: a @ b) / 1e9
+    return 2 * n**3 / median_s(lambda: a @ b, REPS) / 1e9
 
 
 def read_gbs(nbytes: int = READ_BYTES) -> float:
     """The rate of one pass that reads ``nbytes`` (a float32 sum), GB/s."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _median_s(x.sum) / 1e9
+    return nbytes / median_s(x.sum, REPS) / 1e9
 
 
 @dataclass(frozen=True)
