@@ -134,7 +134,12 @@ def test_the_table_shows_each_floor_and_ceiling_next_to_the_engines() -> None:
     assert bounds.hit_s(2048) == pytest.approx(0.1) and bounds.decode_tok_s == pytest.approx(125.0)
     result = _result(PeerRun(peer.Peer.VLLM, Status.SKIPPED, reason="not installed"))
     result["setup"]["limits"] = bounds.as_json()
+    result["engines"]["kvtier"]["raw"]["traces"][0]["first_token_as_no_cache"] = {
+        "tiers": {"same": 2, "of": 2},
+        "resident": {"same": 1, "of": 2},
+    }
     text = report.table(result)
+    assert "first token with the cache is the one without: demo tiers 2/2, demo resident 1/2" in text
     assert "limits: matmul 200 GFLOP/s" in text
     assert "hit 2,048 + 64: 20.0 GFLOP, at least 0.100 s; kvtier host hit 0.200 s, llama-cpp ram hit 1.200 s" in text
     assert "decode at 2,048: 160.0 MB read a token (kvtier's weights and K/V), at most 125 tok/s" in text

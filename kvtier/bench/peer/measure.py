@@ -85,30 +85,42 @@ def _decode(loaded: LoadedModel, config: Config, prompt: list[int], max_tokens: 
 
 
 def _trace(loaded: LoadedModel, config: Config, trace: Trace, reps: int) -> dict[str, Any]:
+    """Every turn's TTFT per case, and whether each cached replay's first tokens are the uncached ones.
+
+    The first token of a turn is the argmax of logits computed over the
+    reused KV, so a cached block that differs by one bit from what a
+    recompute makes would show here, turn after turn.
+    """
     total = len(trace.turns) * (1 + 2 * reps)
     cases: dict[str, list[list[float]]] = {"no_cache": [], "tiers": [], "resident": []}
+    same: dict[str, list[bool]] = {"tiers": [], "resident": []}
     with tqdm(total=total, desc=f"kvtier trace {trace.name}", unit="turn", leave=False) as bar:
         engine = make_engine(loaded, config, cache=None, keep_resident=False)
-        cases["no_cache"].append(_replay(engine, trace, bar))
+        times, cold = _replay(engine, trace, bar)
+        cases["no_cache"].append(times)
         for _ in range(reps):
             for case, resident in (("tiers", False), ("resident", True)):
                 with tempfile.TemporaryDirectory(prefix="bench-peer-", dir=_mkdir(config.data_dir)) as tmp:
                     cfg = _temp_tiers(config, Path(tmp))
                     with open_cache(loaded, cfg) as cache:
                         engine = make_engine(loaded, cfg, cache=cache, keep_resident=resident)
-                        cases[case].append(_replay(engine, trace, bar))
-    return {"name": trace.name, "cases": cases}
+                        times, first = _replay(engine, trace, bar)
+                        cases[case].append(times)
+                        same[case] += [a == b for a, b in zip(first, cold, strict=True)]
+    turns = {case: {"same": sum(v), "of": len(v)} for case, v in same.items()}
+    return {"name": trace.name, "cases": cases, "first_token_as_no_cache": turns}
 
 
-def _replay(engine: Engine, trace: Trace, bar: tqdm) -> list[float]:
-    """TTFT of each turn in order; stores drain between turns (the tool call's time, as in the demo)."""
-    out = []
+def _replay(engine: Engine, trace: Trace, bar: tqdm) -> tuple[list[float], list[int]]:
+    """TTFT and first token of each turn in order; stores drain between turns (the tool call's time, as in the demo)."""
+    times, first = [], []
     for ids in trace.turns:
         (done,) = engine.generate([ids], ttft.FIRST_TOKEN)
         engine.drain_stores()
-        out.append(done.ttft_s)
+        times.append(done.ttft_s)
+        first.append(done.token_ids[0])
         bar.update()
-    return out
+    return times, first
 
 
 def _temp_tiers(config: Config, data_dir: Path) -> Config:

@@ -303,6 +303,7 @@ def table(result: Mapping[str, Any]) -> str:
     lines.append("-" * len(head))
     lines.append(f"{passed}/{len(gated)} targets met")
     lines += _limit_lines(result)
+    lines += _exactness_lines(result)
     agree = {n: e["summary"]["decode"] for n, e in result["engines"].items() if n != KVTIER and "summary" in e}
     if agree:
         lines.append(
@@ -313,6 +314,18 @@ def table(result: Mapping[str, Any]) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _exactness_lines(result: Mapping[str, Any]) -> list[str]:
+    """kvtier's traces: how many cached turns began with the token the uncached replay began with."""
+    kv = result["engines"].get(KVTIER) or {}
+    traces = [t for t in (kv.get("raw") or {}).get("traces", []) if "first_token_as_no_cache" in t]
+    if not traces:
+        return []
+    parts = [
+        f"{t['name']} {case} {n['same']}/{n['of']}" for t in traces for case, n in t["first_token_as_no_cache"].items()
+    ]
+    return ["kvtier traces, turns whose first token with the cache is the one without: " + ", ".join(parts)]
 
 
 def _limit_lines(result: Mapping[str, Any]) -> list[str]:
