@@ -6,8 +6,8 @@ on the same cores. libgomp, by default, keeps a worker spinning for a while
 after each parallel region in case another follows at once. A prefill
 alternates the two every layer (matmuls, then attention over the whole
 prefix), so through most of each attention call torch's idle worker holds a
-core the C team is computing on: the kernel ran at close to half speed in the
-engine against its rate alone. ``OMP_WAIT_POLICY=PASSIVE`` puts those workers
+core the C team is computing on: attention ran at about 0.6 of its speed in the
+engine. ``OMP_WAIT_POLICY=PASSIVE`` puts those workers
 to sleep as soon as a region ends; the price is a wake-up per matmul, far
 smaller (figures in bench/README.md).
 
