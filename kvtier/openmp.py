@@ -6,18 +6,19 @@ on the same cores. libgomp, by default, keeps a worker spinning for a while
 after each parallel region in case another follows at once. A prefill
 alternates the two every layer (matmuls, then attention over the whole
 prefix), so through most of each attention call torch's idle worker holds a
-core the C team is computing on: attention ran at about 0.6 of its speed in the
-engine. ``OMP_WAIT_POLICY=PASSIVE`` puts those workers
-to sleep as soon as a region ends; the price is a wake-up per matmul, far
-smaller (figures in bench/README.md).
+core the C team is computing on: attention ran at about 0.6 of its speed in
+the engine. ``OMP_WAIT_POLICY=PASSIVE`` puts those workers to sleep as soon as
+a region ends; the price is a wake-up per matmul, far smaller (figures in
+bench/README.md).
 
 libgomp reads its environment once, when torch loads it, so this has to run
 before anything imports torch: importing this module does it, and
-``kvtier/__init__.py`` imports it first. It sets the variable only for that moment and removes it again, so
-the processes kvtier starts (the peer engines of ``kvtier bench peer``, the
-backends of ``kvtier route``) get the environment they were given. A process
-that sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` itself keeps its choice,
-and one that imported torch before kvtier keeps torch's defaults.
+``kvtier/__init__.py`` imports it first. It sets the variable only for that
+moment and removes it again, so the processes kvtier starts (the peer engines
+of ``kvtier bench peer``, the backends of ``kvtier route``) get the
+environment they were given. A process that sets ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` itself keeps its choice, and one that imported torch before
+kvtier keeps torch's defaults.
 """
 
 from __future__ import annotations
