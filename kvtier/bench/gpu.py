@@ -14,14 +14,12 @@ and measures nothing.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvtier.bench.tiers import _Workload, smollm2_layout, tier_slot
+from kvtier.bench.tiers import _Workload, median_s, smollm2_layout, tier_slot
 from kvtier.engine.onboard import LayerwiseLoad
 from kvtier.engine.pool import KVPool
 from kvtier.fetch import LoadHandle
@@ -31,14 +29,14 @@ from kvtier.transfer import TransferWorker
 
 
 def _median_s(fn: Callable[[], None], reps: int) -> float:
-    times = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    """:func:`~kvtier.bench.tiers.median_s` with the device drained before each run and inside its timing:
+    an asynchronous copy is done when the GPU says so, not when the call returns."""
+
+    def synced() -> None:
         fn()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+
+    return median_s(synced, reps, before=torch.cuda.synchronize)
 
 
 def run(mib: int = 256, reps: int = 5, block_size: int = 16) -> dict[str, Any]:
