@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import KVTierError, warn_once
-from kvtier.private import private_dir, sync_dir
+from kvtier.private import make_private, private_dir, sync_dir
 
 BlockKey = NewType("BlockKey", bytes)
 """16 bytes: the xxh3-128 digest (big-endian, as ``xxhash`` returns it)."""
@@ -142,13 +142,15 @@ class Secret:
         A ``path`` of its own is how several nodes share one secret (and so
         one key space and one remote MAC key): copy the file to each, or
         point them all at one. The default location's directory is made
-        private (0700), as is a missing one this makes; an existing directory
-        chosen by the operator is left as it is.
+        private (0700), as is a missing one this makes, and the default
+        file is tightened back to 0600 if it was loosened since; an existing
+        directory or file chosen by the operator is left as it is.
         Creation uses ``O_EXCL`` on a temporary name and a hard link, so two
         processes starting at once agree on one secret and nobody ever reads a
         half-written file.
         """
-        if path is None:
+        default = path is None
+        if default:
             private_dir(data_dir)
             path = data_dir / SECRET_FILE
         elif not path.parent.exists():
@@ -168,6 +170,8 @@ class Secret:
             finally:
                 tmp.unlink()
             sync_dir(path.parent)  # the name too: blocks keyed by a secret lost to a power cut are all lost
+        elif default:
+            make_private(path)  # loosened since it was made; an operator's own secret_file is theirs to set
         raw = path.read_bytes()
         if len(raw) != SECRET_BYTES:
             raise ValueError(f"{path}: expected {SECRET_BYTES} bytes, found {len(raw)}")

@@ -66,14 +66,27 @@ def sync_dir(path: Path) -> None:
 def make_private(path: Path) -> None:
     """Drop group and other permissions from ``path`` (a file or directory) if it exists and has them.
 
-    A file kvtier cannot chmod (another owner, a read-only filesystem) is
-    logged once and left: the caller finds out soon enough whether it can
-    use it.
+    Each owner calls this at start on the files it keeps (the key secret, the
+    fingerprint cache, the disk tier's index and slabs), so a file loosened
+    since (a ``chmod``, a restore from a backup, a copy under a looser umask)
+    is private again before kvtier uses it. Tightening is said once per
+    process, naming the first file: one operator mistake usually loosens
+    many files at once, and one line says it. A file kvtier cannot chmod
+    (another owner, a read-only filesystem) is logged once and left: the
+    caller finds out soon enough whether it can use it.
     """
     try:
         mode = os.stat(path).st_mode
         if stat.S_IMODE(mode) & 0o077:
-            os.chmod(path, DIR_MODE if stat.S_ISDIR(mode) else FILE_MODE)
+            private = DIR_MODE if stat.S_ISDIR(mode) else FILE_MODE
+            os.chmod(path, private)
+            warn_once(
+                "private-tightened",
+                "tightened %s from %04o to %04o (and any other file of kvtier's that other users could read)",
+                path,
+                stat.S_IMODE(mode),
+                private,
+            )
     except FileNotFoundError:
         return
     except OSError as err:

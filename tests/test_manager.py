@@ -293,6 +293,30 @@ def test_the_data_directory_is_private_whatever_the_umask(tmp_path: Path, umask:
     assert found == {name: 0o700 if (data / name).is_dir() else 0o600 for name in found}
 
 
+def test_files_loosened_since_are_tightened_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What ``kvtier serve`` and ``kvtier cache serve`` do at start: fingerprint the model, then open the cache."""
+    from kvtier import errors
+    from kvtier.model import file_sha256
+
+    weights, data = tmp_path / "weights.bin", tmp_path / "data"
+    weights.write_bytes(b"kvtier" * 100)
+    file_sha256(weights, data)
+    with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:
+        m.store(m.keyed(prompt(2 * BLOCK)), kv(2, seed=35))
+    for path in (data, *data.rglob("*")):
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    monkeypatch.setattr(errors, "_seen", set())
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        file_sha256(weights, data)
+        manager(tmp_path).close()
+    found = {str(p.relative_to(data)): stat.S_IMODE(p.stat().st_mode) for p in (data, *data.rglob("*"))}
+    assert {"secret", "model_fingerprints.json", "disk/index.lmdb/data.mdb", "disk/slab-0000.bin"} <= set(found)
+    assert found == {name: 0o700 if (data / name).is_dir() else 0o600 for name in found}
+    assert len([r for r in caplog.records if "tightened" in r.getMessage()]) == 1
+
+
 def test_a_read_only_data_directory_runs_on_host_memory_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tokens = prompt(3 * BLOCK)
     with manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH) as m:

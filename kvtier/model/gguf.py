@@ -36,7 +36,7 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from kvtier.model.config import ModelConfig
-from kvtier.private import private_dir
+from kvtier.private import make_private, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -371,6 +371,7 @@ def file_sha256(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str])
     resolved = Path(path).resolve()
     stat = resolved.stat()
     cache_file = Path(cache_dir) / FINGERPRINT_CACHE_FILE
+    make_private(cache_file)  # loosened since it was written: it names the model files this user serves
     entries = _read_fingerprint_cache(cache_file)
     entry = entries.get(str(resolved))
     if (
