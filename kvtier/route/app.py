@@ -93,9 +93,12 @@ def stats(state: RouterState) -> dict[str, Any]:
                 "events_live": b.events_live,
                 "load": b.load,
                 "open_requests": b.open_requests,
+                "others": b.others,
                 "queued_tokens": b.queued_tokens,
                 "requests": b.requests,
                 "failures": b.failures,
+                "bad_stats": b.bad_stats,
+                "check_errors": b.check_errors,
                 "indexed_blocks": fleet.index.blocks(b.url),
                 "indexed_by_tier": fleet.index.counts(b.url),
             }
@@ -125,10 +128,16 @@ class RouterCollector(Collector):
             for b in s["backends"]:
                 g.add_metric([b["url"]], float(b[field]))
             yield g
-        c = CounterMetricFamily("kvtier_route_backend_requests", "Requests sent to the backend.", labels=["backend"])
-        for b in s["backends"]:
-            c.add_metric([b["url"]], b["requests"])
-        yield c
+        counters = {
+            "kvtier_route_backend_requests": ("Requests sent to the backend.", "requests"),
+            "kvtier_route_backend_bad_stats": ("Its /stats replies that could not be read, so ignored.", "bad_stats"),
+            "kvtier_route_backend_check_errors": ("Its health checks that raised an unforeseen error.", "check_errors"),
+        }
+        for name, (doc, field) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["backend"])
+            for b in s["backends"]:
+                c.add_metric([b["url"]], b[field])
+            yield c
 
 
 async def _follow(state: RouterState, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:

@@ -5,6 +5,12 @@ or refuses a connection, is taken out at once: requests go elsewhere, its
 index entries and sessions are dropped (it may come back empty), and the
 health loop lets it back in when it answers again.
 
+A ``/stats`` the router cannot read (not JSON, another shape, a count that
+is no count) leaves the backend up, since its ``/health`` said so, with its
+stats ignored: its load is this router's own requests alone. A check that
+raises anything else, a bug or a peer nobody foresaw, takes only that
+backend out; the loop goes on for the others (:func:`health_loop`).
+
 Load is the requests this router has open there, known at once, plus those
 others sent: the backend's own ``engine.in_flight`` at its last ``/stats``
 less what this router had open there then. Only that difference is taken
@@ -25,8 +31,10 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import httpx2 as httpx
+import msgspec
 
 from kvtier.route.choice import Ask, CacheAware, Candidate, Policy, Ranking, prefill_cost
 from kvtier.route.index import BlockIndex, RoutedPrefixes
@@ -47,10 +55,40 @@ class Backend:
     requests: int = 0
     failures: int = 0
     epoch: int = 0  # bumped when taken out: an event stream opened before then is stale
+    bad_stats: int = 0  # /stats replies that could not be read, so ignored
+    stats_readable: bool = True  # the last /stats was read: an unreadable one is logged when this flips
+    check_errors: int = 0  # checks that raised what no clause names (logged the first time)
 
     @property
     def load(self) -> int:
         return self.open_requests + self.others
+
+    def loaded(self, body: bytes, open_before: int) -> None:
+        """Take others' requests from a ``/stats`` body; an unreadable one is ignored, counted, logged once."""
+        try:
+            in_flight = _STATS.decode(body).engine.in_flight
+        except (msgspec.DecodeError, RecursionError) as err:
+            self.bad_stats += 1
+            if self.stats_readable:
+                log.warning("backend %s: its /stats is unreadable (%s); load is this router's alone", self.url, err)
+            self.stats_readable = False
+            self.others = 0
+            return
+        self.stats_readable = True
+        self.others = max(0, in_flight - max(open_before, self.open_requests))
+
+
+class _Engine(msgspec.Struct):
+    in_flight: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Stats(msgspec.Struct):
+    """What the router reads of a backend's ``/stats``: requests running there, whoever sent them."""
+
+    engine: _Engine
+
+
+_STATS = msgspec.json.Decoder(_Stats)  # strict JSON: Infinity and NaN are no numbers here
 
 
 @dataclass
@@ -111,31 +149,49 @@ class Fleet:
         backend.up = True
 
 
-async def check(fleet: Fleet, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:
-    """One health check: ``/health``, then its load from ``/stats``, which a backend with a token asks for.
+async def _probe(backend: Backend, client: httpx.AsyncClient, token: str | None) -> httpx.Response | str:
+    """``/health``, then ``/stats``: the latter's answer, or why the backend is not up.
 
     A ``/stats`` refused (the router holds the wrong token) takes the backend
     out, loudly, rather than reading the error body as an idle backend.
     """
+    health = await client.get(backend.url + "/health")
+    if health.status_code != 200:
+        return f"/health answered {health.status_code}"
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    stats = await client.get(backend.url + "/stats", headers=auth)
+    if stats.status_code != 200:
+        return f"/stats answered {stats.status_code}"
+    return stats
+
+
+async def check(fleet: Fleet, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:
+    """One health check; the backend is brought in only once both answers are in, so a refusal never flaps it."""
+    open_before = backend.open_requests
     try:
-        health = await client.get(backend.url + "/health")
-        if health.status_code != 200:
-            fleet.take_out(backend, f"/health answered {health.status_code}")
-            return
-        fleet.bring_in(backend)
-        open_now = backend.open_requests
-        auth = {"Authorization": f"Bearer {token}"} if token else {}
-        stats = await client.get(backend.url + "/stats", headers=auth)
-        if stats.status_code != 200:
-            fleet.take_out(backend, f"/stats answered {stats.status_code}")
-            return
-        in_flight = int(stats.json().get("engine", {}).get("in_flight", 0))
-        backend.others = max(0, in_flight - max(open_now, backend.open_requests))
-    except (httpx.HTTPError, ValueError, TypeError) as err:
+        stats = await _probe(backend, client, token)
+    except httpx.HTTPError as err:
         fleet.take_out(backend, f"/health: {type(err).__name__}: {err}")
+        return
+    if isinstance(stats, str):
+        fleet.take_out(backend, stats)
+        return
+    fleet.bring_in(backend)
+    backend.loaded(stats.content, open_before)
+
+
+async def _guarded(fleet: Fleet, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:
+    """:func:`check`, whatever it raises: one backend's failure must never end the loop for all the others."""
+    try:
+        await check(fleet, backend, client, token)
+    except Exception as err:  # the loop's one broad catch (see above): counted, logged once, that backend out
+        backend.check_errors += 1
+        if backend.check_errors == 1:
+            log.exception("the health check of backend %s raised; it stays out until a check passes", backend.url)
+        fleet.take_out(backend, f"its check raised {type(err).__name__}")
 
 
 async def health_loop(fleet: Fleet, client: httpx.AsyncClient, interval_s: float, token: str | None) -> None:
     while True:
-        await asyncio.gather(*(check(fleet, b, client, token) for b in fleet.backends.values()))
+        await asyncio.gather(*(_guarded(fleet, b, client, token) for b in fleet.backends.values()))
         await asyncio.sleep(interval_s)
