@@ -403,6 +403,11 @@ class RouteConfig(_Section):
         default_factory=dict,
         description="Backend URL -> its vLLM KV event publisher (tcp://host:port): a vLLM backend, followed over ZMQ.",
     )
+    max_event_line_bytes: ByteSize = Field(
+        ByteSize(64 * 1024**2),
+        gt=0,
+        description="Longest line of a backend's block events (a snapshot lists all its keys); longer: stream dropped.",
+    )
 
     @field_validator("backends")
     @classmethod

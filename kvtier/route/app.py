@@ -99,6 +99,7 @@ def stats(state: RouterState) -> dict[str, Any]:
                 "failures": b.failures,
                 "bad_stats": b.bad_stats,
                 "check_errors": b.check_errors,
+                "event_overflows": b.event_overflows,
                 "indexed_blocks": fleet.index.blocks(b.url),
                 "indexed_by_tier": fleet.index.counts(b.url),
             }
@@ -107,37 +108,42 @@ def stats(state: RouterState) -> dict[str, Any]:
     }
 
 
+ROUTER_COUNTERS = {  # metric -> (help, field of /stats)
+    "kvtier_route_requests": ("Requests received.", "requests"),
+    "kvtier_route_retried": ("Attempts moved to another backend.", "retried"),
+    "kvtier_route_failed": ("Requests no backend answered.", "failed"),
+}
+BACKEND_GAUGES = {
+    "kvtier_route_backend_up": ("1 while the backend answers its health checks.", "up"),
+    "kvtier_route_backend_events_live": ("1 while its block events keep the index.", "events_live"),
+    "kvtier_route_backend_load": ("Requests running or queued there.", "load"),
+    "kvtier_route_backend_queued_tokens": ("Prefill tokens sent there, no first token yet.", "queued_tokens"),
+    "kvtier_route_backend_indexed_blocks": ("Block keys the index holds for it.", "indexed_blocks"),
+}
+BACKEND_COUNTERS = {
+    "kvtier_route_backend_requests": ("Requests sent to the backend.", "requests"),
+    "kvtier_route_backend_bad_stats": ("Its /stats replies that could not be read, so ignored.", "bad_stats"),
+    "kvtier_route_backend_check_errors": ("Its health checks that raised an unforeseen error.", "check_errors"),
+    "kvtier_route_backend_event_overflows": ("Its event streams dropped for too long a line.", "event_overflows"),
+}
+
+
 class RouterCollector(Collector):
+    """``/metrics``: the figures of ``/stats``, one metric each."""
+
     def __init__(self, state: RouterState) -> None:
         self._state = state
 
     def collect(self) -> Iterator[Metric]:
         s = stats(self._state)
-        yield CounterMetricFamily("kvtier_route_requests", "Requests received.", s["requests"])
-        yield CounterMetricFamily("kvtier_route_retried", "Attempts moved to another backend.", s["retried"])
-        yield CounterMetricFamily("kvtier_route_failed", "Requests no backend answered.", s["failed"])
-        per = {
-            "kvtier_route_backend_up": ("1 while the backend answers its health checks.", "up"),
-            "kvtier_route_backend_events_live": ("1 while its block events keep the index.", "events_live"),
-            "kvtier_route_backend_load": ("Requests running or queued there.", "load"),
-            "kvtier_route_backend_queued_tokens": ("Prefill tokens sent there, no first token yet.", "queued_tokens"),
-            "kvtier_route_backend_indexed_blocks": ("Block keys the index holds for it.", "indexed_blocks"),
-        }
-        for name, (doc, field) in per.items():
-            g = GaugeMetricFamily(name, doc, labels=["backend"])
-            for b in s["backends"]:
-                g.add_metric([b["url"]], float(b[field]))
-            yield g
-        counters = {
-            "kvtier_route_backend_requests": ("Requests sent to the backend.", "requests"),
-            "kvtier_route_backend_bad_stats": ("Its /stats replies that could not be read, so ignored.", "bad_stats"),
-            "kvtier_route_backend_check_errors": ("Its health checks that raised an unforeseen error.", "check_errors"),
-        }
-        for name, (doc, field) in counters.items():
-            c = CounterMetricFamily(name, doc, labels=["backend"])
-            for b in s["backends"]:
-                c.add_metric([b["url"]], b[field])
-            yield c
+        for name, (doc, field) in ROUTER_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, s[field])
+        for family, table in ((GaugeMetricFamily, BACKEND_GAUGES), (CounterMetricFamily, BACKEND_COUNTERS)):
+            for name, (doc, field) in table.items():
+                metric = family(name, doc, labels=["backend"])
+                for b in s["backends"]:
+                    metric.add_metric([b["url"]], float(b[field]))
+                yield metric
 
 
 async def _follow(state: RouterState, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:
@@ -146,7 +152,8 @@ async def _follow(state: RouterState, backend: Backend, client: httpx.AsyncClien
     if endpoint is not None:
         await follow_vllm(state.fleet, backend, state.prompts, endpoint)
     else:
-        await follow(state.fleet, backend, state.prompts, client, token)
+        limit = state.config.route.max_event_line_bytes
+        await follow(state.fleet, backend, state.prompts, client, token, limit)
 
 
 def create_app(state: RouterState) -> FastAPI:

@@ -58,6 +58,7 @@ class Backend:
     bad_stats: int = 0  # /stats replies that could not be read, so ignored
     stats_readable: bool = True  # the last /stats was read: an unreadable one is logged when this flips
     check_errors: int = 0  # checks that raised what no clause names (logged the first time)
+    event_overflows: int = 0  # event streams dropped for a line longer than route.max_event_line_bytes
 
     @property
     def load(self) -> int:

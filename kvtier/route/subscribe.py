@@ -7,12 +7,18 @@ while it is down, the backend's index entries are dropped (they may be
 stale) and the router falls back on what it routed there itself
 (:class:`~kvtier.route.index.RoutedPrefixes`); the new snapshot replaces
 both. A stream that says nothing, not even its ping, for a while is lost.
+
+A line is read up to ``route.max_event_line_bytes``: the router holds no
+more of a stream than that line and the chunk in hand, so a backend that
+sends bytes without a newline loses its stream (counted, logged once) and
+is subscribed to again like any lost one, instead of growing the router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import httpx2 as httpx
 import msgspec
@@ -38,6 +44,10 @@ class KeyMismatch(Exception):
     """The backend keys blocks differently (another secret, model, dtype or block size)."""
 
 
+class LineTooLong(Exception):
+    """The backend sent more than ``route.max_event_line_bytes`` without ending a line."""
+
+
 def apply(fleet: Fleet, backend: Backend, prompts: Prompts, line: bytes) -> None:
     """One line of a backend's stream into the index."""
     event = DECODER.decode(line)
@@ -57,17 +67,35 @@ def apply(fleet: Fleet, backend: Backend, prompts: Prompts, line: bytes) -> None
         fleet.guesses.forget(url, fleet.index.cleared(url, event.tier))
 
 
-async def _read(fleet: Fleet, backend: Backend, prompts: Prompts, client: httpx.AsyncClient, token: str | None) -> None:
+async def _lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
+    """The complete lines of ``chunks``, holding at most ``limit`` bytes of one; raises past them."""
+    held = bytearray()
+    async for chunk in chunks:
+        first, *more = chunk.split(b"\n")
+        held += first
+        if len(held) > limit or any(len(line) > limit for line in more):
+            raise LineTooLong(f"{limit} bytes of block events without the end of a line")
+        if more:
+            yield bytes(held)
+            for line in more[:-1]:
+                yield line
+            held = bytearray(more[-1])
+
+
+async def _read(
+    fleet: Fleet, backend: Backend, prompts: Prompts, client: httpx.AsyncClient, token: str | None, limit: int
+) -> None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers["Accept-Encoding"] = "identity"  # raw bytes are what the line bound counts, never a decompressed bomb
     epoch = backend.epoch
     async with client.stream("GET", backend.url + "/v1/kv-events", headers=headers, timeout=SILENT_S) as response:
         if response.status_code != 200:
             raise httpx.HTTPStatusError(f"{response.status_code}", request=response.request, response=response)
-        async for line in response.aiter_lines():
+        async for line in _lines(response.aiter_raw(), limit):
             if backend.epoch != epoch:
                 return  # taken out meanwhile, its index dropped: start again from a snapshot
-            if line:
-                apply(fleet, backend, prompts, line.encode())
+            if line.strip():
+                apply(fleet, backend, prompts, line)
 
 
 def lost(fleet: Fleet, backend: Backend) -> None:
@@ -77,13 +105,16 @@ def lost(fleet: Fleet, backend: Backend) -> None:
 
 
 async def follow(
-    fleet: Fleet, backend: Backend, prompts: Prompts, client: httpx.AsyncClient, token: str | None
+    fleet: Fleet, backend: Backend, prompts: Prompts, client: httpx.AsyncClient, token: str | None, limit: int
 ) -> None:
-    """Subscribe to ``backend``'s events for as long as the router runs, again after every loss."""
+    """Subscribe to ``backend``'s events for as long as the router runs, again after every loss.
+
+    ``limit`` is ``route.max_event_line_bytes``.
+    """
     warned = False
     while True:
         try:
-            await _read(fleet, backend, prompts, client, token)
+            await _read(fleet, backend, prompts, client, token, limit)
         except KeyMismatch as err:
             lost(fleet, backend)
             if not warned:
@@ -91,11 +122,19 @@ async def follow(
                 warned = True
             await asyncio.sleep(30 * RETRY_S)
             continue
+        except LineTooLong as err:
+            _overflowed(backend, err)
         except (httpx.HTTPError, msgspec.DecodeError, ValueError) as err:
             if backend.events_live:
                 log.warning("lost the block events of %s (%s); resubscribing", backend.url, type(err).__name__)
         lost(fleet, backend)
         await asyncio.sleep(RETRY_S)
+
+
+def _overflowed(backend: Backend, err: LineTooLong) -> None:
+    backend.event_overflows += 1
+    if backend.event_overflows == 1:
+        log.error("dropped the block events of %s: %s (route.max_event_line_bytes); resubscribing", backend.url, err)
 
 
 # -- vLLM backends: ZMQ, msgpack (kvtier.route.vllm) ------------------------------------------------------

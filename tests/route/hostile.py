@@ -35,6 +35,7 @@ from kvtier.route.prompt import Endpoint, RoutedPrompt
 from kvtier.route.proxy import Counts
 from tests.helpers import make_config
 
+ROOT = "ab" * 16  # the key chain's root the router agrees on (a backend's event stream opens with it)
 BOUND_S = 10.0  # how long a test waits for an event; only a router that never acts reaches it
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -184,7 +185,7 @@ class Unkeyed:
         return RoutedPrompt(0, [], session, False)
 
     def agrees(self, root: str, block_size: int) -> bool:
-        return False
+        return root == ROOT and block_size == self.block_size
 
 
 class InOrder(Policy):
