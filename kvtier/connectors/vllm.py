@@ -59,7 +59,8 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvtier.config import load_config
 from kvtier.connectors.link import ServiceLink
-from kvtier.connectors.paged import BlockMap, PagedKV, Segment, segments
+from kvtier.connectors.paged import BlockMap, PagedKV
+from kvtier.connectors.vllm_plan import RequestPlan, Transfer
 from kvtier.identity import kv_identity_for
 from kvtier.layout import LayoutOrder
 from kvtier.service.client import CacheClient
@@ -80,46 +81,10 @@ SHUTDOWN_SAVE_S = 30.0  # how long a closing worker lets its pending saves finis
 
 # -- what the scheduler tells the workers each step -------------------------------------------------
 @dataclass
-class Transfer:
-    """Blocks ``first_block ..`` of one request's kvtier chain and the rows of vLLM's pool they cover.
-
-    ``tokens`` are the request's tokens up to the last block's end (the keys);
-    ``block_table`` is the request's vLLM block ids by position.
-    """
-
-    req_id: str
-    namespace: str
-    tokens: list[int]
-    first_block: int
-    num_blocks: int
-    segments: list[Segment]
-    block_table: list[int]
-
-    def by_block(self) -> dict[int, list[Segment]]:
-        out: dict[int, list[Segment]] = {}
-        for s in self.segments:
-            out.setdefault(s.kv_block, []).append(s)
-        return out
-
-
-@dataclass
 class KVTierConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # their blocks are freed: their saves must finish first
-
-
-@dataclass
-class _Request:
-    """The scheduler's view of one running request."""
-
-    tokens: list[int]
-    namespace: str
-    block_table: list[int] = field(default_factory=list)
-    saved_blocks: int = 0  # kvtier blocks of the prompt already saved (or found cached)
-    saving: bool = False  # a save was sent to the workers: the blocks outlive the request until they report
-    cached_blocks: int | None = None  # the service's answer, asked once per request
-    load_tokens: int = 0  # claimed by get_num_new_matched_tokens, granted by update_state_after_alloc
 
 
 class KVTierConnectorStats(KVConnectorStats):
@@ -169,7 +134,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._stats = KVTierConnectorStats()
         self._stats.reset()
         # scheduler side
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestPlan] = {}
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.info("kvtier: kv_load_failure_policy set to 'recompute': a block that fails to load is a miss")
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -197,10 +162,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self._track(request)
 
-    def _track(self, request: Request) -> _Request:
+    def _track(self, request: Request) -> RequestPlan:
         r = self._requests.get(request.request_id)
         if r is None:
-            r = _Request(list(request.prompt_token_ids or ()), self._namespace_of(request))
+            r = RequestPlan(list(request.prompt_token_ids or ()), self._namespace_of(request))
             self._requests[request.request_id] = r
         return r
 
@@ -239,40 +204,12 @@ class KVTierConnector(KVConnectorBase_V1):
             self._plan(meta, req_id, r, computed, so.num_scheduled_tokens.get(req_id, 0))
         return meta
 
-    def _plan(self, meta: KVTierConnectorMetadata, req_id: str, r: _Request, computed: int, scheduled: int) -> None:
-        m = self._map
-        if r.load_tokens:
-            start = computed - r.load_tokens  # num_computed_tokens already counts the tokens being loaded
-            blocks = m.kv_blocks(start, computed)
-            meta.loads.append(
-                Transfer(
-                    req_id,
-                    r.namespace,
-                    r.tokens[: blocks.stop * m.kv_block],
-                    blocks.start,
-                    len(blocks),
-                    segments(start, computed, m.kv_block, m.engine_block),
-                    list(r.block_table),
-                )
-            )
-            r.saved_blocks = max(r.saved_blocks, computed // m.kv_block)
-            r.load_tokens = 0
-        done = min(computed + scheduled, len(r.tokens)) // m.kv_block  # full prompt blocks computed after this step
-        if done > r.saved_blocks:
-            first = r.saved_blocks
-            meta.saves.append(
-                Transfer(
-                    req_id,
-                    r.namespace,
-                    r.tokens[: done * m.kv_block],
-                    first,
-                    done - first,
-                    segments(first * m.kv_block, done * m.kv_block, m.kv_block, m.engine_block),
-                    list(r.block_table),
-                )
-            )
-            r.saved_blocks = done
-            r.saving = True
+    def _plan(self, meta: KVTierConnectorMetadata, req_id: str, r: RequestPlan, computed: int, scheduled: int) -> None:
+        load, save = r.step(req_id, self._map, computed, scheduled)
+        if load is not None:
+            meta.loads.append(load)
+        if save is not None:
+            meta.saves.append(save)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks of a request with saves until the workers report them done (``get_finished``)."""
