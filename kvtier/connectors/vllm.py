@@ -36,7 +36,10 @@ A block that fails to load (evicted since the lookup, corrupt on disk, the
 service gone) is reported through :meth:`get_block_ids_with_load_errors` and
 vLLM recomputes it; the connector sets vLLM's ``kv_load_failure_policy`` to
 ``recompute``, since for a cache a failed load is a miss, never a failed
-request. A service that is down is a miss for every request; the connector
+request. Once recomputed, the block and those after it are saved again, so
+the next request hits the whole prefix; what the failing step computed over
+the rows that never loaded is never saved (:mod:`kvtier.connectors.vllm_plan`).
+A service that is down is a miss for every request; the connector
 reconnects at most every ``kvtier.connectors.link.RECONNECT_S`` seconds.
 """
 
@@ -60,7 +63,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from kvtier.config import load_config
 from kvtier.connectors.link import ServiceLink
 from kvtier.connectors.paged import BlockMap, PagedKV
-from kvtier.connectors.vllm_plan import RequestPlan, Transfer
+from kvtier.connectors.vllm_plan import FailedLoads, RequestPlan, Transfer
 from kvtier.identity import kv_identity_for
 from kvtier.layout import LayoutOrder
 from kvtier.service.client import CacheClient
@@ -141,6 +144,7 @@ class KVTierConnector(KVConnectorBase_V1):
         # worker side
         self._kv: PagedKV | None = None
         self._load_errors: set[int] = set()
+        self._failed_loads = FailedLoads()  # their saves hold KV computed over rows that never loaded
         self._saver: ThreadPoolExecutor | None = None
         self._saves: dict[str, list[Future[int]]] = {}  # request -> its saves not yet reported done
         self._ended: set[str] = set()  # requests vLLM finished whose blocks wait on our saves
@@ -241,6 +245,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 loaded = len(got.blocks)
         failed = {t.block_table[s.engine_block] for s in t.segments if s.kv_block >= t.first_block + loaded}
         self._load_errors |= failed
+        if failed:
+            self._failed_loads.failed(t.req_id, t.first_block + loaded)
         self._count(
             loaded_blocks=loaded,
             loaded_tokens=sum(s.tokens for s in t.segments if s.kv_block < t.first_block + loaded),
@@ -273,14 +279,15 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
-        if not meta.saves or self._kv is None:
-            for t in meta.saves:
-                self._saves.setdefault(t.req_id, [])  # still reported done, so vLLM frees the blocks
+        for t in meta.saves:
+            self._saves.setdefault(t.req_id, [])  # reported done even when not run, so vLLM frees the blocks
+        saves = self._failed_loads.admitted(meta.saves)
+        if not saves or self._kv is None:
             return
         if self._saver is None:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
-        for t in meta.saves:
-            self._saves.setdefault(t.req_id, []).append(self._saver.submit(self._save, t))
+        for t in saves:
+            self._saves[t.req_id].append(self._saver.submit(self._save, t))
 
     def _save(self, t: Transfer) -> int:
         kv, client = self._kv, self._service()
@@ -299,6 +306,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests vLLM has finished whose saves are all done: their blocks may be freed now."""
+        self._failed_loads.forget(finished_req_ids)
         self._ended |= {r for r in finished_req_ids if r in self._saves}
         done = {r for r in self._ended if all(f.done() for f in self._saves[r])}
         for r in done:

@@ -3,11 +3,14 @@
 The connector's scheduler side keeps one :class:`RequestPlan` per running
 request and, each step, turns vLLM's count of the request's computed tokens
 into at most one load and one save (:meth:`RequestPlan.step`), each a
-:class:`Transfer` the workers carry out.
+:class:`Transfer` the workers carry out. The worker side keeps
+:class:`FailedLoads`, which holds back the saves of KV computed over a block
+that failed to load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvtier.connectors.paged import BlockMap, Segment, segments
@@ -49,7 +52,17 @@ class RequestPlan:
     load_tokens: int = 0  # claimed by get_num_new_matched_tokens, granted by update_state_after_alloc
 
     def step(self, req_id: str, m: BlockMap, computed: int, scheduled: int) -> tuple[Transfer | None, Transfer | None]:
-        """This step's load and save: ``computed`` tokens are in vLLM's pool (or loading), ``scheduled`` run now."""
+        """This step's load and save: ``computed`` tokens are in vLLM's pool (or loading), ``scheduled`` run now.
+
+        ``computed`` goes back when vLLM recomputes: after blocks failed to
+        load (it truncates the count to the first failed block) or a
+        preemption. Blocks from there on are not in its pool any more, so
+        they count as unsaved again and are saved once recomputed; otherwise
+        a block that failed to load (damaged on disk, evicted) would stay a
+        miss for every later request. Blocks the service holds already cost
+        one round trip, never a second copy.
+        """
+        self.saved_blocks = min(self.saved_blocks, computed // m.kv_block)
         load = self._load(req_id, m, computed) if self.load_tokens else None
         done = min(computed + scheduled, len(self.tokens)) // m.kv_block  # full prompt blocks computed after this step
         if done <= self.saved_blocks:
@@ -83,3 +96,43 @@ class RequestPlan:
         self.saved_blocks = max(self.saved_blocks, computed // m.kv_block)
         self.load_tokens = 0
         return load
+
+
+class FailedLoads:
+    """The worker's record of loads that failed, until the scheduler plans the request's saves again.
+
+    vLLM runs the whole step before it hears that a block did not load, so
+    what the step computed after that block attended to rows that were never
+    filled. A save of it would store wrong KV under the right keys, and the
+    service keeps the first copy of a block, so the good copy computed later
+    would be skipped. Such saves are dropped: every save of the failing step
+    for that request, and later ones that start past the failed block (planned
+    before vLLM truncated the request, under async scheduling). The save the
+    scheduler plans once vLLM recomputes starts at or before the failed block
+    (:meth:`RequestPlan.step`) and ends the watch.
+    """
+
+    def __init__(self) -> None:
+        self._first_failed: dict[str, int] = {}  # request -> its first kvtier block that did not load
+        self._this_step: set[str] = set()
+
+    def failed(self, req_id: str, kv_block: int) -> None:
+        """Kvtier block ``kv_block`` of ``req_id`` (and maybe later ones) did not load in this step."""
+        self._first_failed[req_id] = min(kv_block, self._first_failed.get(req_id, kv_block))
+        self._this_step.add(req_id)
+
+    def admitted(self, saves: Iterable[Transfer]) -> list[Transfer]:
+        """This step's saves that hold only KV computed over loaded or computed blocks; ends the step."""
+        out = []
+        for t in saves:
+            first = self._first_failed.get(t.req_id)
+            if t.req_id in self._this_step or (first is not None and t.first_block > first):
+                continue
+            self._first_failed.pop(t.req_id, None)
+            out.append(t)
+        self._this_step.clear()
+        return out
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for r in req_ids:
+            self._first_failed.pop(r, None)

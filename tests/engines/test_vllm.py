@@ -128,3 +128,9 @@ def test_vllm_with_kvtier(
         disk = service_stats(socket, work)["disk"]
         assert disk["checksum_failures"] == 1
         assert disk["hit_tokens"] == damaged * BLOCK  # the blocks before it came back from disk across the restart
+
+        # (d) what vLLM recomputed in (c) was stored again: the next vLLM process hits the whole prefix
+        with engines.vllm_engine(work, socket, vllm_python, "after-repair") as repaired:
+            out = repaired.generate(pq)
+            assert out["tokens"] == ref_pq
+            assert out["cached_tokens"] == LOADABLE
