@@ -26,6 +26,10 @@
   (:mod:`kvtier.bench.peer`).
 * ``kvtier cache check [--config FILE] [--read]``: verify the disk tier's
   index and slabs offline; exit 1 on damage (:mod:`kvtier.tiers.diskcheck`).
+* ``kvtier cache serve`` / ``kvtier cache stats``: the node's cache service
+  (:mod:`kvtier.service`), and its stats as JSON, read over its socket.
+* ``kvtier export-hf OUT_DIR``: the GGUF model as a Hugging Face directory,
+  for vLLM (:mod:`kvtier.model.hf_export`).
 
 A start-up failure kvtier can explain (a bad config, a disk tier held by
 another process, damaged or written for another model) is one line on
@@ -41,10 +45,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import ConfigError, load_config
+from kvtier.config import Config, ConfigError, load_config
 from kvtier.errors import KVTierError
 from kvtier.hardware import compute_dtype
-from kvtier.layout import LayoutOrder
+from kvtier.layout import KVLayout, LayoutOrder
 
 
 def _answer(args: argparse.Namespace, summary: Any, table: str, *written: Path | None) -> int:
@@ -128,7 +132,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvtier.config import Config
     from kvtier.server.main import serve
 
     config = load_config(args.config)
@@ -141,7 +144,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _route(args: argparse.Namespace) -> int:
-    from kvtier.config import Config
     from kvtier.route.app import serve
 
     config = load_config(args.config)
@@ -296,20 +298,20 @@ def _cache_check(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
-def _cache_serve(args: argparse.Namespace) -> int:
-    import signal
+def _service_identity(args: argparse.Namespace) -> tuple[Config, KVLayout, str]:
+    """The config, KV layout and model fingerprint a cache service is for, from ``cache serve``'s model flags.
 
+    ``cache stats`` takes the same flags: the service's handshake refuses a
+    client whose model, dtype, block size or in-block order differ.
+    """
     from kvtier.identity import kv_identity_for
     from kvtier.layout import dtype_from_name
     from kvtier.model import default_gguf_path
-    from kvtier.service import CacheService
-    from kvtier.service.server import group_id
 
     config = load_config(args.config)
     if args.block_size:
         config = config.model_copy(update={"cache": config.cache.model_copy(update={"block_size": args.block_size})})
-    path = args.socket or config.service_socket
-    # the engine whose KV this service keeps: kvtier's own by default, another engine's files and block shape by flag
+    # the engine whose KV the service keeps: kvtier's own by default, another engine's files and block shape by flag
     layout, fingerprint = kv_identity_for(
         args.model or config.engine.model_path or default_gguf_path(),
         dtype_from_name(args.dtype or compute_dtype(config).value),
@@ -317,6 +319,17 @@ def _cache_serve(args: argparse.Namespace) -> int:
         config.data_dir,
         order=args.kv_order,
     )
+    return config, layout, fingerprint
+
+
+def _cache_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from kvtier.service import CacheService
+    from kvtier.service.server import group_id
+
+    config, layout, fingerprint = _service_identity(args)
+    path = args.socket or config.service_socket
     s = config.service
     service = CacheService(
         config,
@@ -335,6 +348,37 @@ def _cache_serve(args: argparse.Namespace) -> int:
         service.serve_forever()
     finally:
         service.close()  # the tiers flush here: a planned restart keeps the cache
+    return 0
+
+
+def _cache_stats(args: argparse.Namespace) -> int:
+    """Print a running cache service's stats as one JSON object; a service that cannot be reached is exit 2.
+
+    Every socket this process opens times out after ``--timeout`` seconds
+    (the client's own calls wait as long as the service takes): a hung
+    service is then one line on stderr, not a command that never returns.
+    """
+    import socket
+
+    from kvtier.service import CacheClient, ServiceUnavailable
+
+    config, layout, fingerprint = _service_identity(args)
+    path = args.socket or config.service_socket
+    socket.setdefaulttimeout(args.timeout)
+    with CacheClient(path, layout, model_fingerprint=fingerprint) as client:
+        stats = client.stats()
+    if not stats:  # the client answers {} when the service went away after the handshake
+        raise ServiceUnavailable(f"cache service at {path}: no answer to the stats request")
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from kvtier.model import default_gguf_path
+    from kvtier.model.hf_export import export_hf
+
+    gguf = args.model or load_config(args.config).engine.model_path or default_gguf_path()
+    print(f"kvtier export-hf: {export_hf(Path(gguf), args.out)} (from {gguf})")
     return 0
 
 
@@ -533,21 +577,43 @@ def build_parser() -> argparse.ArgumentParser:
     sv = what.add_parser(
         "serve", parents=[common], help="the node-local cache service every engine process shares (Unix socket)"
     )
-    sv.add_argument(
+    _service_arguments(sv)
+    sv.set_defaults(run=_cache_serve)
+    st = what.add_parser(
+        "stats",
+        parents=[common],
+        help="print a running cache service's stats as JSON (exit 2 if unreachable); the same model flags as serve",
+    )
+    _service_arguments(st)
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the service's answers")
+    st.set_defaults(run=_cache_stats)
+
+    hf = commands.add_parser(
+        "export-hf", parents=[common], help="write the GGUF model as a Hugging Face directory (what vLLM loads)"
+    )
+    hf.add_argument("out", type=Path, metavar="OUT_DIR", help="the directory to create (must not exist)")
+    hf.add_argument("--model", type=Path, default=None, help="GGUF file (default: engine.model_path, else embedded)")
+    hf.set_defaults(run=_export_hf)
+    return parser
+
+
+def _service_arguments(parser: argparse.ArgumentParser) -> None:
+    """The socket and the model flags of ``cache serve``, which ``cache stats`` must repeat to pass the handshake."""
+    parser.add_argument(
         "--socket", type=Path, default=None, help="default: cache.service's path, else <data_dir>/cache.sock"
     )
-    sv.add_argument("--model", type=Path, default=None, help="GGUF file or Hugging Face directory (default: engine's)")
-    sv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="KV dtype")
-    sv.add_argument("--block-size", type=int, default=None, help="tokens per block (default: cache.block_size)")
-    sv.add_argument(
+    parser.add_argument(
+        "--model", type=Path, default=None, help="GGUF file or Hugging Face directory (default: engine's)"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="KV dtype")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default: cache.block_size)")
+    parser.add_argument(
         "--kv-order",
         type=LayoutOrder,
         choices=list(LayoutOrder),
         default=LayoutOrder.LAYER_MAJOR,
         help="in-block order: layer_major (kvtier's engine), head_major (vLLM-CPU)",
     )
-    sv.set_defaults(run=_cache_serve)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

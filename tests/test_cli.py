@@ -148,3 +148,52 @@ def test_a_tier_in_use_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
         tier.close()
     err = capsys.readouterr().err.strip()
     assert f"in use by pid {os.getpid()}" in err and "\n" not in err and "Traceback" not in err
+
+
+# -- kvtier cache stats --------------------------------------------------------------------------------------------
+def toy_hf_model(root: Path) -> Path:
+    """A Hugging Face directory of toy_layout's shape: all a service's identity reads is config.json and the weights."""
+    root.mkdir()
+    shape = {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32}
+    (root / "config.json").write_text(json.dumps(shape | {"head_dim": 8}))
+    (root / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    return root
+
+
+def cache_stats(tmp_path: Path, socket: Path, model: Path) -> int:
+    from kvtier.cli import main
+    from tests.helpers import BLOCK
+
+    config = tmp_path / "stats.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'stats-data'}\n")
+    flags = ["--socket", str(socket), "--model", str(model), "--dtype", "float32", "--block-size", str(BLOCK)]
+    return main(["cache", "stats", "--config", str(config), *flags])
+
+
+def test_cache_stats_prints_a_running_services_stats_as_json(tmp_path: Path, monkeypatch, capsys) -> None:
+    import torch
+
+    from kvtier.bench.engines import ServiceProcess
+    from kvtier.identity import kv_identity_for
+    from kvtier.service import CacheClient
+    from tests.helpers import BLOCK, payload, prompt
+
+    monkeypatch.setenv("KVTIER_HOST__CAPACITY_BYTES", "64KiB")
+    monkeypatch.setenv("KVTIER_DISK__CAPACITY_BYTES", "64KiB")
+    model, socket = toy_hf_model(tmp_path / "model"), tmp_path / "cache.sock"
+    with ServiceProcess(socket, tmp_path / "data", model=model, dtype="float32", block_size=BLOCK):
+        layout, fingerprint = kv_identity_for(model, torch.float32, BLOCK, tmp_path / "ids")
+        with CacheClient(socket, layout, model_fingerprint=fingerprint) as client:
+            assert client.store(prompt(2 * BLOCK), [payload(layout, i) for i in range(2)], "default") == 2
+        assert cache_stats(tmp_path, socket, model) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["host"]["blocks"] == 2 and stats["host"]["capacity_bytes"] == 64 * 1024
+
+
+def test_cache_stats_without_a_service_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    model = toy_hf_model(tmp_path / "model")
+    assert cache_stats(tmp_path, tmp_path / "nobody.sock", model) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert str(tmp_path / "nobody.sock") in err and "\n" not in err and "Traceback" not in err

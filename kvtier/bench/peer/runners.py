@@ -14,6 +14,7 @@ import collections
 import enum
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -165,13 +166,16 @@ def _copy_lines(stream: IO[str], log: IO[str], tail: collections.deque[str]) -> 
 
 
 def ensure_hf_dir(gguf: Path, hf_dir: Path) -> Path:
-    """The Hugging Face copy of ``gguf`` that vLLM reads, exported once by ``bench/peers/export_hf.py``.
+    """The Hugging Face copy of ``gguf`` that vLLM reads, exported once by ``kvtier export-hf``.
 
     Runs in a subprocess of this (the main) venv's python, so transformers'
-    copy of the weights leaves memory before anything is timed.
+    copy of the weights leaves memory before anything is timed. An
+    incomplete copy (made by hand, or by an older exporter) is the bench's
+    own directory: it is removed, since the export never replaces one.
     """
     if (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors").exists():
         return hf_dir
-    hf_dir.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, str(PEERS_DIR / "export_hf.py"), str(gguf), str(hf_dir)], check=True)
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    export = [sys.executable, "-m", "kvtier.cli", "export-hf", str(hf_dir), "--model", str(gguf)]
+    subprocess.run(export, check=True)
     return hf_dir
