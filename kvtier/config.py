@@ -387,6 +387,12 @@ class RouteConfig(_Section):
     )
     health_interval_s: float = Field(1.0, gt=0, description="How often each backend's /health is asked.")
     retries: int = Field(1, ge=0, description="Other backends a request is sent to when one fails before a byte.")
+    first_byte_timeout_s: float = Field(
+        120.0, gt=0, description="A backend's first output must come this soon after the request, else it is out."
+    )
+    idle_timeout_s: float = Field(
+        120.0, gt=0, description="Longest silence between two data events of an answer (keep-alives are silence)."
+    )
     load_tokens: int = Field(
         256, ge=0, description="Prefill tokens one request of another client on a backend is counted as (size unknown)."
     )

@@ -9,7 +9,9 @@ The files follow a request through the router:
 * :mod:`~kvtier.route.vllm`: vLLM's KV events (ZMQ, msgpack), its block hashes turned into kvtier keys;
 * :mod:`~kvtier.route.choice`: the policies that pick a backend (round robin, least loaded, kvtier);
 * :mod:`~kvtier.route.backends`: the backends' health and load (open requests, prefill tokens queued);
-* :mod:`~kvtier.route.proxy`: forwarding, chunk by chunk, with one retry before the first byte;
+* :mod:`~kvtier.route.answer`: a backend's answer read under bounds (time to first output, silence,
+  size) and checked to be one before any of it reaches the client;
+* :mod:`~kvtier.route.proxy`: forwarding, chunk by chunk, retried elsewhere before the first byte;
 * :mod:`~kvtier.route.app`: the OpenAI-compatible front, ``/stats`` and ``/metrics``.
 
 The router decides from events and load; it never holds a request's bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -24,11 +25,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.config import Config
+from kvtier.route.answer import Bounds, Shape
 from kvtier.route.backends import Backend, Fleet, health_loop
 from kvtier.route.choice import make_policy
 from kvtier.route.index import RoutedPrefixes
-from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts
-from kvtier.route.proxy import Counts, forward, unavailable
+from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt
+from kvtier.route.proxy import Counts, Outgoing, Proxy, forward, passed_headers, unavailable
 from kvtier.route.subscribe import follow, follow_vllm
 from kvtier.server.main import listen_sockets
 
@@ -39,7 +41,7 @@ class RouterState:
     prompts: Prompts
     fleet: Fleet
     counts: Counts
-    client: httpx.AsyncClient | None = None
+    proxy: Proxy | None = None  # while the app runs: it holds the client to the backends
 
 
 def build_state(config: Config, backends: list[str]) -> RouterState:
@@ -67,15 +69,17 @@ async def _infer(state: RouterState, request: Request, endpoint: Endpoint) -> Re
         state.prompts.read, endpoint, _body(raw), headers.get("authorization"), headers.get(SESSION_HEADER)
     )
     ranking = state.fleet.rank(prompt)
-    if ranking is None:
+    outgoing = Outgoing(http.HTTPMethod.POST, endpoint.value, raw, passed_headers(headers), Shape.CHOICES)
+    return await _forward(state, ranking.order if ranking else [], prompt, outgoing)
+
+
+async def _forward(state: RouterState, order: list[str], prompt: RoutedPrompt, outgoing: Outgoing) -> Response:
+    if not order:
         state.counts.requests += 1
         state.counts.failed += 1
         return unavailable("no backend is up")
-    assert state.client is not None
-    retries = state.config.route.retries
-    return await forward(
-        state.fleet, state.client, ranking, prompt, (endpoint.value, raw, headers), retries, state.counts
-    )
+    assert state.proxy is not None
+    return await forward(state.proxy, order, prompt, outgoing)
 
 
 def stats(state: RouterState) -> dict[str, Any]:
@@ -85,6 +89,9 @@ def stats(state: RouterState) -> dict[str, Any]:
         "requests": state.counts.requests,
         "retried": state.counts.retried,
         "failed": state.counts.failed,
+        "broken": state.counts.broken,
+        "timed_out": state.counts.timed_out,
+        "cut": state.counts.cut,
         "reasons": dict(fleet.reasons),
         "backends": [
             {
@@ -112,6 +119,9 @@ ROUTER_COUNTERS = {  # metric -> (help, field of /stats)
     "kvtier_route_requests": ("Requests received.", "requests"),
     "kvtier_route_retried": ("Attempts moved to another backend.", "retried"),
     "kvtier_route_failed": ("Requests no backend answered.", "failed"),
+    "kvtier_route_broken": ("Backend answers that were none (cut off, HTML, another shape).", "broken"),
+    "kvtier_route_timed_out": ("Backends that gave no output within route.first_byte_timeout_s.", "timed_out"),
+    "kvtier_route_cut": ("Relayed streams ended: their backend fell silent past route.idle_timeout_s.", "cut"),
 }
 BACKEND_GAUGES = {
     "kvtier_route_backend_up": ("1 while the backend answers its health checks.", "up"),
@@ -161,7 +171,8 @@ def create_app(state: RouterState) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), limits=limits) as client:
-            state.client = client
+            route = state.config.route
+            state.proxy = Proxy(state.fleet, client, Bounds.of(route), route.retries, state.counts)
             token = state.config.route.backend_token
             secret = token.get_secret_value() if token is not None else None
             interval = state.config.route.health_interval_s

@@ -1,42 +1,49 @@
 """Forwarding a request to the ranked backends: the first that answers gets it, and its answer is relayed as is.
 
-"Answers" means its first byte arrived: a refused connection, a 5xx, or a
-stream that ends before its first chunk is retried on the next backend in
-the ranking (up to ``route.retries`` more), since nothing has reached the
-client yet. In an event stream the first byte that counts is the first
-event with output: the opening chunk a chat stream sends before prefill is
-held back until then (:func:`_carries_output`). After the first byte the answer is committed: its chunks go to
-the client as they arrive, unchanged (the router never re-encodes an SSE
-stream), and the router holds no more of it than the chunk in hand.
+"Answers" means its first output arrived, and is an answer
+(:mod:`kvtier.route.answer`): a refused connection, a 5xx, a body that is
+not of the route's shape, an event stream that ends before output, or a
+backend that misses ``route.first_byte_timeout_s`` is tried on the next
+backend in the ranking (up to ``route.retries`` more), since nothing has
+reached the client yet. In an event stream the first byte that counts is
+the first event with output: the opening chunk a chat stream sends before
+prefill is held back until then. After it the answer is committed: its
+chunks go to the client as they arrive, unchanged (the router never
+re-encodes an SSE stream), and the router holds no more of it than the
+chunk in hand. An answer that is not a stream is held whole, to be checked.
 
 While a request waits for its first output it counts in its backend's load
 twice: one open request, and the tokens it is predicted to prefill there
 (:meth:`~kvtier.route.backends.Fleet.prefill`), which the ``kvtier`` policy
 weighs; the tokens leave the queue with the first output.
 
-A refused or reset connection takes the backend out at once
-(:meth:`~kvtier.route.backends.Fleet.take_out`): the next requests do not
-wait for the health loop to notice.
+A refused or reset connection, or a missed bound, takes the backend out at
+once (:meth:`~kvtier.route.backends.Fleet.take_out`): the next requests do
+not wait for the health loop to notice. A broken answer or a 5xx leaves it
+in. When every candidate failed, the last one's failure names the answer:
+503 (none answered), 502 (a broken answer) or 504 (none in time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import json
-from collections.abc import AsyncIterator, Mapping
+import http
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx2 as httpx
 from starlette.responses import Response, StreamingResponse
 
+from kvtier.route.answer import Bounds, Broken, Refusal, Shape, Stalled, deadline, of_shape, opening, relayed, whole
 from kvtier.route.backends import Backend, Fleet
-from kvtier.route.choice import Ranking
 from kvtier.route.prompt import RoutedPrompt
 
 PASSED_HEADERS = ("authorization", "content-type", "x-session-id", "x-request-id")
+RELAYED_HEADERS = ("content-type", "cache-control")
 BACKEND_HEADER = "X-Kvtier-Backend"
-TIMEOUT = httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=30.0)
+# Reads are bounded by route.first_byte_timeout_s and route.idle_timeout_s (kvtier.route.answer), not here.
+TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=30.0)
 
 
 @dataclass
@@ -44,107 +51,127 @@ class Counts:
     requests: int = 0
     retried: int = 0  # attempts moved to another backend before the first byte
     failed: int = 0  # requests no backend answered
+    broken: int = 0  # answers that were not of the route's shape, retried or answered 502
+    timed_out: int = 0  # backends that missed route.first_byte_timeout_s (or idle_timeout_s) before the first output
+    cut: int = 0  # relayed streams ended because their backend fell silent past route.idle_timeout_s
 
 
-def _headers(incoming: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in incoming.items() if k.lower() in PASSED_HEADERS}
+@dataclass
+class Proxy:
+    """What forwarding needs, one per router: the fleet, the client to the backends, the bounds, the counts."""
+
+    fleet: Fleet
+    client: httpx.AsyncClient
+    bounds: Bounds
+    retries: int
+    counts: Counts
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A request as sent to each backend tried, and the shape its answer must have."""
+
+    method: http.HTTPMethod
+    path: str
+    body: bytes
+    headers: Mapping[str, str]
+    shape: Shape
+
+
+def passed_headers(incoming: Mapping[str, str]) -> dict[str, str]:
+    passed = {k: v for k, v in incoming.items() if k.lower() in PASSED_HEADERS}
+    return {**passed, "accept-encoding": "identity"}  # what is checked and relayed is what the backend wrote
+
+
+def refused(refusal: Refusal, message: str) -> Response:
+    return Response(refusal.body(message), status_code=refusal.status, media_type="application/json")
 
 
 def unavailable(message: str) -> Response:
-    body = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": "no_backend"}}
-    return Response(json.dumps(body), status_code=503, media_type="application/json")
+    return refused(Refusal.NO_BACKEND, message)
 
 
 class Failed(enum.Enum):
-    UNREACHABLE = "unreachable"  # no connection, or it broke before the first byte: the backend is taken out
-    REFUSED = "refused"  # a 5xx (shutting down, full): tried elsewhere, the backend stays in
+    """How an attempt failed before a byte reached the client; each is retried on the next backend."""
+
+    UNREACHABLE = "unreachable"  # no connection, or it broke before the first output: the backend is taken out
+    REFUSED = "refused"  # a 5xx (shutting down, full): the backend stays in
+    BROKEN = "broken"  # an answer that is none (cut off, HTML, another shape): the backend stays in
+    STALLED = "stalled"  # no first output within route.first_byte_timeout_s: the backend is taken out
 
 
-def _carries_output(events: bytes) -> bool:
-    """Whether these server-sent events hold generated text, an end, or an error: more than the opening.
-
-    A chat stream opens with a chunk that only names the role, sent before
-    the prompt is even prefilled; a backend that dies during its prefill
-    has sent that much and no more. Holding such openings back keeps the
-    request retryable until the backend has really answered.
-    """
-    for event in events.split(b"\n\n"):
-        if not event.startswith(b"data: "):
-            continue
-        data = event[len(b"data: ") :]
-        if data.strip() == b"[DONE]":
-            return True
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return True  # not JSON: not an opening kvtier knows, so it is the answer
-        choices = chunk.get("choices") if isinstance(chunk, dict) else None
-        if not choices:
-            return True  # an error event, or usage alone
-        for c in choices:
-            if c.get("text") or c.get("finish_reason") or (c.get("delta") or {}).get("content"):
-                return True
-    return False
+LAST_WORD = {
+    Failed.UNREACHABLE: (Refusal.NO_BACKEND, "no backend answered this request"),
+    Failed.REFUSED: (Refusal.NO_BACKEND, "no backend answered this request"),
+    Failed.BROKEN: (Refusal.BAD_ANSWER, "no backend answered this request with a complete answer"),
+    Failed.STALLED: (Refusal.TIMED_OUT, "no backend answered this request within route.first_byte_timeout_s"),
+}
 
 
-async def _first_bytes(response: httpx.Response, stream: AsyncIterator[bytes]) -> bytes:
-    """The answer's first chunks, up to one with output for an event stream (b"" for an empty body).
-
-    Raises if the backend fails before them; until then nothing reached the client.
-    """
-    sse = response.headers.get("content-type", "").startswith("text/event-stream")
-    held = b""
-    async for chunk in stream:
-        held += chunk
-        if held and (not sse or _carries_output(held)):
-            break
-    return held
+@dataclass
+class Answer:
+    response: httpx.Response
+    first: bytes  # the whole body of an answer that is no stream; an event stream's chunks up to its first output
+    rest: AsyncIterator[bytes] | None  # an event stream's later chunks; None when ``first`` is all
 
 
-async def _relay(
-    first: bytes, rest: AsyncIterator[bytes], response: httpx.Response, backend: Backend
-) -> AsyncIterator[bytes]:
+async def _read(response: httpx.Response, shape: Shape, by: float, bounds: Bounds) -> Answer:
+    """The answer up to what must be checked before it is relayed; raises :class:`Broken` or :class:`Stalled`."""
+    chunks = response.aiter_raw()
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return Answer(response, await opening(chunks, by), chunks)
+    body = await whole(chunks, by, bounds.idle_s)
+    await response.aclose()
+    if response.is_success and not of_shape(body, shape):
+        raise Broken(f"a {response.status_code} answer that is not a JSON object with {shape.value!r}")
+    return Answer(response, body, None)
+
+
+async def _headers(proxy: Proxy, backend: Backend, request: Outgoing, by: float) -> httpx.Response | Failed:
+    """The backend's status and headers, ``by`` then; its body is still to read."""
+    url = backend.url + request.path
+    sent = proxy.client.build_request(
+        request.method, url, content=request.body, headers=request.headers, timeout=TIMEOUT
+    )
     try:
-        if first:
-            yield first
-        async for chunk in rest:
-            yield chunk
-    finally:
-        await response.aclose()
-        backend.open_requests -= 1
-
-
-async def _attempt(
-    client: httpx.AsyncClient, backend: Backend, path: str, body: bytes, headers: dict[str, str]
-) -> tuple[httpx.Response, AsyncIterator[bytes], bytes] | Failed:
-    """Send to ``backend``; the response, its chunk stream and first chunk, or how it failed before a byte."""
-    request = client.build_request("POST", backend.url + path, content=body, headers=headers, timeout=TIMEOUT)
-    try:
-        response = await client.send(request, stream=True)
+        async with asyncio.timeout_at(by):
+            response = await proxy.client.send(sent, stream=True)
+    except TimeoutError:
+        return Failed.STALLED
     except httpx.TransportError:
         return Failed.UNREACHABLE
     if response.status_code >= 500:
         await response.aclose()
         return Failed.REFUSED
-    chunks = response.aiter_raw()
+    return response
+
+
+async def _attempt(proxy: Proxy, backend: Backend, request: Outgoing) -> Answer | Failed:
+    """Send to ``backend``; its answer, read as far as :func:`_read` goes, or how it failed before a byte."""
+    by = deadline(proxy.bounds.first_byte_s)
+    response = await _headers(proxy, backend, request, by)
+    if isinstance(response, Failed):
+        return response
     try:
-        first = await _first_bytes(response, chunks)
+        return await _read(response, request.shape, by, proxy.bounds)
+    except Stalled:
+        failed = Failed.STALLED
+    except Broken:
+        failed = Failed.BROKEN
     except httpx.TransportError:
-        await response.aclose()
-        return Failed.UNREACHABLE
-    return response, chunks, first
+        failed = Failed.UNREACHABLE
+    await response.aclose()
+    return failed
 
 
-async def _sent(
-    fleet: Fleet, client: httpx.AsyncClient, backend: Backend, prompt: RoutedPrompt, request: tuple[str, bytes, dict]
-) -> tuple[httpx.Response, AsyncIterator[bytes], bytes] | Failed:
+async def _sent(proxy: Proxy, backend: Backend, prompt: RoutedPrompt, request: Outgoing) -> Answer | Failed:
     """:func:`_attempt`, counted in the backend's load: one more open request, and its prefill queued there
     from sending until its first output (or its failure), when the prefill is over."""
-    prefill = fleet.prefill(backend, prompt)
+    prefill = proxy.fleet.prefill(backend, prompt)
     backend.open_requests += 1
     backend.queued_tokens += prefill
     try:
-        return await _attempt(client, backend, *request)
+        return await _attempt(proxy, backend, request)
     except asyncio.CancelledError:  # the client went away first: nothing will relay, so nothing else closes it
         backend.open_requests -= 1
         raise
@@ -152,37 +179,61 @@ async def _sent(
         backend.queued_tokens -= prefill
 
 
-async def forward(
-    fleet: Fleet,
-    client: httpx.AsyncClient,
-    ranking: Ranking,
-    prompt: RoutedPrompt,
-    request: tuple[str, bytes, Mapping[str, str]],
-    retries: int,
-    counts: Counts,
-) -> Response:
-    """``request`` is (path, body, headers); tries the ranking's first ``1 + retries`` backends in order."""
-    path, body, incoming = request
-    headers = _headers(incoming)
+def _failed(proxy: Proxy, backend: Backend, failed: Failed) -> None:
+    backend.open_requests -= 1
+    backend.failures += 1
+    if failed is Failed.BROKEN:
+        proxy.counts.broken += 1
+    elif failed is Failed.STALLED:
+        proxy.counts.timed_out += 1
+        proxy.fleet.take_out(backend, "no output within route.first_byte_timeout_s")
+    elif failed is Failed.UNREACHABLE:
+        proxy.fleet.take_out(backend, "failed before the first byte of an answer")
+
+
+def _silent(proxy: Proxy, backend: Backend) -> None:
+    """A relayed stream's backend fell silent past the idle bound: counted, and out as if its health failed."""
+    proxy.counts.cut += 1
+    backend.failures += 1
+    proxy.fleet.take_out(backend, "silent past route.idle_timeout_s in the middle of an answer")
+
+
+async def _relay(proxy: Proxy, backend: Backend, answer: Answer) -> AsyncIterator[bytes]:
+    assert answer.rest is not None
+    try:
+        async for chunk in relayed(answer.first, answer.rest, proxy.bounds.idle_s, lambda: _silent(proxy, backend)):
+            yield chunk
+    finally:
+        await answer.response.aclose()
+        backend.open_requests -= 1
+
+
+def _response(proxy: Proxy, backend: Backend, answer: Answer) -> Response:
+    headers = {k: v for k, v in answer.response.headers.items() if k.lower() in RELAYED_HEADERS}
+    headers[BACKEND_HEADER] = backend.url
+    status = answer.response.status_code
+    if answer.rest is None:
+        backend.open_requests -= 1
+        return Response(answer.first, status_code=status, headers=headers)
+    return StreamingResponse(_relay(proxy, backend, answer), status_code=status, headers=headers)
+
+
+async def forward(proxy: Proxy, order: Sequence[str], prompt: RoutedPrompt, request: Outgoing) -> Response:
+    """Try the first ``1 + route.retries`` backends of ``order`` in turn; the first answer is relayed."""
+    counts = proxy.counts
     counts.requests += 1
-    for i, url in enumerate(ranking.order[: 1 + retries]):
-        backend = fleet.backends[url]
+    last = Failed.UNREACHABLE
+    for i, url in enumerate(order[: 1 + proxy.retries]):
+        backend = proxy.fleet.backends[url]
         if i:
             counts.retried += 1
-        got = await _sent(fleet, client, backend, prompt, (path, body, headers))
+        got = await _sent(proxy, backend, prompt, request)
         if isinstance(got, Failed):
-            backend.open_requests -= 1
-            backend.failures += 1
-            if got is Failed.UNREACHABLE:
-                fleet.take_out(backend, "failed before the first byte of an answer")
+            _failed(proxy, backend, got)
+            last = got
             continue
-        response, chunks, first = got
         backend.requests += 1
-        fleet.routed(backend, prompt)
-        out = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "cache-control")}
-        out[BACKEND_HEADER] = url
-        return StreamingResponse(
-            _relay(first, chunks, response, backend), status_code=response.status_code, headers=out
-        )
+        proxy.fleet.routed(backend, prompt)
+        return _response(proxy, backend, got)
     counts.failed += 1
-    return unavailable("no backend answered this request")
+    return refused(*LAST_WORD[last])

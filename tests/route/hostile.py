@@ -213,8 +213,9 @@ class Router:
         return (await self.client.get(self.url + "/stats")).json()
 
     async def chat(self, **body: Any) -> httpx.Response:
+        """The router's whole answer to a chat request (a trickle that never ends fails the test at the bound)."""
         messages = [{"role": "user", "content": "Hello"}]
-        return await self.client.post(self.url + "/v1/chat/completions", json={"messages": messages, **body})
+        return await within(self.client.post(self.url + "/v1/chat/completions", json={"messages": messages, **body}))
 
 
 @contextlib.asynccontextmanager
@@ -239,7 +240,9 @@ async def router(tmp: Path, backends: Sequence[Peer | str], up: bool = True, **r
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_config=None, lifespan="on"))
+    # A router that holds a request on a hung backend would hold its own shutdown too: it is cut off after the bound.
+    app = uvicorn.Config(create_app(state), log_config=None, lifespan="on", timeout_graceful_shutdown=BOUND_S)
+    server = uvicorn.Server(app)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with httpx.AsyncClient(timeout=BOUND_S) as client:
