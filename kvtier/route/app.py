@@ -1,9 +1,11 @@
-"""The router's HTTP surface: the two OpenAI inference routes, forwarded; ``/health``, ``/stats``, ``/metrics``.
+"""The router's HTTP surface: the backends' OpenAI routes, forwarded; ``/health``, ``/stats``, ``/metrics``.
 
 Each inference request is read (tokens, block keys, session) on a worker
 thread, ranked by the policy on the event loop, and forwarded
-(:mod:`kvtier.route.proxy`). Everything else the router knows lives in one
-:class:`RouterState`, touched only on the event loop.
+(:mod:`kvtier.route.proxy`). ``GET /v1/models`` is any up backend's answer:
+they all serve the router's model, or their keys would not agree with its.
+Everything else the router knows lives in one :class:`RouterState`,
+touched only on the event loop.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class RouterState:
     proxy: Proxy | None = None  # while the app runs: it holds the client to the backends
 
 
+NO_PROMPT = RoutedPrompt(0, [], None, False)  # a request that is no prompt (the model list): nothing to prefill
+
+
 def build_state(config: Config, backends: list[str]) -> RouterState:
     prompts = Prompts(config)
     fleet = Fleet(
@@ -71,6 +76,13 @@ async def _infer(state: RouterState, request: Request, endpoint: Endpoint) -> Re
     ranking = state.fleet.rank(prompt)
     outgoing = Outgoing(http.HTTPMethod.POST, endpoint.value, raw, passed_headers(headers), Shape.CHOICES)
     return await _forward(state, ranking.order if ranking else [], prompt, outgoing)
+
+
+async def _models(state: RouterState, request: Request) -> Response:
+    """The model list of the least loaded up backend (the next if it fails)."""
+    order = [b.url for b in sorted(state.fleet.up(), key=lambda b: b.load)]
+    outgoing = Outgoing(http.HTTPMethod.GET, "/v1/models", b"", passed_headers(request.headers), Shape.DATA)
+    return await _forward(state, order, NO_PROMPT, outgoing)
 
 
 async def _forward(state: RouterState, order: list[str], prompt: RoutedPrompt, outgoing: Outgoing) -> Response:
@@ -196,6 +208,10 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _infer(state, request, Endpoint.COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await _models(state, request)
 
     @app.get("/health")
     async def health() -> Response:
