@@ -257,6 +257,17 @@ class CacheManager:
         """Publish (``success``) or discard the plan's blocks; returns how many were indexed."""
         return self.stores.complete(plan, success)
 
+    def withdraw_store(self, plan: StorePlan) -> list[int]:
+        """Discard a plan whose filler may still write into its slots: they stay withheld; their numbers.
+
+        Hand them to :meth:`release_withheld` once that filler can no longer
+        write (the cache service: when its client's connection ends).
+        """
+        return self.stores.withdraw(plan)
+
+    def release_withheld(self, slots: Sequence[int]) -> None:
+        self.stores.release(slots)
+
     def poll(self, job: JobId) -> JobStatus:
         return self.worker.poll(job)
 

@@ -158,6 +158,24 @@ class Stores:
                     self.pins.unpin(plan.keys)
         return len(plan.keys)
 
+    def withdraw(self, plan: StorePlan) -> list[int]:
+        """Discard a plan whose filler may still be writing: its keys free for others, its slots withheld.
+
+        Returns the slots, for :meth:`release` once the filler can no longer
+        write (see :meth:`~kvtier.tiers.host.HostTier.withhold`).
+        """
+        if plan.done:
+            raise RuntimeError("store plan completed twice")
+        plan.done = True
+        host = self.tiers.host
+        with self.tiers.lock:
+            return [slot for key in plan.keys if (slot := host.withhold(key)) is not None]
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Withheld slots (:meth:`withdraw`) back to the host tier's free list."""
+        with self.tiers.lock:
+            self.tiers.host.release(slots)
+
     def _write_through(self, keys: list[BlockKey], records: list[BlockRecord]) -> None:
         """Copy freshly committed host blocks to disk without holding the lock during I/O."""
         host, disk = self.tiers.host, self.tiers.disk

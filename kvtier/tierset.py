@@ -84,6 +84,7 @@ class TierSet:
                 capacity_blocks=tier.capacity_blocks,
             )
             out[tier.kind.value] = snap
+        out[TierKind.HOST.value]["withheld_blocks"] = self.host.withheld_blocks
         if self.remote is not None:
             sizes = {"capacity_bytes": 0, "used_bytes": 0, "capacity_blocks": 0, "blocks": 0}
             out["remote"] = {**self.remote.snapshot(), **sizes}

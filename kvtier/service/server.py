@@ -16,9 +16,14 @@ Leases: a client's pins (loads) and reservations (stores) belong to its
 connection. When the connection ends, for whatever reason (a clean close, a
 crash, SIGKILL), every pin is released and every reservation given back, so
 a dead client can leak nothing. A reservation a live client leaves
-uncommitted for ``reservation_ttl_s`` is given back too (a hung engine must
-not hold host slots forever); its late commit is refused. Each connection
-is served by its own thread; the manager is thread-safe.
+uncommitted for ``reservation_ttl_s`` is withdrawn: its keys may be stored
+by others, its late commit is refused, but its slots stay withheld until the
+connection ends. The client maps the slab and may still be writing into
+them (a stalled fill finishing late); handed to another store, those bytes
+would change a block someone committed. The client's side of the bargain
+(:class:`~kvtier.service.client.CacheClient`): it never ends a connection
+while one of its fills or loads still uses that connection's slots. Each
+connection is served by its own thread; the manager is thread-safe.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class _Session:
         self.conn = conn
         self.loads: dict[int, LoadHandle] = {}
         self.stores: dict[int, tuple[StorePlan, float]] = {}  # lease -> (plan, expiry on the service's clock)
+        self.withheld: list[int] = []  # slots of expired reservations, this client's to write until it leaves
         self.lock = threading.Lock()  # stores are also reaped by the service's expiry thread
 
     def run(self) -> None:
@@ -232,19 +238,21 @@ class _Session:
             handle.release()
         with self.lock:
             plans, self.stores = [plan for plan, _ in self.stores.values()], {}
+            withheld, self.withheld = self.withheld, []
         for plan in plans:
             self.service.manager.complete_store(plan, success=False)
+        self.service.manager.release_withheld(withheld)  # no write of this client can land any more
         if self.loads or plans:
             log.info("reclaimed %d loads and %d reservations of a departed client", len(self.loads), len(plans))
         self.loads.clear()
 
     def expire(self, now: float) -> int:
-        """Give back the reservations past their expiry; how many."""
+        """Withdraw the reservations past their expiry (their slots withheld from others); how many."""
         with self.lock:
             late = [lease for lease, (_, until) in self.stores.items() if until <= now]
             plans = [self.stores.pop(lease)[0] for lease in late]
-        for plan in plans:
-            self.service.manager.complete_store(plan, success=False)
+            for plan in plans:
+                self.withheld += self.service.manager.withdraw_store(plan)
         return len(plans)
 
 
@@ -393,7 +401,11 @@ class CacheService:
             sessions = list(self._sessions)
         expired = sum(s.expire(self.clock()) for s in sessions)
         if expired:
-            log.warning("gave back %d reservations left uncommitted for %ss", expired, self.reservation_ttl_s)
+            log.warning(
+                "withdrew %d reservations left uncommitted for %ss (their slots wait for their clients to leave)",
+                expired,
+                self.reservation_ttl_s,
+            )
         return expired
 
     def _expiry_loop(self) -> None:

@@ -100,6 +100,7 @@ class HostTier:
         self._records: list[BlockRecord | None] = [None] * num_slots
         self._slot_of: dict[BlockKey, int] = {}  # committed blocks, insertion (store) order
         self._reserved: dict[BlockKey, int] = {}
+        self._withheld = 0  # slots out of both maps and the free list: see withhold()
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._lock = threading.Lock()
         self._copier: ThreadPoolExecutor | None = None  # the second copy thread of get_many, made on first use
@@ -217,6 +218,32 @@ class HostTier:
             if slot is not None:
                 self._records[slot] = None
                 self._free.append(slot)
+
+    def withhold(self, key: BlockKey) -> int | None:
+        """Drop ``key``'s reservation but keep its slot out of the free list; the slot, for :meth:`release`.
+
+        For a reservation whose writer may still be writing (a cache service
+        client that stalled past its lease): the key may be reserved again by
+        anyone, in another slot, while this one waits until no write of the
+        old writer can land in it. Reused at once, a late write would change
+        a block someone else committed there.
+        """
+        with self._lock:
+            slot = self._reserved.pop(key, None)
+            if slot is not None:
+                self._records[slot] = None
+                self._withheld += 1
+        return slot
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Withheld slots back to the free list: their writer can no longer write."""
+        with self._lock:
+            self._free.extend(slots)
+            self._withheld -= len(slots)
+
+    @property
+    def withheld_blocks(self) -> int:
+        return self._withheld
 
     def put(self, key: BlockKey, payload: torch.Tensor, record: BlockRecord) -> bool:
         existing = self.record(key)

@@ -270,7 +270,7 @@ def test_explain_is_answered_from_the_services_eviction_log(tmp_path: Path) -> N
         assert c.explain(agent, "default") is None  # nothing to answer from: the server says 503, not a guess
 
 
-def test_a_reservation_left_uncommitted_is_given_back_and_its_late_commit_refused(tmp_path: Path) -> None:
+def test_a_reservation_left_uncommitted_is_withdrawn_and_its_late_commit_refused(tmp_path: Path) -> None:
     now = [100.0]
     cfg = make_config(tmp_path, host={"capacity_bytes": 8 * 4096}, disk={"capacity_bytes": 16 * 4096})
     svc = CacheService(
@@ -294,11 +294,69 @@ def test_a_reservation_left_uncommitted_is_given_back_and_its_late_commit_refuse
         assert svc.manager.host.free_blocks() == 6  # not yet
         now[0] += 0.1
         svc.expire_reservations()
-        assert svc.manager.host.free_blocks() == 8  # given back, unpublished
         assert c._ask(protocol.Commit(reserved.lease)) is None  # the hung engine's late commit is refused
         assert c.lookup(tokens, "default").cached_blocks == 0
+        assert svc.manager.stats()["host"]["withheld_blocks"] == 2  # unpublished; the engine may still write there
+        with client(svc) as other:  # the keys are free for anyone else, in other slots
+            assert other.store(tokens, blocks(2, seed=7), "default") == 2
+        assert svc.manager.host.free_blocks() == 4
         c.close()
+        assert svc.wait_sessions(0, timeout=60)
+        assert svc.manager.host.free_blocks() == 6  # the withheld slots came back with the connection's end
     finally:
+        svc.close()
+        thread.join(timeout=30)
+
+
+def test_a_late_fill_after_its_reservation_expired_never_changes_anothers_committed_block(tmp_path: Path) -> None:
+    """Client A's fill stalls past its reservation's expiry; B stores other blocks meanwhile; A's fill then
+    lands. Every committed block a third client loads is B's, byte for byte: A's slots were never B's."""
+    now = [100.0]
+    cfg = make_config(tmp_path, host={"capacity_bytes": 16 * 4096}, disk={"capacity_bytes": 32 * 4096})
+    svc = CacheService(
+        cfg,
+        toy_layout(),
+        model_fingerprint=FINGERPRINT,
+        socket_path=tmp_path / "c.sock",
+        slab_dir=tmp_path,
+        reservation_ttl_s=10.0,
+        clock=lambda: now[0],
+    )
+    thread = threading.Thread(target=svc.serve_forever, daemon=True)
+    thread.start()
+    a, b, c = client(svc), client(svc), client(svc)
+    try:
+        tokens_a, tokens_b = prompt(6 * BLOCK + 1, seed=30), prompt(6 * BLOCK + 1, seed=31)
+        data_a, data_b = blocks(6, seed=30), blocks(6, seed=31)
+        reserved, go = threading.Event(), threading.Event()
+
+        def stalled_fill(i: int, out: torch.Tensor) -> None:
+            reserved.set()
+            go.wait()  # the engine hangs here, its slots reserved
+            out.copy_(as_bytes(data_a[i]))
+
+        stored_a: list[int] = []
+        filler = threading.Thread(target=lambda: stored_a.append(a.store_from(tokens_a, stalled_fill, "default")))
+        filler.start()
+        assert reserved.wait(60)
+        now[0] += 10.0
+        assert svc.expire_reservations() == 1  # one reservation of six blocks
+        assert b.store(tokens_b, data_b, "default") == 6  # other slots: A's are still A's to write
+        go.set()
+        filler.join(60)
+        assert stored_a == [0]  # A's late commit is refused
+        with c.load(tokens_b, "default") as load:
+            assert len(load.blocks) == 6
+            assert [torch.equal(v, as_bytes(d)) for v, d in zip(load.blocks, data_b, strict=True)] == [True] * 6
+        assert c.lookup(tokens_a, "default").cached_blocks == 0
+        assert svc.manager.stats()["host"]["withheld_blocks"] == 6  # until A's connection ends
+        a.close()
+        assert svc.wait_sessions(2, timeout=60)
+        assert svc.manager.stats()["host"]["withheld_blocks"] == 0
+        assert svc.manager.host.free_blocks() == 10
+    finally:
+        b.close()
+        c.close()
         svc.close()
         thread.join(timeout=30)
 
