@@ -132,10 +132,13 @@ class RemoteTier:
         names = [self.name(k) for k in keys]
         out: list[BlockRecord | None] = [None] * len(keys)
         for node, at in self._nodes.route(names).items():
-            replies = self._nodes.pipeline(node, [("GETRANGE", names[i], 0, HEADER_BYTES - 1) for i in at])
+            # EXISTS beside each read, in the same round trip: GETRANGE answers b"" for an absent key and
+            # for an empty value alike, and only the second is a value to refuse (and count)
+            asks = [c for i in at for c in (("GETRANGE", names[i], 0, HEADER_BYTES - 1), ("EXISTS", names[i]))]
+            replies = self._nodes.pipeline(node, asks)
             for j, i in enumerate(at):
-                reply = None if replies is None else replies[j]
-                out[i] = self._header(keys[i], reply)
+                head, exists = (None, 0) if replies is None else (replies[2 * j], replies[2 * j + 1])
+                out[i] = self._header(keys[i], head, exists == 1)
         self.stats.add(probes=len(keys))
         for key, record in zip(keys, out, strict=True):
             self._remember(key, record)
@@ -158,8 +161,12 @@ class RemoteTier:
             size *= 4
         return at
 
-    def _header(self, key: BlockKey, reply: object) -> BlockRecord | None:
-        if reply is None or is_error(reply) or not reply:  # absent, failed, or another type under our name
+    def _header(self, key: BlockKey, reply: object, exists: bool) -> BlockRecord | None:
+        """The authentic record in ``reply``, the first bytes of the value under ``key``'s name; None if none.
+
+        An empty ``reply`` is an absent key, or an empty value (a refusal, counted) where ``exists``.
+        """
+        if reply is None or is_error(reply) or (not reply and not exists):  # failed, another type, or absent
             return None
         try:
             return self._framer.header(key, reply).record  # type: ignore[arg-type]

@@ -206,6 +206,7 @@ def test_hostile_values_in_redis_are_counted_misses_and_never_served(redis_serve
         5: value(5, Framer(b"x" * 32, framer._layout, LAYOUT.block_bytes)),  # another deployment's MAC key
         6: value(6, Framer(framer._mac_key, b"L" * 32, LAYOUT.block_bytes)),  # another model or layout
         7: b"short",
+        10: b"",  # empty: GETRANGE reads it as it reads an absent key
     }
     at_read = {  # an authentic header, then a payload that is not the block's
         1: value(1, framer)[:-10],  # truncated
@@ -216,7 +217,7 @@ def test_hostile_values_in_redis_are_counted_misses_and_never_served(redis_serve
         for i, v in {**at_probe, **at_read}.items():
             client.set(tier.name(key(i)), v)
         client.hset(tier.name(key(9)), "a", "b")  # another type under our name
-        assert tier.probe([key(i) for i in (3, 4, 5, 6, 7, 9)]) == [None] * 6
+        assert tier.probe([key(i) for i in (3, 4, 5, 6, 7, 9, 10, 11)]) == [None] * 8  # 11: absent, not counted
         assert tier.probe([key(i) for i in (1, 2, 8)]) == [record(i, key(i - 1)) for i in (1, 2, 8)]
         ok, outs = read(tier, [key(1), key(2), key(8)])
         assert ok == [False, False, False]
@@ -225,7 +226,7 @@ def test_hostile_values_in_redis_are_counted_misses_and_never_served(redis_serve
         snap = tier.snapshot()
         counts = {r.value: snap[r.value] for r in Rejection}
         assert counts == {
-            "bad_length": 3,
+            "bad_length": 4,
             "bad_header": 0,
             "bad_mac": 2,
             "wrong_key": 1,
