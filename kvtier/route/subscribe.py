@@ -111,7 +111,7 @@ async def follow(
 
     ``limit`` is ``route.max_event_line_bytes``.
     """
-    warned = False
+    warned = failed = False
     while True:
         try:
             await _read(fleet, backend, prompts, client, token, limit)
@@ -127,6 +127,10 @@ async def follow(
         except (httpx.HTTPError, msgspec.DecodeError, ValueError) as err:
             if backend.events_live:
                 log.warning("lost the block events of %s (%s); resubscribing", backend.url, type(err).__name__)
+        except Exception:  # the loop outlives anything one backend does; routing by load meanwhile
+            if not failed:
+                log.exception("following the block events of %s failed; resubscribing", backend.url)
+                failed = True
         lost(fleet, backend)
         await asyncio.sleep(RETRY_S)
 

@@ -8,12 +8,14 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx2 as httpx
 import pytest
 
 from kvtier.events import ENCODER, Hello, Snapshot
-from kvtier.route.subscribe import LineTooLong, _lines
+from kvtier.route.backends import Backend, Fleet
+from kvtier.route.subscribe import LineTooLong, _lines, follow
 from kvtier.tiers.base import TierKind
-from tests.route.hostile import ROOT, Handler, Request, hang, head, peers, router
+from tests.route.hostile import ROOT, Handler, InOrder, Request, Unkeyed, hang, head, peers, router
 
 LIMIT = 256 * 1024
 
@@ -81,3 +83,33 @@ def test_lines_are_whole_across_chunks_and_bounded_in_length() -> None:
         asyncio.run(lines([b"ab", b"cd"], 3))
     with pytest.raises(LineTooLong):
         asyncio.run(lines([b"a\nbcde\nf"], 3))
+
+
+def test_a_failure_of_no_expected_kind_neither_ends_the_subscription_nor_floods_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A backend named by a URL httpx cannot even try (port 99999 fails inside its task group) raises
+    an ``ExceptionGroup``, which no ``except`` of the loop names: the loop must log it once and go on."""
+    url = "http://127.0.0.1:99999"
+    fleet = Fleet({url: Backend(url, up=True)}, InOrder([url]), Unkeyed.block_size)
+    tries = 0
+    third = asyncio.Event()
+
+    async def counted(_: httpx.Request) -> None:
+        nonlocal tries
+        tries += 1
+        if tries == 3:
+            third.set()
+
+    async def run() -> None:
+        async with httpx.AsyncClient(event_hooks={"request": [counted]}) as client:
+            following = asyncio.create_task(follow(fleet, fleet.backends[url], Unkeyed(), client, None, LIMIT))  # type: ignore[arg-type]
+            await asyncio.wait({following, asyncio.create_task(third.wait())}, return_when=asyncio.FIRST_COMPLETED)
+            assert not following.done(), following.exception()
+            following.cancel()
+
+    with caplog.at_level(logging.ERROR, logger="kvtier.route"):
+        asyncio.run(run())
+    assert tries >= 3
+    assert len([r for r in caplog.records if "failed; resubscribing" in r.getMessage()]) == 1
+    assert not fleet.backends[url].events_live
