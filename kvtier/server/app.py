@@ -177,11 +177,16 @@ async def _turn(
 
 
 # -- agent sessions ------------------------------------------------------------------------------
-@router.post("/v1/sessions/{session_id}/prefetch", response_model=SessionPrefetchResponse, responses=ERRORS)
+@router.post("/v1/sessions/{session_id:path}/prefetch", response_model=SessionPrefetchResponse, responses=ERRORS)
 async def prefetch_session(
     session_id: Annotated[str, Path(min_length=1, max_length=sessions.MAX_ID)], state: State, tenant: Caller
 ) -> SessionPrefetchResponse:
-    """Move a live session's transcript up to host memory while its agent waits on a tool call."""
+    """Move a live session's transcript up to host memory while its agent waits on a tool call.
+
+    The id is the rest of the path up to ``/prefetch``, slashes and all: a
+    session is named by free text (OpenAI's ``user``), and one named
+    ``team/agent-1`` must be reachable like any other.
+    """
     return await sessions.prefetch(state, tenant, session_id)
 
 

@@ -94,6 +94,17 @@ def test_prefetch_promotes_a_session_to_host(server: LiveServer) -> None:
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == done["device_tokens"]
 
 
+@pytest.mark.parametrize("path", ["team/agent-9", "team%2Fagent-9"])
+def test_a_session_id_with_a_slash_can_be_prefetched(server: LiveServer, path: str) -> None:
+    messages = transcript("slash")
+    turn(server, ALPHA, messages, session="team/agent-9")
+    stored(server, ALPHA, messages)
+    done = server.post(f"/v1/sessions/{path}/prefetch", headers=auth(ALPHA))
+    assert done.status_code == 200, done.text
+    assert done.json()["session"] == "team/agent-9"
+    assert done.json()["host_tokens"] == done.json()["transcript_tokens"] // 16 * 16
+
+
 def test_sessions_show_counts_never_text(server: LiveServer) -> None:
     messages = transcript("stats")
     for _ in range(2):
