@@ -444,7 +444,12 @@ class ServiceConfig(_Section):
         description="A group (name or gid) whose members may connect too: socket and slab 0660 in it. null: 0600.",
     )
     reservation_ttl_s: float = Field(
-        60.0, gt=0, description="An uncommitted store reservation is given back after this."
+        60.0,
+        gt=0,
+        description="An uncommitted store reservation is withdrawn after this (its slots wait for its client).",
+    )
+    max_clients: int = Field(
+        256, gt=0, description="Connections served at once (a thread each); one more is refused in one line."
     )
     slab_dir: Path | None = Field(
         None, description="Where the shared host slab file lives; null: /dev/shm (else TMPDIR)."

@@ -51,11 +51,11 @@ class Lookups:
         ns, n = prompt.namespace, len(prompt)
         return LookupResult(ns, bs, n, tuple(keys), tuple(probe.tiers), probe.reason, first_block)
 
-    def probe(self, prompt: KeyedTokens) -> LookupResult:
-        """What :meth:`lookup` would answer from block 0, without touching policies or stats."""
-        found = self.run(prompt.keys, prompt.digests)
+    def probe(self, prompt: KeyedTokens, first_block: int = 0) -> LookupResult:
+        """What :meth:`lookup` would answer, without touching policies or stats."""
+        found = self.run(prompt.keys, prompt.digests, first_block)
         keys, tiers = tuple(prompt.keys), tuple(found.tiers)
-        return LookupResult(prompt.namespace, self.block_size, len(prompt), keys, tiers, found.reason)
+        return LookupResult(prompt.namespace, self.block_size, len(prompt), keys, tiers, found.reason, first_block)
 
     def named(self, keys: list[BlockKey], digests: Digests, namespace: str) -> LookupResult:
         """A named run, counted like a lookup for the policies (each name is a block; no token count)."""

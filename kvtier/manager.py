@@ -146,14 +146,16 @@ class CacheManager:
         """
         return self.lookups.lookup(self._own(prompt), first_block)
 
-    def probe(self, prompt: KeyedTokens) -> LookupResult:
+    def probe(self, prompt: KeyedTokens, *, first_block: int = 0) -> LookupResult:
         """What :meth:`lookup` would answer, without touching policies or stats.
 
         For operators (the server's admin ``/lookup``): looking must not alter
         the cache looked at. Hits are confirmed and the remote tier asked, as
-        a lookup would.
+        a lookup would. Also for a load that follows a lookup made elsewhere
+        (the cache service's, after a client's scheduler looked up): that
+        lookup counted the traffic once already.
         """
-        return self.lookups.probe(self._own(prompt))
+        return self.lookups.probe(self._own(prompt), first_block)
 
     def explain(
         self, prompt: KeyedTokens, *, own_namespaces: Sequence[str] = (), diverged_at: int | None = None

@@ -197,3 +197,16 @@ def test_cache_stats_without_a_service_is_one_line_and_exit_2(tmp_path: Path, ca
     assert captured.out == ""
     err = captured.err.strip()
     assert str(tmp_path / "nobody.sock") in err and "\n" not in err and "Traceback" not in err
+
+
+def test_a_service_socket_in_a_missing_directory_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    from kvtier.cli import main
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\n")
+    socket = tmp_path / "no" / "such" / "dir" / "cache.sock"
+    model = toy_hf_model(tmp_path / "model")
+    flags = ["--socket", str(socket), "--model", str(model), "--dtype", "float32"]
+    assert main(["cache", "serve", "--config", str(config), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(socket.parent) in err and "\n" not in err and "Traceback" not in err

@@ -7,6 +7,12 @@ load costs), then releases. A store reserves slots, writes the payloads into
 the mapping, and commits. One connection carries one request at a time (a
 lock around each round trip); pins and reservations die with the connection.
 
+So the connection must outlive every use of its slots: :meth:`CacheClient.close`
+while a fill writes into reserved slots, or a copy reads pinned ones, only
+marks the client closing (no request is sent any more); the socket closes
+when the last of them ends. Closed earlier, the service would hand those
+slots to another client while this one still writes or reads them.
+
 A service that is down, or goes away mid-request, is a miss for the caller:
 :class:`ServiceUnavailable` is raised by the constructor, and afterwards
 every call answers "nothing cached" / "nothing stored" and counts the
@@ -16,10 +22,12 @@ client.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,10 @@ log = logging.getLogger(__name__)
 
 class ServiceUnavailable(KVTierError):
     """The cache service could not be reached, or refused this client (the reason says which side differs)."""
+
+
+class ServiceRefused(ServiceUnavailable):
+    """The service answered and refused this client (another model, KV layout, protocol or user): not a wait."""
 
 
 @dataclass
@@ -71,7 +83,10 @@ class CacheClient:
     def __init__(self, socket_path: str | Path, layout: KVLayout, *, model_fingerprint: str) -> None:
         self.layout = layout
         self.failures = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one round trip at a time
+        self._state = threading.Lock()  # guards the two below
+        self._holds = 0  # fills and loads using this connection's slots
+        self._closing = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(str(socket_path))
@@ -80,20 +95,28 @@ class CacheClient:
         except (OSError, p.ProtocolError) as err:
             self._sock.close()
             raise ServiceUnavailable(f"cache service at {socket_path}: {err}") from None
+        if isinstance(welcome, p.Busy):
+            self._sock.close()
+            raise ServiceUnavailable(f"cache service at {socket_path}: {welcome.reason}")
         if not isinstance(welcome, p.Welcome):
             self._sock.close()
             reason = welcome.reason if isinstance(welcome, p.Refused) else type(welcome).__name__
-            raise ServiceUnavailable(f"cache service at {socket_path} refused this client: {reason}")
+            raise ServiceRefused(f"cache service at {socket_path} refused this client: {reason}")
         if welcome.block_bytes != layout.block_bytes:
             self._sock.close()
-            raise ServiceUnavailable(f"block of {welcome.block_bytes} B at the service, {layout.block_bytes} B here")
+            raise ServiceRefused(f"block of {welcome.block_bytes} B at the service, {layout.block_bytes} B here")
         self.welcome = welcome
         self._slab = torch.from_file(welcome.slab_path, shared=True, size=welcome.slab_bytes, dtype=torch.uint8)
 
     # -- one round trip ------------------------------------------------------------------------
     def _ask(self, msg: p.Request) -> p.Reply | None:
-        """The service's answer, or None when it is gone (counted, logged once): a miss, never an error."""
+        """The service's answer, or None when it is gone (counted, logged once): a miss, never an error.
+
+        A closing client asks nothing (its leases end with the socket).
+        """
         with self._lock:
+            if self._closing:
+                return None
             try:
                 p.send(self._sock, msg)
                 reply = p.recv_reply(self._sock)
@@ -109,6 +132,60 @@ class CacheClient:
 
     def _view(self, offset: int) -> torch.Tensor:
         return self._slab[offset : offset + self.layout.block_bytes]
+
+    # -- the connection outlives every use of its slots ---------------------------------------------
+    def _hold(self) -> None:
+        with self._state:
+            self._holds += 1
+
+    def _unhold(self) -> None:
+        with self._state:
+            self._holds -= 1
+            last = self._closing and self._holds == 0
+        if last:
+            self._shut()
+
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        """Taken before a reservation is asked for, so no close can end the connection under its fill."""
+        self._hold()
+        try:
+            yield
+        finally:
+            self._unhold()
+
+    def _loaded(self, reply: p.Reply | None, first_block: int) -> ClientLoad:
+        """A load's views, holding the connection until released (taken by the caller before asking)."""
+        if not isinstance(reply, p.Loaded):
+            self._unhold()
+            return ClientLoad(first_block, [], [], lambda: None)
+        lease = reply.lease
+
+        def release() -> None:
+            try:
+                self._ask(p.Release(lease))
+            finally:
+                self._unhold()
+
+        return ClientLoad(first_block, [self._view(o) for o in reply.offsets], list(reply.served_from), release)
+
+    def alive(self) -> bool:
+        """False once the service closed this connection (it died or restarted), seen without a round trip.
+
+        Between round trips the service never sends: a readable socket is
+        one the service closed. A round trip in flight will tell by itself.
+        """
+        if not self._lock.acquire(blocking=False):
+            return True
+        try:
+            if self._closing:
+                return False
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return not readable
+        except (OSError, ValueError):
+            return False
+        finally:
+            self._lock.release()
 
     # -- the API ---------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str, *, first_block: int = 0) -> p.LookupReply:
@@ -127,13 +204,8 @@ class CacheClient:
         deadline_s: float | None = None,
     ) -> ClientLoad:
         """Pin blocks ``start ..`` (the service promotes disk ones first); the views read the shared slab."""
-        reply = self._ask(p.Load(_raw(tokens), namespace, start, max_blocks, deadline_s))
-        if not isinstance(reply, p.Loaded):
-            return ClientLoad(start, [], [], lambda: None)
-        lease = reply.lease
-        return ClientLoad(
-            start, [self._view(o) for o in reply.offsets], list(reply.served_from), lambda: self._ask(p.Release(lease))
-        )
+        self._hold()
+        return self._loaded(self._ask(p.Load(_raw(tokens), namespace, start, max_blocks, deadline_s)), start)
 
     def store_from(
         self,
@@ -149,10 +221,11 @@ class CacheClient:
         Returns how many blocks were newly stored. A block the service
         already holds is not reserved (nor written) again.
         """
-        reserved = self._ask(p.Reserve(_raw(tokens), namespace, first_block, num_blocks))
-        if not isinstance(reserved, p.Reserved):
-            return 0
-        return self._commit(reserved, fill, 0)
+        with self._holding():
+            reserved = self._ask(p.Reserve(_raw(tokens), namespace, first_block, num_blocks))
+            if not isinstance(reserved, p.Reserved):
+                return 0
+            return self._commit(reserved, fill, 0)
 
     def store(
         self,
@@ -191,13 +264,8 @@ class CacheClient:
 
     def named_load(self, names: Sequence[bytes], namespace: str) -> ClientLoad:
         """Pin the leading held ``names``: ``blocks[i]`` is name ``i``'s payload, a view of the shared slab."""
-        reply = self._ask(p.NamedLoad([bytes(n) for n in names], namespace))
-        if not isinstance(reply, p.Loaded):
-            return ClientLoad(0, [], [], lambda: None)
-        lease = reply.lease
-        return ClientLoad(
-            0, [self._view(o) for o in reply.offsets], list(reply.served_from), lambda: self._ask(p.Release(lease))
-        )
+        self._hold()
+        return self._loaded(self._ask(p.NamedLoad([bytes(n) for n in names], namespace)), 0)
 
     def named_store_from(
         self, names: Sequence[bytes], fill: Callable[[int, torch.Tensor], object], namespace: str
@@ -213,10 +281,11 @@ class CacheClient:
         raw = [bytes(n) for n in names]
         stored = start = 0
         while start < len(raw):
-            reserved = self._ask(p.NamedReserve(raw[start:], namespace))
-            if not isinstance(reserved, p.Reserved) or reserved.next_block == 0:
-                break  # unreachable, or no host slot free at all
-            stored += self._commit(reserved, fill, start)
+            with self._holding():
+                reserved = self._ask(p.NamedReserve(raw[start:], namespace))
+                if not isinstance(reserved, p.Reserved) or reserved.next_block == 0:
+                    break  # unreachable, or no host slot free at all
+                stored += self._commit(reserved, fill, start)
             start += reserved.next_block
         return stored
 
@@ -256,7 +325,16 @@ class CacheClient:
         return reply.stats if isinstance(reply, p.StatsReply) else {}
 
     def close(self) -> None:
+        """End the connection once no fill or load uses its slots (now, when none does); ask nothing more."""
+        with self._state:
+            self._closing = True
+            idle = self._holds == 0
+        if idle:
+            self._shut()
+
+    def _shut(self) -> None:
         with self._lock:
+            self._closing = True
             self._sock.close()
 
     def __enter__(self) -> CacheClient:

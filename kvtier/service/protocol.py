@@ -25,6 +25,13 @@ live session's protection steers, and the eviction log that explain reads,
 are the service's, so the server forwards its sessions' turns there and
 asks there why a prefix missed.
 
+Bounds: counts are non-negative and times finite, non-negative and at most
+:data:`MAX_SECONDS`, checked as a frame decodes. A whole frame whose values
+break them is refused with a :class:`Failure` and the connection goes on
+(:class:`InvalidRequest`); only bytes that are not a frame end it. The bounds
+came without a version bump too: no value an honest client sends changed
+meaning.
+
 Frame: ``uint32 little-endian length`` then that many bytes of msgpack, one
 tagged struct. The first exchange is :class:`Hello` / :class:`Welcome` (or
 :class:`Refused`, naming both sides of whatever did not match).
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -46,6 +53,10 @@ from kvtier.tiers.base import TierKind
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024**2  # a prompt's tokens at most; anything larger is a broken or hostile peer
 _LEN = struct.Struct("<I")
+MAX_SECONDS = 31 * 86400.0  # a pin's or a deadline's longest; NaN and infinity are refused
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
 
 
 class _Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, frozen=True):
@@ -63,7 +74,7 @@ class Hello(_Msg):
 class Lookup(_Msg):
     tokens: bytes  # int32 little-endian
     namespace: str
-    first_block: int = 0
+    first_block: NonNegative = 0
 
 
 class Load(_Msg):
@@ -71,9 +82,9 @@ class Load(_Msg):
 
     tokens: bytes
     namespace: str
-    start: int
-    max_blocks: int | None = None
-    deadline_s: float | None = None
+    start: NonNegative
+    max_blocks: NonNegative | None = None
+    deadline_s: Seconds | None = None
 
 
 class Release(_Msg):
@@ -85,8 +96,8 @@ class Reserve(_Msg):
 
     tokens: bytes
     namespace: str
-    first_block: int = 0
-    num_blocks: int | None = None
+    first_block: NonNegative = 0
+    num_blocks: NonNegative | None = None
 
 
 class Commit(_Msg):
@@ -114,7 +125,7 @@ class Pin(_Msg):
 
     tokens: bytes
     namespace: str
-    ttl_s: float
+    ttl_s: Seconds
 
 
 class Clear(_Msg):
@@ -195,6 +206,12 @@ class Refused(_Msg):
     reason: str
 
 
+class Busy(_Msg):
+    """The service serves as many clients as ``service.max_clients`` allows: try again later (a miss meanwhile)."""
+
+    reason: str
+
+
 class LookupReply(_Msg):
     cached_blocks: int
     tiers: list[TierKind]  # from first_block on
@@ -263,8 +280,10 @@ Request = (
     | (SessionTurn | SessionPrefetch | Explain)
 )
 Reply = (
-    Welcome | Refused | LookupReply | Loaded | Reserved | Committed | Done | Count | Present | StatsReply | Failure
-) | (Prefetched | Explained)
+    (Welcome | Refused | Busy)
+    | (LookupReply | Loaded | Reserved | Committed | Done | Count | Present | StatsReply | Failure)
+    | (Prefetched | Explained)
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
@@ -273,6 +292,13 @@ _replies = msgspec.msgpack.Decoder(Reply)
 
 class ProtocolError(ConnectionError):
     """The peer sent something that is not a frame of this protocol (or closed mid-frame)."""
+
+
+class InvalidRequest(ValueError):
+    """A whole frame whose message this protocol cannot take (a bound broken, a field of the wrong type).
+
+    Refused in one line; the stream is still in step, so the connection goes on.
+    """
 
 
 def send(sock: socket.socket, message: _Msg) -> None:
@@ -299,8 +325,11 @@ def _frame(sock: socket.socket) -> bytes:
 
 
 def recv_request(sock: socket.socket) -> Request:
+    frame = _frame(sock)
     try:
-        return _requests.decode(_frame(sock))
+        return _requests.decode(frame)
+    except msgspec.ValidationError as err:
+        raise InvalidRequest(str(err)) from None
     except msgspec.DecodeError as err:
         raise ProtocolError(f"not a request of protocol {PROTOCOL_VERSION}: {err}") from None
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.config import Config
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, warn_once
 from kvtier.fetch import LoadHandle
 from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
@@ -57,6 +57,7 @@ from kvtier.tiers import native
 log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+HELLO_TIMEOUT_S = 10.0  # a connection that says nothing this long holds no thread longer
 
 
 def default_slab_dir() -> Path:
@@ -111,7 +112,7 @@ class _Session:
         try:
             if self._handshake():
                 while True:
-                    p.send(self.conn, self._answer(p.recv_request(self.conn)))
+                    p.send(self.conn, self._reply())
         except (p.ProtocolError, OSError) as err:
             log.debug("cache client left: %s", err)
         finally:
@@ -119,7 +120,20 @@ class _Session:
             self.conn.close()
             self.service._forget(self)
 
+    def _reply(self) -> p.Reply:
+        """The answer to the next request; one the protocol cannot take is refused in one line, never the end."""
+        try:
+            msg = p.recv_request(self.conn)
+        except p.InvalidRequest as err:
+            return p.Failure(f"refused: {err}")
+        try:
+            return self._answer(msg)
+        except p.InvalidRequest as err:
+            return p.Failure(f"{type(msg).__name__} refused: {err}")
+
     def _handshake(self) -> bool:
+        """Who, and for which model; a connection silent past ``HELLO_TIMEOUT_S`` ends (OSError: timed out)."""
+        self.conn.settimeout(HELLO_TIMEOUT_S)
         uid, gid = peer_cred(self.conn)
         if not self.service.admits(uid, gid):
             group = "" if self.service.socket_group is None else f", members of group {self.service.socket_group}"
@@ -128,7 +142,11 @@ class _Session:
                 p.Refused(f"uid {uid} may not use this cache service (allowed: {self.service.allowed_uids}{group})"),
             )
             return False
-        hello = p.recv_request(self.conn)
+        try:
+            hello = p.recv_request(self.conn)
+        except p.InvalidRequest as err:
+            p.send(self.conn, p.Refused(f"the first message must be Hello: {err}"))
+            return False
         if not isinstance(hello, p.Hello):
             p.send(self.conn, p.Refused(f"the first message must be Hello, not {type(hello).__name__}"))
             return False
@@ -137,13 +155,15 @@ class _Session:
             p.send(self.conn, p.Refused(problem))
             return False
         p.send(self.conn, self.service.welcome())
+        self.conn.settimeout(None)  # an admitted engine may stay idle between its requests
         return True
 
     def _answer(self, msg: p.Request) -> p.Reply:
         m = self.service.manager
         match msg:
             case p.Lookup():
-                r = m.lookup(m.keyed(_tokens(msg.tokens), msg.namespace), first_block=msg.first_block)
+                prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
+                r = m.lookup(prompt, first_block=_within(msg.first_block, prompt))
                 return p.LookupReply(r.cached_blocks, list(r.tiers), r.miss_reason)
             case p.Load():
                 return self._load(msg)
@@ -205,8 +225,10 @@ class _Session:
         )
 
     def _load(self, msg: p.Load) -> p.Reply:
+        """Pin what the client's :class:`~kvtier.service.protocol.Lookup` found: counted there, not again here."""
         m = self.service.manager
-        result = m.lookup(m.keyed(_tokens(msg.tokens), msg.namespace), first_block=msg.start)
+        prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
+        result = m.probe(prompt, first_block=_within(msg.start, prompt))
         fetch = m.fetch(result, start=msg.start, max_blocks=msg.max_blocks, deadline_s=msg.deadline_s)
         return self._hold(fetch.take(), msg.start)
 
@@ -220,7 +242,7 @@ class _Session:
     def _reserve(self, msg: p.Reserve) -> p.Reply:
         m = self.service.manager
         prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
-        plan = m.prepare_store(prompt, first_block=msg.first_block, num_blocks=msg.num_blocks)
+        plan = m.prepare_store(prompt, first_block=_within(msg.first_block, prompt), num_blocks=msg.num_blocks)
         return self._hold_plan(plan)
 
     def _hold_plan(self, plan: StorePlan) -> p.Reserved:
@@ -270,7 +292,16 @@ def _answers(path: Path) -> bool:
 
 
 def _tokens(raw: bytes) -> np.ndarray:
+    if len(raw) % 4:
+        raise p.InvalidRequest(f"tokens are {len(raw)} bytes, not whole little-endian int32s")
     return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+
+
+def _within(first_block: int, prompt: KeyedTokens) -> int:
+    """A block index the prompt has (its end included: everything held already)."""
+    if first_block > prompt.num_blocks:
+        raise p.InvalidRequest(f"block {first_block} is past the prompt's {prompt.num_blocks} full blocks")
+    return first_block
 
 
 class CacheService:
@@ -299,8 +330,11 @@ class CacheService:
         self.model_fingerprint = model_fingerprint
         self.allowed_uids = sorted({os.getuid(), *allowed_uids})
         self.reservation_ttl_s = reservation_ttl_s
+        self.max_clients = config.service.max_clients
         self.clock = clock
         self.socket_path = Path(socket_path)
+        if not self.socket_path.parent.is_dir():
+            raise KVTierError(f"the cache service's socket directory {self.socket_path.parent} does not exist")
         if _answers(self.socket_path):
             raise ServiceRunningError(f"a cache service already answers at {self.socket_path}: stop it, or use another")
         shm = slab_dir or default_slab_dir()
@@ -421,8 +455,21 @@ class CacheService:
                 break  # closed
             session = _Session(self, conn)
             with self._lock:
-                self._sessions.add(session)
-            threading.Thread(target=session.run, name="kvtier-cache-session", daemon=True).start()
+                full = len(self._sessions) >= self.max_clients
+                if not full:
+                    self._sessions.add(session)
+            if full:
+                self._turn_away(conn)
+            else:
+                threading.Thread(target=session.run, name="kvtier-cache-session", daemon=True).start()
+
+    def _turn_away(self, conn: socket.socket) -> None:
+        """One client too many: told so in one message, on the accepting thread (no thread is made for it)."""
+        warn_once("cache-service-full", "cache service: %d clients connected; turning more away", self.max_clients)
+        with conn:
+            conn.settimeout(1.0)
+            with contextlib.suppress(OSError):
+                p.send(conn, p.Busy(f"the service serves at most {self.max_clients} clients at once"))
 
     def _forget(self, session: _Session) -> None:
         with self._changed:

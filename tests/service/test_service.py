@@ -25,6 +25,7 @@ import torch
 
 from kvtier.errors import DiskLockedError, KVTierError
 from kvtier.service import CacheClient, CacheService, ServiceUnavailable, protocol
+from kvtier.service.client import ServiceRefused
 from kvtier.service.server import ServiceRunningError, group_id
 from kvtier.tiers import native
 from kvtier.tiers.base import TierKind
@@ -359,6 +360,119 @@ def test_a_late_fill_after_its_reservation_expired_never_changes_anothers_commit
         c.close()
         svc.close()
         thread.join(timeout=30)
+
+
+def test_a_client_closed_under_a_running_fill_keeps_its_connection_until_the_fill_ends(
+    service: CacheService,
+) -> None:
+    """The service frees a client's reservations when its connection ends: never before the fill writing them."""
+    c = client(service)
+    tokens = prompt(3 * BLOCK + 1, seed=40)
+    in_fill, go = threading.Event(), threading.Event()
+
+    def fill(i: int, out: torch.Tensor) -> None:
+        in_fill.set()
+        go.wait()
+        out.copy_(as_bytes(payload(toy_layout(), i)))
+
+    stored: list[int] = []
+    filler = threading.Thread(target=lambda: stored.append(c.store_from(tokens, fill, "default")))
+    filler.start()
+    assert in_fill.wait(60)
+    c.close()  # say, the link dropping it after a failed call on another thread
+    assert c._sock.fileno() != -1  # still open: the service still counts those slots as this fill's
+    assert c.lookup(tokens, "default").cached_blocks == 0  # but nothing more is asked on it
+    go.set()
+    filler.join(60)
+    assert stored == [0] and c._sock.fileno() == -1  # the fill is over: now the connection ends, uncommitted
+    assert service.wait_sessions(0, timeout=60)
+    assert service.manager.host.free_blocks() == service.manager.host.capacity_blocks
+
+
+def test_a_client_closed_while_a_load_is_copied_keeps_its_pins_until_released(service: CacheService) -> None:
+    tokens = prompt(2 * BLOCK + 1, seed=41)
+    data = blocks(2, seed=41)
+    c = client(service)
+    c.store(tokens, data, "default")
+    load = c.load(tokens, "default")
+    c.close()
+    assert c._sock.fileno() != -1 and service.manager.stats()["pinned_blocks"] == 2
+    assert [torch.equal(v, as_bytes(b)) for v, b in zip(load.blocks, data, strict=True)] == [True, True]
+    load.release()
+    assert c._sock.fileno() == -1
+    assert service.wait_sessions(0, timeout=60)
+    assert service.manager.stats()["pinned_blocks"] == 0
+
+
+def test_requests_out_of_bounds_are_refused_in_one_line_and_the_connection_goes_on(service: CacheService) -> None:
+    tokens = prompt(3 * BLOCK + 1, seed=42)
+    raw = tokens.astype("<i4").tobytes()
+    c = client(service)
+    c.store(tokens, blocks(3, seed=42), "default")
+    hostile = [
+        protocol.Pin(raw, "default", float("nan")),  # pinned forever, once
+        protocol.Pin(raw, "default", float("inf")),
+        protocol.Pin(raw, "default", -1.0),  # a thread traceback and the end of the connection, once
+        protocol.Lookup(raw, "default", 10**15),  # answered cached_blocks = 10**15, once
+        protocol.Lookup(raw, "default", -1),
+        protocol.Lookup(raw[:-1], "default"),  # not whole int32s: a thread traceback, once
+        protocol.Load(raw, "default", start=4),
+        protocol.Load(raw, "default", start=0, deadline_s=float("nan")),
+        protocol.Reserve(raw, "default", first_block=5),
+        protocol.Reserve(raw, "default", num_blocks=-2),
+    ]
+    for n, message in enumerate(hostile, start=1):
+        assert c._ask(message) is None, message  # a Failure: a miss for the client, counted
+        assert c.failures == n
+    assert service.manager.ttl_pinned() == 0
+    assert service.manager.stats()["pinned_blocks"] == 0
+    assert c.lookup(tokens, "default", first_block=3).cached_blocks == 3  # the end of the prompt is a place
+    assert c.lookup(tokens, "default").cached_blocks == 3  # the same connection still answers
+    c.close()
+
+
+def test_clients_past_max_clients_are_turned_away_and_admitted_once_one_leaves(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, host={"capacity_bytes": 16 * 4096}, service={"max_clients": 2})
+    svc = CacheService(cfg, toy_layout(), model_fingerprint=FINGERPRINT, socket_path=tmp_path / "c.sock")
+    thread = threading.Thread(target=svc.serve_forever, daemon=True)
+    thread.start()
+    try:
+        first, second = client(svc), client(svc)
+        with pytest.raises(ServiceUnavailable, match="at most 2 clients") as refused:
+            client(svc)
+        assert not isinstance(refused.value, ServiceRefused)  # busy, not another model: the link tries again
+        assert svc.sessions == 2
+        first.close()
+        assert svc.wait_sessions(1, timeout=60)
+        with client(svc) as third:
+            assert third.stats()["host"]["blocks"] == 0
+        second.close()
+    finally:
+        svc.close()
+        thread.join(timeout=30)
+
+
+def test_a_connection_that_never_says_hello_is_ended(service: CacheService, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.service import server
+
+    monkeypatch.setattr(server, "HELLO_TIMEOUT_S", 0.2)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
+        idle.settimeout(60)
+        idle.connect(str(service.socket_path))
+        assert idle.recv(1) == b""  # closed by the service, holding no thread
+    assert service.wait_sessions(0, timeout=60)
+
+
+def test_a_load_after_its_lookup_counts_the_hit_once(service: CacheService) -> None:
+    """vLLM's scheduler looks up and its worker loads: one request, one hit, in the service's figures."""
+    tokens = prompt(3 * BLOCK + 1, seed=43)
+    with client(service) as scheduler, client(service) as worker:
+        scheduler.store(tokens, blocks(3, seed=43), "default")
+        assert scheduler.lookup(tokens, "default").cached_blocks == 3
+        with worker.load(tokens, "default") as load:
+            assert len(load.blocks) == 3
+    host = service.manager.stats()["host"]
+    assert host["hit_tokens"] == 3 * BLOCK and host["lookups"] == 1
 
 
 def raw_exchange(path: Path, payload: bytes) -> bytes:
