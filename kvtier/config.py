@@ -157,6 +157,9 @@ class CacheConfig(_Section):
         "embedded",
         description="embedded: the tiers live in this process; unix:///path: in the node's cache service there.",
     )
+    service_retry_s: float = Field(
+        5.0, gt=0, description="While the cache service is away, how often this process tries to connect again."
+    )
     secret_file: Path | None = Field(
         None, description="The key secret (32 bytes), shared by every node of a deployment; default <data_dir>/secret."
     )

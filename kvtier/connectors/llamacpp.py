@@ -63,12 +63,12 @@ from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from kvtier.config import load_config
-from kvtier.connectors.link import ServiceLink
 from kvtier.connectors.llamacpp_format import Marker, SavedState, StateHeader, pack_state
 from kvtier.connectors.llamacpp_store import MARK_EVERY, SaveOutcome, StateStore
 from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher, Secret
 from kvtier.service.client import CacheClient
+from kvtier.service.link import ServiceLink
 
 log = logging.getLogger(__name__)
 

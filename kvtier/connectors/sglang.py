@@ -39,7 +39,7 @@ block (the layout a single rank's pool has).
 A cache is never a reason for SGLang to fail: a service that is down, goes
 away or refuses this client makes every call a miss (``False``, ``None``,
 ``0``), logged once and counted; the backend reconnects at most every
-``kvtier.connectors.link.RECONNECT_S`` seconds. A block that fails its checksum on the way up from
+``kvtier.service.link.RECONNECT_S`` seconds. A block that fails its checksum on the way up from
 disk ends the load there: SGLang gets fewer pages, never wrong bytes.
 """
 
@@ -55,10 +55,10 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.config import load_config
-from kvtier.connectors.link import ServiceLink
 from kvtier.connectors.sglang_pages import HostPages, Shard, host_pages, page_names, page_namespace, page_starts
 from kvtier.identity import kv_identity_for
 from kvtier.service.client import CacheClient
+from kvtier.service.link import ServiceLink
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo

@@ -40,7 +40,7 @@ request. Once recomputed, the block and those after it are saved again, so
 the next request hits the whole prefix; what the failing step computed over
 the rows that never loaded is never saved (:mod:`kvtier.connectors.vllm_plan`).
 A service that is down is a miss for every request; the connector
-reconnects at most every ``kvtier.connectors.link.RECONNECT_S`` seconds.
+reconnects at most every ``kvtier.service.link.RECONNECT_S`` seconds.
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvtier.config import load_config
-from kvtier.connectors.link import ServiceLink
 from kvtier.connectors.paged import BlockMap, PagedKV
 from kvtier.connectors.vllm_plan import FailedLoads, RequestPlan, Transfer
 from kvtier.identity import kv_identity_for
 from kvtier.layout import LayoutOrder
 from kvtier.service.client import CacheClient
+from kvtier.service.link import ServiceLink
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

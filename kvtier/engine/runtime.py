@@ -27,7 +27,6 @@ from kvtier.model import (
     model_fingerprint,
 )
 from kvtier.service.cache import ServiceCache
-from kvtier.service.client import CacheClient
 
 log = logging.getLogger("kvtier")
 
@@ -92,10 +91,7 @@ def open_cache(loaded: LoadedModel, config: Config) -> CacheManager | ServiceCac
     if socket_path is None:
         return CacheManager(config, layout, model_fingerprint=loaded.fingerprint)
 
-    def connect() -> CacheClient:
-        return CacheClient(socket_path, layout, model_fingerprint=loaded.fingerprint)
-
-    return ServiceCache(connect(), config, layout, prefetcher=connect())
+    return ServiceCache(socket_path, config, layout, model_fingerprint=loaded.fingerprint)
 
 
 def kv_identity(config: Config) -> tuple[KVLayout, str]:

@@ -42,6 +42,7 @@ from kvtier.server.schemas import (
     LatencyReport,
     PrefetchReport,
     RemoteReport,
+    ServiceLinkReport,
     SpeculationReport,
     StatsReport,
     TierReport,
@@ -260,6 +261,7 @@ def build_report(
         ttl_pinned_blocks=cache.ttl_pinned(),
         engine=metrics.engine_report(),
         break_even=BreakEvenReport.model_validate(stats["break_even"]),
+        service=ServiceLinkReport.model_validate(stats["service"]) if "service" in stats else None,
     )
 
 

@@ -461,6 +461,14 @@ class HardwareReport(BaseModel):
     gpu: GpuReport | None = Field(None, description="The GPU's memory and utilisation (NVML); null without one.")
 
 
+class ServiceLinkReport(BaseModel):
+    """This server's link to the node's cache service (``cache.service``)."""
+
+    connected: bool = Field(description="The service answered this /stats (its tiers' figures are fresh).")
+    connects: int = Field(description="Connections made since start: more than one, the service restarted.")
+    failures: int = Field(description="Calls that found the service away or failing (each a miss).")
+
+
 class StatsReport(BaseModel):
     model: str
     block_size: int
@@ -472,6 +480,7 @@ class StatsReport(BaseModel):
     break_even: BreakEvenReport
     remote: RemoteReport | None = Field(None, description="The remote tier's own figures; null when it is off.")
     sessions: SessionsReport | None = Field(None, description="Live agent sessions; null when sessions are off.")
+    service: ServiceLinkReport | None = Field(None, description="The cache service link; null when embedded.")
 
 
 # -- agent sessions and explain ------------------------------------------------------

@@ -18,13 +18,20 @@ What differs, and why:
   shared ones from the tokens, keeping the deployment secret to itself.
 * The reload-vs-recompute model is the engine's own: it is fed by this
   process's forwards.
+* Both connections are :class:`~kvtier.service.link.ServiceLink` s: a
+  service that is not up yet, or restarts, is a miss until it answers, and
+  is used again from the first call after that; this process never needs a
+  restart for it.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,11 +39,13 @@ import numpy as np
 from kvtier.breakeven import BreakEvenModel
 from kvtier.config import Config
 from kvtier.explain import Eviction, ExplainReason, Explanation
-from kvtier.index import LookupResult
+from kvtier.index import LookupResult, MissReason
 from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import Promotion
+from kvtier.service import protocol as p
 from kvtier.service.client import CacheClient, ClientLoad
+from kvtier.service.link import ServiceLink
 from kvtier.store import Payloads
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobId, JobStatus, TransferWorker
@@ -76,25 +85,79 @@ class ServiceFetch:
         self._future.add_done_callback(lambda f: f.result().release())
 
 
+def _nothing(first_block: int) -> ClientLoad:
+    return ClientLoad(first_block, [], [], lambda: None)
+
+
 class ServiceCache:
-    def __init__(self, client: CacheClient, config: Config, layout: KVLayout, *, prefetcher: CacheClient) -> None:
-        self.client = client
-        self._prefetcher = prefetcher  # a second connection: fetches run on it while the engine looks things up
-        self._fetches = ThreadPoolExecutor(1, thread_name_prefix="kvtier-service-fetch")
+    def __init__(
+        self,
+        socket_path: Path,
+        config: Config,
+        layout: KVLayout,
+        *,
+        model_fingerprint: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Connects at once (a refusal raises: another model or layout); a service not up yet is a miss until it is.
+
+        ``clock`` tells when a failed connection is tried again (tests step it).
+        """
         self.config = config
         self.layout = layout
+        self._failures = 0
+        self._count_lock = threading.Lock()
+
+        def link() -> ServiceLink:
+            retry = config.cache.service_retry_s
+            fp, count = model_fingerprint, self._count
+            return ServiceLink(socket_path, layout, fp, count_failures=count, retry_s=retry, clock=clock)
+
+        self.link = link()
+        self._prefetcher = link()  # a second connection: fetches run on it while the engine looks things up
+        self.link.open()
+        self._fetches = ThreadPoolExecutor(1, thread_name_prefix="kvtier-service-fetch")
         self.hasher = KeyHasher.process_local(layout.descriptor, layout.block_size)
         self.costs = BreakEvenModel(
             layout.block_size, layout.block_bytes, deadline_slack=config.transfer.deadline_slack
         )
         self.worker = TransferWorker(1)  # stores run off the engine's step, as embedded
-        self._last_stats = client.stats()
-        self.tiers = [ServiceTier(kind) for kind in (TierKind.HOST, TierKind.DISK) if kind.value in self._last_stats]
+        self._welcome: p.Welcome | None = None
+        self._cleared = 0
+        self._last_stats: dict[str, Any] = {}
+        self.stats()
+
+    def _count(self, n: int) -> None:
+        with self._count_lock:
+            self._failures += n
+
+    def _client(self) -> CacheClient | None:
+        """The engine connection's live client (None: a miss); remembers what the service said it is."""
+        client = self.link.client()
+        if client is not None:
+            self._welcome = client.welcome
+        return client
+
+    @property
+    def generation(self) -> int:
+        """Changes when the blocks this process stored may be gone: a new connection (a restarted service), a clear.
+
+        A restarted service lost the old one's host slab (its disk tier may
+        have kept some), so the engine offers its resident blocks again and
+        the service takes those it lacks (:mod:`kvtier.engine.resident`).
+        """
+        return self.link.connects + self._cleared
+
+    @property
+    def tiers(self) -> list[ServiceTier]:
+        """The tiers the service ran when it last answered."""
+        return [ServiceTier(kind) for kind in (TierKind.HOST, TierKind.DISK) if kind.value in self._last_stats]
 
     @property
     def load_chunk(self) -> int:
         """Blocks one load asks for, so that several loads can hold pins at once (as embedded)."""
-        return max(1, self.client.welcome.slab_bytes // self.client.welcome.slot_bytes // 4)
+        w = self._welcome
+        return 1 if w is None else max(1, w.slab_bytes // w.slot_bytes // 4)
 
     def keyed(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> KeyedTokens:
         """``tokens`` keyed for this process (its resident pool); the service keys them again with its own secret."""
@@ -102,19 +165,28 @@ class ServiceCache:
 
     # -- the data path ------------------------------------------------------------------------------
     def lookup(self, prompt: KeyedTokens, *, first_block: int = 0) -> ServiceLookup:
-        r = self.client.lookup(prompt.tokens, prompt.namespace, first_block=first_block)
+        c = self._client()
+        r = (
+            p.LookupReply(first_block, [], MissReason.ABSENT)
+            if c is None
+            else c.lookup(prompt.tokens, prompt.namespace, first_block=first_block)
+        )
         bs, ns = self.layout.block_size, prompt.namespace
         return ServiceLookup(ns, bs, len(prompt), (), tuple(r.tiers), r.miss_reason, first_block, prompt=prompt)
 
     def probe(self, prompt: KeyedTokens) -> LookupResult:
-        r = self.client.probe(prompt.tokens, prompt.namespace)
+        c = self._client()
+        r = p.LookupReply(0, [], MissReason.ABSENT) if c is None else c.probe(prompt.tokens, prompt.namespace)
         bs, ns = self.layout.block_size, prompt.namespace
         return LookupResult(ns, bs, len(prompt), (), tuple(r.tiers), r.miss_reason)
 
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> ClientLoad:
         assert isinstance(result, ServiceLookup) and result.prompt is not None
         first = result.first_block if start is None else start
-        return self.client.load(result.prompt.tokens, result.namespace, start=first, max_blocks=max_blocks)
+        c = self._client()
+        if c is None:
+            return _nothing(first)
+        return c.load(result.prompt.tokens, result.namespace, start=first, max_blocks=max_blocks)
 
     def fetch(
         self,
@@ -126,23 +198,29 @@ class ServiceCache:
     ) -> ServiceFetch:
         """Start pinning blocks ``start ..`` at the service; the engine takes them at admission."""
         assert isinstance(result, ServiceLookup) and result.prompt is not None
-        tokens = result.prompt.tokens
+        tokens, ns = result.prompt.tokens, result.namespace
         first = result.first_block if start is None else start
         stop = result.cached_blocks if max_blocks is None else min(result.cached_blocks, first + max_blocks)
-        ns = result.namespace
-        future = self._fetches.submit(
-            self._prefetcher.load, tokens, ns, start=first, max_blocks=stop - first, deadline_s=deadline_s
-        )
-        return ServiceFetch(future, first, stop - first)
+
+        def pin() -> ClientLoad:
+            c = self._prefetcher.client()
+            if c is None:
+                return _nothing(first)
+            return c.load(tokens, ns, start=first, max_blocks=stop - first, deadline_s=deadline_s)
+
+        return ServiceFetch(self._fetches.submit(pin), first, stop - first)
 
     def store(
         self, prompt: KeyedTokens, payloads: Payloads, *, first_block: int = 0, num_blocks: int | None = None
     ) -> int:
         """:meth:`CacheManager.store` at the service: slots reserved there, filled here, committed by checksum."""
+        c = self._client()
+        if c is None:
+            return 0
         ids, ns = prompt.tokens, prompt.namespace
         if callable(payloads):
-            return self.client.store_from(ids, payloads, ns, first_block=first_block, num_blocks=num_blocks)
-        return self.client.store(ids, list(payloads), ns, first_block=first_block)
+            return c.store_from(ids, payloads, ns, first_block=first_block, num_blocks=num_blocks)
+        return c.store(ids, list(payloads), ns, first_block=first_block)
 
     def poll(self, job: JobId) -> JobStatus:
         return self.worker.poll(job)
@@ -153,11 +231,16 @@ class ServiceCache:
     # -- agent sessions and explain: the service's tiers, the service's evidence -----------------------
     def session_turn(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> None:
         """The session spoke: the service protects its transcript in the host tier it runs."""
-        self.client.session_turn(namespace, session_id, tokens)
+        c = self._client()
+        if c is not None:
+            c.session_turn(namespace, session_id, tokens)
 
     def session_prefetch(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> Promotion:
         """:meth:`CacheManager.prefetch` at the service, which also makes the session live there again."""
-        reply = self.client.session_prefetch(namespace, session_id, tokens)
+        c = self._client()
+        if c is None:
+            return Promotion({}, 0)
+        reply = c.session_prefetch(namespace, session_id, tokens)
         return Promotion(dict(reply.promoted), reply.host_blocks)
 
     def explain(
@@ -165,7 +248,8 @@ class ServiceCache:
     ) -> Explanation | None:
         """:meth:`kvtier.manager.CacheManager.explain`, answered by the service; None while it is unreachable."""
         ns = prompt.namespace
-        r = self.client.explain(prompt.tokens, ns, own_namespaces=own_namespaces, diverged_at=diverged_at)
+        c = self._client()
+        r = None if c is None else c.explain(prompt.tokens, ns, own_namespaces=own_namespaces, diverged_at=diverged_at)
         if r is None:
             return None
         result = LookupResult(ns, self.layout.block_size, len(prompt), (), tuple(r.tiers), r.miss_reason)
@@ -185,14 +269,19 @@ class ServiceCache:
     # -- operators --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The service's figures; while it is unreachable, the last ones it gave (its failures are counted)."""
-        fresh = self.client.stats()
+        c = self._client()
+        fresh = {} if c is None else c.stats()
         if fresh:
             self._last_stats = fresh
+        with self._count_lock:
+            failures = self._failures
+        unreported = self.link.unreported_failures() + self._prefetcher.unreported_failures()
+        link = {"connected": bool(fresh), "connects": self.link.connects, "failures": failures + unreported}
         return {
             "pinned_blocks": 0,
             "ttl_pinned_blocks": 0,
             **self._last_stats,
-            "service_failures": self.client.failures,
+            "service": link,
             "break_even": self.costs.snapshot(),
         }
 
@@ -201,10 +290,13 @@ class ServiceCache:
 
     def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> list[int]:
         """The indices of the blocks pinned (the keys are the service's)."""
-        return list(range(self.client.pin(prompt.tokens, prompt.namespace, ttl_s)))
+        c = self._client()
+        return [] if c is None else list(range(c.pin(prompt.tokens, prompt.namespace, ttl_s)))
 
     def clear(self, kind: TierKind | None = None) -> int:
-        return self.client.clear(kind)
+        c = self._client()
+        self._cleared += 1
+        return 0 if c is None else c.clear(kind)
 
     def close(self, flush_s: float | None = None) -> None:
         """Finish this process's stores; flushing the tiers is the service's job when it stops."""
@@ -212,4 +304,4 @@ class ServiceCache:
         self.worker.shutdown()
         self._fetches.shutdown(wait=True)
         self._prefetcher.close()
-        self.client.close()
+        self.link.close()

@@ -3,8 +3,10 @@ hits the blocks its turn 1 stored through the first, with the same greedy output
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,28 +15,33 @@ import yaml
 
 from kvtier.engine.runtime import LoadedModel
 from tests.helpers import shared_full_blocks
-from tests.server.live import ROOT, SIZES, Reference, running
+from tests.server.live import ROOT, SIZES, LiveServer, Reference, running
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 @contextmanager
-def cache_service(tmp: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
-    """``kvtier cache serve`` in a subprocess; yields its socket (and process) once it says it is listening."""
-    sock = tmp / "cache.sock"
+def cache_service(tmp: Path, sock: Path | None = None) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """``kvtier cache serve`` in a subprocess (tiers under ``tmp``); yields its socket and process once it listens."""
+    sock = sock or tmp / "cache.sock"
+    tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "service.yaml"
-    config.write_text(yaml.safe_dump({"data_dir": str(tmp / "service-data"), **SIZES}))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "cache", "serve", "--config", str(config), "--socket", str(sock)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
+    # its own slab directory: a service killed by a test leaves its slab behind, which the next one would reclaim
+    tree = {"data_dir": str(tmp / "service-data"), "service": {"slab_dir": str(tmp)}, **SIZES}
+    config.write_text(yaml.safe_dump(tree))
+    log = tmp / "service.log"
+    with log.open("w") as errors:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "cache", "serve", "--config", str(config), "--socket", str(sock)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            cwd=ROOT,
+        )
     try:
         assert process.stdout is not None
-        line = process.stdout.readline()  # printed once the socket listens
-        assert line.startswith("kvtier cache service: unix://"), line + process.stdout.read()
+        line = process.stdout.readline()  # printed once the socket listens (or nothing: it exited)
+        assert line.startswith("kvtier cache service: unix://"), line + log.read_text()
         yield sock, process
     finally:
         process.terminate()
@@ -83,8 +90,8 @@ def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: Lo
             same = b.post("/v1/cache/explain", json={"messages": messages}).json()
             assert same["cached_tokens"] == len(ids2) // 16 * 16 and same["tiers"] == {"host": same["cached_tokens"]}
 
-            service.terminate()  # the service goes away mid-session: the instances answer on, from their own pools
-            assert service.wait(timeout=60) == 0
+            service.kill()  # the service goes away mid-session: the instances answer on, from their own pools
+            assert service.wait(timeout=60) == -signal.SIGKILL
             messages += [
                 {"role": "assistant", "content": second.choices[0].message.content},
                 {"role": "user", "content": "Is the sum prime?"},
@@ -95,3 +102,53 @@ def test_turn_two_on_another_instance_hits_what_turn_one_stored(loaded_model: Lo
                 )
                 assert third.choices[0].message.content == reference.chat(messages, 12)[1].text
             assert b.stats()["tiers"]["host"]["blocks"] > 0  # the last figures the service gave
+
+
+def test_servers_use_a_restarted_service_and_one_started_before_it_connects_when_it_appears(
+    loaded_model: LoadedModel, tmp_path: Path
+) -> None:
+    """kill -9 the service under two servers, start a third while it is down, then start a new service:
+    all three use it from then on, without a restart, and the greedy text never changes."""
+    reference = Reference(loaded_model, tmp_path)
+    sock = tmp_path / "cache.sock"
+    shared = {"cache": {"service": f"unix://{sock}", "service_retry_s": 0.5}}
+    question = [{"role": "user", "content": "Name the planets of the solar system, in order from the sun. " * 6}]
+    with running(tmp_path / "a", shared) as a, running(tmp_path / "b", shared) as b:
+        with cache_service(tmp_path / "first", sock) as (_, first):
+            a.client().chat.completions.create(model=MODEL, messages=question, max_tokens=4, temperature=0)
+            first.kill()
+            assert first.wait(timeout=60) == -signal.SIGKILL
+        with running(tmp_path / "c", shared) as c:  # starts with nothing listening: serves by recomputing
+            fresh = [{"role": "user", "content": "Which of the planets are gas giants, and why? " * 6}]
+            ids, ref = reference.chat(fresh, 8)
+            with cache_service(tmp_path / "second", sock):
+                wait_connected(c)
+                answers = []
+                for server in (a, b, c):
+                    out = server.client().chat.completions.create(
+                        model=MODEL, messages=fresh, max_tokens=8, temperature=0
+                    )
+                    answers.append((out.choices[0].message.content, out.usage.prompt_tokens_details.cached_tokens))
+                    wait_stored(server, len(ids) // 16)  # stores finish behind the answer
+                full = (len(ids) - 1) // 16 * 16
+                assert [text for text, _ in answers] == [ref.text] * 3
+                # a computed it (all but the chat template's opening, held in its own pool) and stored all of it
+                # there, the opening too (kept under the old service); b and c, which never saw it, hit all of it
+                assert answers[0][1] < full and answers[1][1] == answers[2][1] == full
+                assert b.stats()["tiers"]["host"]["blocks"] == len(ids) // 16  # the new service's own figure
+        said = c.log.read_text()
+        assert said.count("until it answers") == 1 and said.count("answers again") == 1, said
+
+
+def wait_connected(server: LiveServer, timeout_s: float = 120) -> None:
+    """Until the server's /stats says its cache service answered (it asks when due, every service_retry_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not server.stats()["service"]["connected"]:
+        assert time.monotonic() < deadline, server.log.read_text()
+
+
+def wait_stored(server: LiveServer, blocks: int, timeout_s: float = 120) -> None:
+    """Until the cache service holds ``blocks`` blocks, as the server's /stats reports its figures."""
+    deadline = time.monotonic() + timeout_s
+    while server.stats()["tiers"]["host"]["blocks"] < blocks:
+        assert time.monotonic() < deadline, server.log.read_text()
