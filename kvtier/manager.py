@@ -114,6 +114,7 @@ class CacheManager:
         self.promoter = Promoter(self._tiers, self.eviction, self._pins, self.worker, self.costs, layout)
         self.stores = Stores(self._tiers, self.eviction, self._pins, layout, self.write_mode)
         self._closed = False
+        self.generation = 0  # bumped by clear(): what an engine kept resident is no longer known stored here
 
     @property
     def protect(self) -> Callable[[int], Protection] | None:
@@ -334,6 +335,7 @@ class CacheManager:
     def clear(self, kind: TierKind | None = None) -> int:
         """Drop every unpinned block of one tier (or all); returns how many."""
         with self._lock:
+            self.generation += 1
             return self.eviction.clear(kind)
 
     def stats(self) -> dict[str, Any]:

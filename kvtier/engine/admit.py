@@ -110,7 +110,8 @@ class Admission:
             waiting.remove(req)
             self._fill_from_cache(req, usable)
             req.table.num_tokens = req.cached_tokens = len(req.table.block_ids) * self.block_size
-            req.stored_blocks = req.shared_blocks = len(req.table.block_ids)
+            req.shared_blocks = len(req.table.block_ids)
+            req.stored_blocks = self._stored_blocks(req)
             self.pool.grow(req.table, total)
             self.tokens_skipped += req.cached_tokens
             self.publisher.claim(req)
@@ -158,6 +159,22 @@ class Admission:
         if short > 0 and self.resident is not None:
             self.resident.release(short)
         return self.pool.num_free >= need
+
+    def _stored_blocks(self, req: Request) -> int:
+        """Leading shared blocks the cache holds already: all, unless resident ones predate the cache's generation.
+
+        Blocks loaded from the cache are held there; resident ones were
+        stored when kept, in the cache of their generation. From the first
+        one kept in an earlier generation (the service restarted empty, or
+        was cleared), the request stores its blocks again: the cache takes
+        only those it lacks.
+        """
+        shared = len(req.table.block_ids)
+        if self.cache is None or self.resident is None:
+            return shared
+        attached = req.served_from.get(TierKind.DEVICE, 0) // self.block_size
+        current = self.resident.stored_in(req.keys[:attached], self.cache.generation)
+        return shared if current == attached else current
 
     def _attach_resident(self, req: Request, keys: list[BlockKey]) -> None:
         """Share the pool blocks of the longest confirmed prefix still resident (no copy at all)."""

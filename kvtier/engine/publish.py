@@ -63,7 +63,8 @@ class Publisher:
         if full <= first:
             return
         if self.resident is not None:
-            self.resident.keep(req.keys[first:full], req.table.block_ids[first:full], req.blocks[first:full])
+            ids = req.table.block_ids[first:full]
+            self.resident.keep(req.keys[first:full], ids, req.blocks[first:full], self.generation)
         self._unclaim(req, req.keys[first:full])
         req.shared_blocks = full
 
@@ -74,7 +75,12 @@ class Publisher:
         if self.resident is not None:
             full = self.cacheable_blocks(req)
             chain = req.keyed_through(full)
-            self.resident.keep(chain.keys[:full], req.table.block_ids[:full], chain.blocks[:full])
+            self.resident.keep(chain.keys[:full], req.table.block_ids[:full], chain.blocks[:full], self.generation)
+
+    @property
+    def generation(self) -> int:
+        """The cache's generation, which blocks kept now are stored in (see :mod:`kvtier.engine.resident`)."""
+        return 0 if self.cache is None else self.cache.generation
 
     def _unclaim(self, req: Request, keys: list[BlockKey]) -> None:
         for key in keys:

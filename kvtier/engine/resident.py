@@ -7,12 +7,21 @@ all). Blocks are reference-counted by the pool; this index holds one
 reference per block and gives it up, least recently used first, when a new
 request needs room. Every hit is confirmed against the request's tokens, like
 every other tier.
+
+A resident block was stored in kvtier when it was computed, so a request
+that shares it need not store it again, as long as the cache is the one it
+was stored in. Each block remembers the cache's generation when it was kept
+(:attr:`kvtier.manager.CacheManager.generation`): after a cache service
+restarted empty, or a clear, the blocks kept before are stored again by the
+next request that shares them; without that, a hot prefix resident here
+would never reach the new cache, and since keys chain, nothing after it
+would be found there by any other engine.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,6 +36,7 @@ from kvtier.tiers.base import TierKind
 class _Resident:
     block_id: int
     tokens: np.ndarray
+    generation: int  # the cache's, when this block was kept (stored there)
 
     def matches(self, tokens: np.ndarray) -> bool:
         """The confirmation every tier makes, here on the block's tokens themselves (the pool holds them anyway)."""
@@ -64,18 +74,35 @@ class ResidentBlocks:
         """How many leading ``keys`` :meth:`match` would share now, without touching recency."""
         return len(longest_prefix(keys, blocks, [self]).tiers)
 
-    def keep(self, keys: list[BlockKey], block_ids: list[int], blocks: np.ndarray) -> None:
-        """Hold a reference to each full block of a finished request not already held."""
+    def keep(self, keys: list[BlockKey], block_ids: list[int], blocks: np.ndarray, generation: int = 0) -> None:
+        """Hold a reference to each full block of a finished request not already held.
+
+        ``generation``: the cache's, in which these blocks are stored (those
+        already held are stored there again, so they take it too).
+        """
         new: list[BlockKey] = []
         for key, block_id, tokens in reversed(list(zip(keys, block_ids, blocks, strict=False))):
-            if key in self._blocks:
+            held = self._blocks.get(key)
+            if held is not None:
+                if held.generation != generation:
+                    self._blocks[key] = replace(held, generation=generation)
                 self._blocks.move_to_end(key)
                 continue
             self._pool.share([block_id])
-            self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32))
+            self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32), generation)
             new.append(key)
         if new and self.events is not None:
             self.events.stored(TierKind.DEVICE, new)
+
+    def stored_in(self, keys: list[BlockKey], generation: int) -> int:
+        """How many leading held ``keys`` were stored in the cache of ``generation`` (the rest: store again)."""
+        n = 0
+        for key in keys:
+            held = self._blocks.get(key)
+            if held is None or held.generation != generation:
+                break
+            n += 1
+        return n
 
     def evictable(self) -> int:
         """Blocks that would return to the pool's free list if released now (held by nobody else)."""

@@ -14,6 +14,7 @@ from kvtier.config import Config, load_config
 from kvtier.engine.engine import Engine, FinishReason
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
+from kvtier.tiers.base import TierKind
 from tests.helpers import shared_full_blocks
 
 B = 16
@@ -111,6 +112,25 @@ def test_reuse_from_the_resident_pool_is_exact(loaded_model: LoadedModel, tmp_pa
         turns = converse(engine, loaded_model)
         check_reuse(turns, baseline)
         assert len(engine.resident) > 0
+
+
+def test_a_cleared_cache_gets_the_resident_prefix_stored_again(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    """A resident block counts as stored only in the cache it was stored in: after a clear (or, on the cache
+    service, a restart) the next request sharing it stores it again, else the chain's head never returns."""
+    cfg = config(tmp_path)
+    ids = loaded_model.chat_ids([{"role": "user", "content": "Name the planets of the solar system, in order. " * 4}])
+    with open_cache(loaded_model, cfg) as cache:
+        engine = make_engine(loaded_model, cfg, cache=cache, keep_resident=True)
+        (first,) = engine.generate([ids], GREEDY)
+        engine.drain_stores()
+        held = cache.stats()["host"]["blocks"]
+        assert held == (len(ids) + len(first.token_ids) - 1) // B  # prompt and reply, as computed
+        assert cache.clear() == held and cache.stats()["host"]["blocks"] == 0
+        (again,) = engine.generate([ids], GREEDY)  # every block shared from the pool, none loaded
+        engine.drain_stores()
+        assert again.token_ids == first.token_ids and again.served_from == {TierKind.DEVICE: again.cached_tokens}
+        assert cache.stats()["host"]["blocks"] == held
+        assert cache.probe(cache.keyed(ids)).cached_blocks == len(ids) // B
 
 
 def test_concurrent_requests_match_one_by_one(loaded_model: LoadedModel, tmp_path: Path) -> None:

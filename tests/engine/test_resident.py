@@ -53,3 +53,11 @@ def test_keep_twice_takes_one_reference_and_clear_gives_all_back() -> None:
     assert [pool.ref_count(b) for b in ids] == [1, 1, 1]
     resident.clear()
     assert len(resident) == 0 and pool.num_free == 8
+
+
+def test_blocks_count_as_stored_only_in_the_generation_they_were_kept_in() -> None:
+    _, resident, ids = kept()  # kept in generation 0
+    assert resident.stored_in(keys(3), 0) == 3 and resident.stored_in(keys(3), 1) == 0
+    resident.keep(keys(2), ids[:2], tokens(2), generation=1)  # stored again in the new cache: the first two
+    assert resident.stored_in(keys(3), 1) == 2
+    assert resident.stored_in(keys(3, salt=9), 1) == 0  # not held at all
