@@ -99,6 +99,9 @@ class _Layer:
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
+    bqkv: torch.Tensor | None = None  # qwen2: Q/K/V biases, fused like the weights
+    q_norm: torch.Tensor | None = None  # qwen3: RMSNorm weights over each head of Q and of K, before RoPE
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,13 @@ class _Plan:
 
 
 class LlamaModel:
-    """Llama-family decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU) over a paged KV pool."""
+    """Llama-family decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU) over a paged KV pool.
+
+    An architecture's additions (:class:`~kvtier.model.config.ArchitectureTraits`:
+    Q/K/V biases, per-head Q/K norms) are tensors of the layer, applied to
+    the fused Q/K/V product before RoPE: every path after that (the fused
+    RoPE and K/V write, the attention kernels) is the same for all of them.
+    """
 
     def __init__(
         self,
@@ -170,6 +179,7 @@ class LlamaModel:
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self._q_dim, self._kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.decode_layers: list[_QuantLayer] | None = None
         self.lm_head_blocks: QuantMatrix | None = None
         dense_ok = dtype in (torch.float32, torch.bfloat16)
@@ -179,10 +189,12 @@ class LlamaModel:
         self.cos = cos.to(device=self.device, dtype=dtype)
         self.sin = sin.to(device=self.device, dtype=dtype)
 
-    @staticmethod
-    def _layer(get: Callable[[str], torch.Tensor], p: str) -> _Layer:
+    def _layer(self, get: Callable[[str], torch.Tensor], p: str) -> _Layer:
         attn = [get(f"{p}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
         mlp = [get(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+        traits = self.config.traits
+        bias = torch.cat([get(f"{p}self_attn.{n}_proj.bias") for n in ("q", "k", "v")]) if traits.qkv_bias else None
+        norms = [get(f"{p}self_attn.{n}_norm.weight") for n in ("q", "k")] if traits.qk_norm else [None, None]
         return _Layer(
             attn_norm=get(f"{p}input_layernorm.weight"),
             wqkv=torch.cat(attn, dim=0),
@@ -190,6 +202,9 @@ class LlamaModel:
             mlp_norm=get(f"{p}post_attention_layernorm.weight"),
             w_gate_up=torch.cat(mlp, dim=0),
             w_down=get(f"{p}mlp.down_proj.weight"),
+            bqkv=bias,
+            q_norm=norms[0],
+            k_norm=norms[1],
         )
 
     def _load_decode_blocks(self, blocks: Mapping[str, QuantBlocks]) -> None:
@@ -370,6 +385,7 @@ class LlamaModel:
         c = self.config
         q_dim = c.num_heads * c.head_dim
         qkv = h @ layer.wqkv.T if quantized is None else quantized.wqkv(h).to(h.dtype)
+        qkv = self._before_rope(layer, qkv)
         if layer_ready is not None:
             layer_ready(index)  # cached K/V of this layer are in the pool from here on
         q, k, v = plan.rope.apply(index, qkv)  # and this forward's new ones from here
@@ -385,6 +401,18 @@ class LlamaModel:
                 out[plan.decode.rows] = self._decode_attention(index, plan.decode, q[plan.decode.rows], pool)
         out = out.reshape(-1, q_dim)
         return out @ layer.wo.T if quantized is None else quantized.wo(out).to(h.dtype)
+
+    def _before_rope(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """The architecture's hooks on the fused ``qkv [N, q_dim + 2 kv_dim]``: biases, then per-head Q/K norms."""
+        if layer.bqkv is not None:
+            qkv = qkv + layer.bqkv
+        if layer.q_norm is not None and layer.k_norm is not None:
+            c, q_dim, kv_dim = self.config, self._q_dim, self._kv_dim
+            d, eps = c.head_dim, c.rms_norm_eps
+            q = F.rms_norm(qkv[:, :q_dim].reshape(-1, c.num_heads, d), (d,), layer.q_norm, eps)
+            k = F.rms_norm(qkv[:, q_dim : q_dim + kv_dim].reshape(-1, c.num_kv_heads, d), (d,), layer.k_norm, eps)
+            qkv = torch.cat([q.flatten(1), k.flatten(1), qkv[:, q_dim + kv_dim :]], dim=1)
+        return qkv
 
     def _prefill_attention(
         self, index: int, p: _Prefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool

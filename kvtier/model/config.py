@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class Architecture(enum.StrEnum):
+    """A GGUF ``general.architecture`` the forward pass serves: the Llama layer, with the named hooks of each."""
+
+    LLAMA = "llama"  # Llama 2/3.x, SmolLM, Mistral-style: the plain layer
+    QWEN2 = "qwen2"  # + biases on Q, K and V
+    QWEN3 = "qwen3"  # + an RMSNorm over each head of Q and of K, before RoPE
+
+
+@dataclass(frozen=True)
+class ArchitectureTraits:
+    """What a :class:`Architecture` adds to the plain Llama layer, as data the loader and forward read."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    interleaved_qk: bool = False  # llama.cpp stored Q/K rows permuted for its interleaved RoPE (undone on load)
+
+
+TRAITS: dict[Architecture, ArchitectureTraits] = {
+    Architecture.LLAMA: ArchitectureTraits(interleaved_qk=True),
+    Architecture.QWEN2: ArchitectureTraits(qkv_bias=True),
+    Architecture.QWEN3: ArchitectureTraits(qk_norm=True),
+}
 
 
 @dataclass(frozen=True)
@@ -16,6 +41,9 @@ class ModelConfig:
     ``...up_proj``, ``...down_proj``, ``model.norm.weight``, and ``lm_head.weight`` unless tied),
     with Q and K rows in Hugging Face (rotate-half RoPE) order: a GGUF loader
     undoes llama.cpp's interleaving permutation before handing them over.
+    The :attr:`architecture`'s hooks add their own tensors: Q/K/V biases
+    (``...q_proj.bias``), per-head Q/K norms (``...self_attn.q_norm.weight``,
+    ``...k_norm.weight``).
     """
 
     vocab_size: int
@@ -31,3 +59,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_id: int | None
+    architecture: Architecture = Architecture.LLAMA
+
+    @property
+    def traits(self) -> ArchitectureTraits:
+        return TRAITS[self.architecture]

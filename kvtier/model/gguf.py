@@ -1,4 +1,5 @@
-"""Read a Llama-family GGUF file into a :class:`ModelConfig` and Hugging Face-named weights.
+"""Read a Llama-family GGUF file (:class:`~kvtier.model.config.Architecture`) into a
+:class:`ModelConfig` and Hugging Face-named weights.
 
 The ``gguf`` package does the reading (``GGUFReader``) and the dequantizing
 (``gguf.quants.dequantize``); this module only renames, reshapes and checks.
@@ -8,10 +9,11 @@ Two things about the file layout decide correctness here:
   reader shape is ``[576, 1536]`` is a ``(1536, 576)`` row-major matrix (the
   ``(out_features, in_features)`` of ``nn.Linear``). Every tensor is reshaped to the
   reversed ``ne`` and then checked against the shape the config implies.
-* **Q/K row order.** llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of
-  ``q_proj`` and ``k_proj`` so that its interleaved RoPE (pairs ``2i, 2i+1``) computes
-  what Hugging Face's rotate-half RoPE (pairs ``i, i + d/2``) did. We undo it, so the
-  weights obey the :class:`ModelConfig` contract.
+* **Q/K row order.** For ``llama`` files, llama.cpp's ``convert_hf_to_gguf.py`` permutes
+  the rows of ``q_proj`` and ``k_proj`` so that its interleaved RoPE (pairs ``2i, 2i+1``)
+  computes what Hugging Face's rotate-half RoPE (pairs ``i, i + d/2``) did. We undo it, so
+  the weights obey the :class:`ModelConfig` contract. Architectures llama.cpp runs with
+  rotate-half ("NEOX") RoPE, such as ``qwen2`` and ``qwen3``, are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from kvtier.model.config import ModelConfig
+from kvtier.model.config import Architecture, ModelConfig
 from kvtier.private import make_private, private_dir
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+SUPPORTED_ARCHITECTURES = frozenset(a.value for a in Architecture)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -57,8 +59,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 FINGERPRINT_CACHE_FILE = "model_fingerprints.json"
 
@@ -132,9 +136,9 @@ def _load(reader: GGUFReader, path: Path, dtype: torch.dtype, progress: bool) ->
     for tensor in bar:
         hf_name = hf_tensor_name(tensor.name)
         array = _dequantized(tensor)
-        if hf_name.endswith("q_proj.weight"):
+        if config.traits.interleaved_qk and hf_name.endswith("q_proj.weight"):
             array = unpermute_qk(array, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif config.traits.interleaved_qk and hf_name.endswith("k_proj.weight"):
             array = unpermute_qk(array, config.num_kv_heads)
         shape = expected.get(hf_name)
         if shape is None:
@@ -213,7 +217,7 @@ def _blocks(reader: GGUFReader, config: ModelConfig) -> dict[str, QuantBlocks]:
         arrays = [q, d, m]
         hf_name = hf_tensor_name(tensor.name)
         heads = config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.traits.interleaved_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             arrays = [None if a is None else unpermute_qk(a, heads) for a in arrays]
         q, d, m = arrays
         assert q is not None and d is not None
@@ -246,13 +250,13 @@ def _field_value(field: ReaderField) -> Any:
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face Llama name of a llama.cpp tensor name (``blk.3.attn_q.weight``)."""
+    """The Hugging Face name of a llama.cpp tensor name (``blk.3.attn_q.weight``, ``blk.3.attn_q.bias``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"unsupported GGUF tensor {gguf_name!r} (not part of a plain Llama model)")
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -285,10 +289,11 @@ def _dequantized(tensor: Any) -> np.ndarray:
 
 
 def _config_from(metadata: GGUFMetadata, tensor_names: set[str], reader: GGUFReader) -> ModelConfig:
-    """The config from ``{arch}.*`` keys; refuses what the Llama forward pass cannot honour."""
+    """The config from ``{arch}.*`` keys; refuses what the forward pass cannot honour."""
     arch = metadata.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    architecture = Architecture(arch)
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise ValueError(f"RoPE scaling {scaling!r} is not supported")
@@ -320,6 +325,7 @@ def _config_from(metadata: GGUFMetadata, tensor_names: set[str], reader: GGUFRea
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
+        architecture=architecture,
     )
 
 
@@ -344,9 +350,16 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "input_layernorm": (hidden,),
         "post_attention_layernorm": (hidden,),
     }
+    per_layer = {f"{name}.weight": shape for name, shape in per_layer.items()}
+    traits = config.traits
+    if traits.qkv_bias:
+        per_layer |= {"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,)}
+        per_layer |= {"self_attn.v_proj.bias": (kv_rows,)}
+    if traits.qk_norm:
+        per_layer |= {"self_attn.q_norm.weight": (config.head_dim,), "self_attn.k_norm.weight": (config.head_dim,)}
     for layer in range(config.num_layers):
         for name, shape in per_layer.items():
-            shapes[f"model.layers.{layer}.{name}.weight"] = shape
+            shapes[f"model.layers.{layer}.{name}"] = shape
     return shapes
 
 

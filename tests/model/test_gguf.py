@@ -153,7 +153,7 @@ def test_tensor_names(gguf_name: str, hf_name: str) -> None:
     assert hf_tensor_name(gguf_name) == hf_name
 
 
-@pytest.mark.parametrize("name", ["rope_freqs.weight", "blk.0.attn_q.bias", "blk.0.ffn_gate_exps.weight"])
+@pytest.mark.parametrize("name", ["rope_freqs.weight", "blk.0.attn_q.scale", "blk.0.ffn_gate_exps.weight"])
 def test_unknown_tensors_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="unsupported GGUF tensor"):
         hf_tensor_name(name)
