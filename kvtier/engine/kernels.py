@@ -300,12 +300,22 @@ def plan_prefill(pool: KVPool, table: BlockTable, start: int, tokens: int, num_h
     return None
 
 
-def plan_decode(pool: KVPool, tables: Sequence[BlockTable], lengths: Sequence[int], num_heads: int) -> DecodePlan:
-    """The decode attention for these sequences (each attending to its first ``lengths[i]`` positions)."""
-    if native_fits(pool.layers[0], num_heads):
+def plan_decode(
+    pool: KVPool, tables: Sequence[BlockTable], lengths: Sequence[int], num_heads: int, *, window: int | None = None
+) -> DecodePlan:
+    """The decode attention for these sequences (each attending to its first ``lengths[i]`` positions).
+
+    ``window``: a sliding-window layer's, each token seeing only its last
+    ``window`` positions (torch's path, the rest masked).
+    """
+    if window is None and native_fits(pool.layers[0], num_heads):
         return NativeDecode(pool.layers, PagedBlocks.of(tables, lengths, pool.block_size), num_heads)
     gather = pool.plan_gather(tables, lengths)
     width = gather.num_blocks * pool.block_size
     n = torch.tensor(list(lengths))
-    mask = (torch.arange(width)[None, :] < n[:, None]).view(len(lengths), 1, 1, width)
+    positions = torch.arange(width)[None, :]
+    mask = positions < n[:, None]
+    if window is not None:
+        mask &= positions >= n[:, None] - window
+    mask = mask.view(len(lengths), 1, 1, width)
     return TorchDecode(pool, gather, mask.to(pool.device))

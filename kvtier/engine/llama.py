@@ -61,10 +61,10 @@ from kvtier.engine import quant
 from kvtier.engine.kernels import DecodePlan, NativePrefill, plan_decode, plan_prefill
 from kvtier.engine.pool import BlockTable, Gather, KVPool, Slots
 from kvtier.engine.quant import QuantMatrix
-from kvtier.engine.rowwise import Rope, add_rms_norm, rope_table, silu_mul
+from kvtier.engine.rowwise import Rope, add_rms_norm, rms_norm, rope_table, silu_mul
 from kvtier.layout import KVLayout
 from kvtier.model import QuantBlocks
-from kvtier.model.config import ModelConfig
+from kvtier.model.config import Activation, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,10 @@ class _Layer:
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
     bqkv: torch.Tensor | None = None  # qwen2: Q/K/V biases, fused like the weights
-    q_norm: torch.Tensor | None = None  # qwen3: RMSNorm weights over each head of Q and of K, before RoPE
+    q_norm: torch.Tensor | None = None  # qwen3, gemma3: RMSNorm weights over each head of Q and of K, before RoPE
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # gemma3: the attention's output normed before the residual add
+    post_mlp_norm: torch.Tensor | None = None  # and the MLP's
 
 
 @dataclass(frozen=True)
@@ -115,18 +117,28 @@ class _QuantLayer:
 
 
 @dataclass(frozen=True)
+class _Windowed:
+    """A sliding-window layer's attention for a sequence longer than the window: torch's, with the window masked."""
+
+    gather: Gather | None  # the cached + new positions (None: nothing cached, attend to the fresh K/V)
+    mask: torch.Tensor  # additive [T, start + T]: 0 where a new token may look (causal, within the window)
+
+
+@dataclass(frozen=True)
 class _Prefill:
     rows: slice  # this sequence's rows of the flattened batch
     start: int
     native: NativePrefill | None  # the C kernel over the cached + new positions, where it fits
     gather: Gather | None  # else torch's: None when nothing is cached (attend to the fresh K/V)
     mask: torch.Tensor | None  # additive [T, start + T]: 0 where a new token may look, -inf elsewhere
+    windowed: _Windowed | None  # for sliding-window layers, when the window cuts into what the tokens see
 
 
 @dataclass(frozen=True)
 class _Decode:
     rows: torch.Tensor  # rows of the flattened batch, one per decoding sequence
     attention: DecodePlan  # the C kernel on CPU, else gather + matmul (kvtier.engine.kernels)
+    windowed: DecodePlan | None  # sliding-window layers, when some sequence is longer than the window
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,7 @@ class _Plan:
     """Everything about a batch that is the same for every layer, computed once per forward."""
 
     ids: torch.Tensor
-    rope: Rope  # each new token's rotation, and its pool slot
+    ropes: list[Rope]  # per layer: each new token's rotation (the layer's RoPE base), and its pool slot
     last_rows: torch.Tensor
     prefills: list[_Prefill]
     decode: _Decode | None
@@ -147,6 +159,11 @@ class LlamaModel:
     Q/K/V biases, per-head Q/K norms) are tensors of the layer, applied to
     the fused Q/K/V product before RoPE: every path after that (the fused
     RoPE and K/V write, the attention kernels) is the same for all of them.
+    Gemma 3's further ones are as local: its embeddings scaled, a norm on
+    each block's output, GeGLU for SwiGLU, and sliding-window layers with
+    their own RoPE base. A sliding-window layer attends as any other until a
+    sequence outgrows its window; past that it takes torch's paths with the
+    window in the mask (the C kernels see every cached position).
     """
 
     def __init__(
@@ -176,6 +193,8 @@ class LlamaModel:
             return weights[name].detach().to(device=self.device, dtype=dtype)
 
         self.embed = w("model.embed_tokens.weight")
+        traits = config.traits
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype) if traits.scaled_embedding else None
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(config.num_layers)]
@@ -188,6 +207,10 @@ class LlamaModel:
         cos, sin = rope_table(config.head_dim, config.rope_theta, config.context_length)
         self.cos = cos.to(device=self.device, dtype=dtype)
         self.sin = sin.to(device=self.device, dtype=dtype)
+        self.local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        if config.sliding_layers and config.local_rope_theta not in (None, config.rope_theta):
+            cos, sin = rope_table(config.head_dim, config.local_rope_theta, config.context_length)
+            self.local_rope = (cos.to(device=self.device, dtype=dtype), sin.to(device=self.device, dtype=dtype))
 
     def _layer(self, get: Callable[[str], torch.Tensor], p: str) -> _Layer:
         attn = [get(f"{p}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
@@ -195,16 +218,19 @@ class LlamaModel:
         traits = self.config.traits
         bias = torch.cat([get(f"{p}self_attn.{n}_proj.bias") for n in ("q", "k", "v")]) if traits.qkv_bias else None
         norms = [get(f"{p}self_attn.{n}_norm.weight") for n in ("q", "k")] if traits.qk_norm else [None, None]
+        post = traits.post_norms
         return _Layer(
             attn_norm=get(f"{p}input_layernorm.weight"),
             wqkv=torch.cat(attn, dim=0),
             wo=get(f"{p}self_attn.o_proj.weight"),
-            mlp_norm=get(f"{p}post_attention_layernorm.weight"),
+            mlp_norm=get(f"{p}pre_feedforward_layernorm.weight" if post else f"{p}post_attention_layernorm.weight"),
             w_gate_up=torch.cat(mlp, dim=0),
             w_down=get(f"{p}mlp.down_proj.weight"),
             bqkv=bias,
             q_norm=norms[0],
             k_norm=norms[1],
+            post_attn_norm=get(f"{p}post_attention_layernorm.weight") if post else None,
+            post_mlp_norm=get(f"{p}post_feedforward_layernorm.weight") if post else None,
         )
 
     def _load_decode_blocks(self, blocks: Mapping[str, QuantBlocks]) -> None:
@@ -288,13 +314,22 @@ class LlamaModel:
         eps = self.config.rms_norm_eps
         decode = self._decode_blocks(plan)
         # each residual add is fused with the RMSNorm that follows it: the norm's input is the sum
-        x, h = add_rms_norm(F.embedding(plan.ids, self.embed), None, self.layers[0].attn_norm, eps)
+        embedded = F.embedding(plan.ids, self.embed)
+        if self.embed_scale is not None:
+            embedded = embedded * self.embed_scale
+        x, h = add_rms_norm(embedded, None, self.layers[0].attn_norm, eps)
         norms = [layer.mlp_norm for layer in self.layers]
         after = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         for i, layer in enumerate(self.layers):
             q = None if decode is None else decode[i]
-            x, h = add_rms_norm(x, self._attention(i, layer, q, h, plan, pool, layer_ready), norms[i], eps)
-            x, h = add_rms_norm(x, self._mlp(layer, q, h), after[i], eps)
+            attended = self._attention(i, layer, q, h, plan, pool, layer_ready)
+            if layer.post_attn_norm is not None:
+                attended = rms_norm(attended, layer.post_attn_norm, eps)
+            x, h = add_rms_norm(x, attended, norms[i], eps)
+            mlp = self._mlp(layer, q, h)
+            if layer.post_mlp_norm is not None:
+                mlp = rms_norm(mlp, layer.post_mlp_norm, eps)
+            x, h = add_rms_norm(x, mlp, after[i], eps)
         for s in seqs:
             s.table.num_tokens = s.start + len(s.token_ids)
         return h, plan
@@ -334,14 +369,20 @@ class LlamaModel:
                 torch_path = s.start > 0 and native is None
                 gather = pool.plan_gather([s.table], [s.start + n]) if torch_path else None
                 mask = self._shifted_causal_mask(s.start, n) if torch_path else None
-                prefills.append(_Prefill(slice(row, row + n), s.start, native, gather, mask))
+                windowed = self._windowed_prefill(pool, s.table, s.start, n)
+                prefills.append(_Prefill(slice(row, row + n), s.start, native, gather, mask, windowed))
             last_rows += range(row, row + n) if s.verify else [row + n - 1]
             row += n
         pos = torch.cat(positions).to(self.device)
         slot = Slots(torch.cat([x.blocks for x in slots]), torch.cat([x.offsets for x in slots]))
+        rope = Rope(self.cos, self.sin, pos, slot, pool, self.config.num_heads)
+        ropes = [rope] * self.config.num_layers
+        if self.local_rope is not None:
+            local = Rope(*self.local_rope, pos, slot, pool, self.config.num_heads)
+            ropes = [local if self.config.window(i) else rope for i in range(self.config.num_layers)]
         return _Plan(
             ids=torch.cat(ids).to(self.device),
-            rope=Rope(self.cos, self.sin, pos, slot, pool, self.config.num_heads),
+            ropes=ropes,
             last_rows=torch.tensor(last_rows, device=self.device),
             prefills=prefills,
             decode=self._plan_decode(decoding, pool) if decoding else None,
@@ -362,15 +403,39 @@ class LlamaModel:
         mask = torch.zeros(count, total, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, float("-inf"))
 
+    def _windowed_prefill(self, pool: KVPool, table: BlockTable, start: int, count: int) -> _Windowed | None:
+        """The masked torch path for sliding-window layers, when the window cuts into what these tokens see."""
+        window = self.config.sliding_window
+        if not self.config.sliding_layers or window is None or start + count <= window:
+            return None
+        total = start + count
+        query_pos = torch.arange(start, total, device=self.device)[:, None]
+        key_pos = torch.arange(total, device=self.device)[None, :]
+        allowed = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        mask = torch.zeros(count, total, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        gather = pool.plan_gather([table], [total]) if start > 0 else None
+        return _Windowed(gather, mask)
+
     def _plan_decode(self, decoding: list[tuple[int, BlockTable, int]], pool: KVPool) -> _Decode:
         tables, lengths = [t for _, t, _ in decoding], [n for _, _, n in decoding]
         rows = torch.tensor([r for r, _, _ in decoding], device=self.device)
-        return _Decode(rows, plan_decode(pool, tables, lengths, self.config.num_heads))
+        window = self.config.sliding_window
+        windowed = None
+        if self.config.sliding_layers and window is not None and max(lengths) > window:
+            windowed = plan_decode(pool, tables, lengths, self.config.num_heads, window=window)
+        return _Decode(rows, plan_decode(pool, tables, lengths, self.config.num_heads), windowed)
 
     def _mlp(self, layer: _Layer, q: _QuantLayer | None, h: torch.Tensor) -> torch.Tensor:
         if q is not None:  # the activation in the model's dtype, as the dense path computes it
-            return q.w_down(silu_mul(q.w_gate_up(h).to(h.dtype))).to(h.dtype)
-        return silu_mul(h @ layer.w_gate_up.T) @ layer.w_down.T
+            return q.w_down(self._gate(q.w_gate_up(h).to(h.dtype))).to(h.dtype)
+        return self._gate(h @ layer.w_gate_up.T) @ layer.w_down.T
+
+    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of the fused ``[N, 2 * inter]`` product: SwiGLU in one C pass, or GeGLU."""
+        if self.config.traits.activation is Activation.SILU:
+            return silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def _attention(
         self,
@@ -388,17 +453,18 @@ class LlamaModel:
         qkv = self._before_rope(layer, qkv)
         if layer_ready is not None:
             layer_ready(index)  # cached K/V of this layer are in the pool from here on
-        q, k, v = plan.rope.apply(index, qkv)  # and this forward's new ones from here
+        q, k, v = plan.ropes[index].apply(index, qkv)  # and this forward's new ones from here
+        sliding = self.config.window(index) is not None
         if plan.decode is not None and not plan.prefills:  # a decode step: its rows are the whole batch, in order
-            out = self._decode_attention(index, plan.decode, q, pool)
+            out = self._decode_attention(index, plan.decode, q, sliding)
         elif plan.decode is None and len(plan.prefills) == 1:  # one prompt: likewise
-            out = self._prefill_attention(index, plan.prefills[0], q, k, v, pool)
+            out = self._prefill_attention(index, plan.prefills[0], q, k, v, pool, sliding)
         else:  # a mix: each part into its rows
             out = torch.empty_like(q)
             for p in plan.prefills:
-                out[p.rows] = self._prefill_attention(index, p, q[p.rows], k[p.rows], v[p.rows], pool)
+                out[p.rows] = self._prefill_attention(index, p, q[p.rows], k[p.rows], v[p.rows], pool, sliding)
             if plan.decode is not None:
-                out[plan.decode.rows] = self._decode_attention(index, plan.decode, q[plan.decode.rows], pool)
+                out[plan.decode.rows] = self._decode_attention(index, plan.decode, q[plan.decode.rows], sliding)
         out = out.reshape(-1, q_dim)
         return out @ layer.wo.T if quantized is None else quantized.wo(out).to(h.dtype)
 
@@ -415,7 +481,7 @@ class LlamaModel:
         return qkv
 
     def _prefill_attention(
-        self, index: int, p: _Prefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+        self, index: int, p: _Prefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, sliding: bool
     ) -> torch.Tensor:
         """One sequence's new tokens ``q [T, heads, D]`` against its cached plus new positions.
 
@@ -425,6 +491,8 @@ class LlamaModel:
         on CPU it takes its flash kernel only for 4-D inputs and falls back
         to the math path, which materializes every score, for 3-D ones.
         """
+        if sliding and p.windowed is not None:
+            return self._windowed_attention(index, p.windowed, q, k, v, pool)
         if p.native is not None:
             return p.native.attend(index, q)
         q = q.transpose(0, 1).unsqueeze(0)
@@ -437,11 +505,27 @@ class LlamaModel:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, enable_gqa=True)
         return out[0].transpose(0, 1)
 
-    def _decode_attention(self, index: int, d: _Decode, q: torch.Tensor, pool: KVPool) -> torch.Tensor:
+    def _windowed_attention(
+        self, index: int, w: _Windowed, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
+        """A sliding-window layer's new tokens against the positions inside their windows (SDPA, masked)."""
+        q = q.transpose(0, 1).unsqueeze(0)
+        if w.gather is None:
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        else:
+            total = w.mask.shape[1]
+            keys, values = pool.gather(index, w.gather)
+            keys, values = keys[:, :, :total], values[:, :, :total]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=w.mask, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def _decode_attention(self, index: int, d: _Decode, q: torch.Tensor, sliding: bool) -> torch.Tensor:
         """Decoding tokens ``q [S, heads, D]``, each against its own sequence's cached positions.
 
         The kernel was picked once for the forward (:func:`~kvtier.engine.kernels.plan_decode`;
         the plan holds the pool). A decode step runs the same one whether its
         prefix was reused or recomputed, so reuse stays exact.
         """
+        if sliding and d.windowed is not None:
+            return d.windowed.attend(index, q)
         return d.attention.attend(index, q)

