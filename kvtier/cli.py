@@ -88,11 +88,20 @@ def _bench_remote(args: argparse.Namespace) -> int:
     return _answer(args, result, remote.table(result), path)
 
 
+def _with_model(config: Config, model: Path | None) -> Config:
+    """``config`` serving ``model`` (``--model``) instead of ``engine.model_path``, when given."""
+    if model is None:
+        return config
+    tree = config.model_dump()
+    tree["engine"] = {**tree["engine"], "model_path": model}
+    return Config.model_validate(tree)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import session
     from kvtier.engine.runtime import load_model
 
-    config = load_config(args.config)
+    config = _with_model(load_config(args.config), args.model)
     loaded = load_model(config)
     results = session.run_demo(loaded, config, max_tokens=args.max_tokens)
     path = session.save(results, Path(args.out))
@@ -109,7 +118,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvtier.engine.runtime import load_model, make_engine, open_cache
     from kvtier.engine.sampling import SamplingParams
 
-    config = load_config(args.config)
+    config = _with_model(load_config(args.config), args.model)
     loaded = load_model(config)
     if args.chat:
         ids = loaded.chat_ids([{"role": "user", "content": args.prompt}])
@@ -134,7 +143,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvtier.server.main import serve
 
-    config = load_config(args.config)
+    config = _with_model(load_config(args.config), args.model)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
         tree = config.model_dump()
@@ -397,15 +406,21 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="YAML config (see config.example.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
+    engine_model = argparse.ArgumentParser(add_help=False)
+    engine_model.add_argument(
+        "--model", type=Path, default=None, help="a GGUF file (default: engine.model_path, else the embedded SmolLM2)"
+    )
 
-    demo = commands.add_parser("demo", parents=[common], help="replay an agent session without and with kvtier")
+    demo = commands.add_parser(
+        "demo", parents=[common, engine_model], help="replay an agent session without and with kvtier"
+    )
     demo.add_argument("--json", action="store_true", help="print the per-turn results as a JSON list")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn")
     demo.add_argument("--out", default="bench/results", help="where demo-latest.json goes")
     demo.set_defaults(run=_demo)
 
     serve = commands.add_parser(
-        "serve", parents=[common], help="OpenAI-compatible server with the tiered cache behind it"
+        "serve", parents=[common, engine_model], help="OpenAI-compatible server with the tiered cache behind it"
     )
     serve.add_argument("--host", default=None, help="bind address (default: server.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default: server.port, 8000)")
@@ -420,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--policy", default=None, help="round_robin | least_loaded | kvtier (default: route.policy)")
     route.set_defaults(run=_route)
 
-    gen = commands.add_parser("generate", parents=[common], help="stream a completion from the built-in engine")
+    gen = commands.add_parser(
+        "generate", parents=[common, engine_model], help="stream a completion from the built-in engine"
+    )
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)

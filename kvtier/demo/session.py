@@ -54,6 +54,18 @@ def user_message(turn: dict[str, Any]) -> str:
     return f"{turn['user']}\n\n{opening}\n{tool['content']}\n</tool_result>"
 
 
+def transcript_ids(loaded: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation in the model's chat template; a base model (no template) gets it as plain text.
+
+    Either way each turn's prompt extends the one before, which is what the
+    cache reuses.
+    """
+    if loaded.chat is not None:
+        return loaded.chat_ids(messages)
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+    return loaded.tokenizer.encode(text)
+
+
 def replay(
     engine: Engine, loaded: LoadedModel, session: dict[str, Any], params: SamplingParams, bar: tqdm | None = None
 ) -> list[tuple[int, Completion]]:
@@ -62,7 +74,7 @@ def replay(
     out = []
     for turn in session["turns"]:
         messages.append({"role": "user", "content": user_message(turn)})
-        ids = loaded.chat_ids(messages)
+        ids = transcript_ids(loaded, messages)
         (done,) = engine.generate([ids], params)
         engine.drain_stores()
         if engine.verifier is not None:  # the tool call's pause is the engine's idle time

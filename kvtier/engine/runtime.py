@@ -18,6 +18,7 @@ from kvtier.layout import KVLayout, dtype_from_name
 from kvtier.manager import CacheManager
 from kvtier.model import (
     ChatTemplate,
+    ChatTemplateError,
     Tokenizer,
     default_gguf_path,
     load_chat_template,
@@ -36,10 +37,13 @@ class LoadedModel:
     path: Path
     model: LlamaModel
     tokenizer: Tokenizer
-    chat: ChatTemplate
+    chat: ChatTemplate | None  # None: a base model's file has none; it serves completions only
     fingerprint: str  # binds block keys and the disk tier to these exact weights and dtype
 
     def chat_ids(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's ids; :class:`ChatTemplateError` when the file has no chat template."""
+        if self.chat is None:
+            raise ChatTemplateError(f"{self.path.name} has no chat template (a base model): send completions")
         return chat_ids(self.tokenizer, self.chat, messages, add_generation_prompt=add_generation_prompt)
 
 
@@ -79,7 +83,7 @@ def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
         path=Path(path),
         model=LlamaModel(cfg, weights, dtype, blocks=blocks, device=device),
         tokenizer=load_tokenizer(metadata),
-        chat=load_chat_template(metadata),
+        chat=load_chat_template(metadata) if metadata.chat_template else None,
         fingerprint=model_fingerprint(path, dtype, config.data_dir),
     )
 

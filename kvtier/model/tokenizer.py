@@ -12,6 +12,15 @@ isolates every digit, then applies the GPT-2 regex: llama.cpp's expressions
 ``tokenizer.json`` ``Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]``.
 Isolating digits also changes how whitespace before a number is cut (``"a   1"``
 gives ``"a", "   ", "1"`` here and ``"a", "  ", " 1"`` with the GPT-2 regex alone).
+
+SentencePiece vocabularies (``tokenizer.ggml.model = "llama"``: Llama 2,
+Mistral, Gemma) carry a score per token instead of merges. llama.cpp
+tokenizes them with no split at all: spaces become ``▁``, the text starts as
+one symbol per character, and the adjacent pair whose concatenation is the
+highest-scoring token is merged first (the leftmost on a tie), until no pair
+is a token; what is left unknown is spelled in ``<0xXX>`` byte tokens. That
+is BPE whose merges are every split of every token, ranked by the token's
+score, with byte fallback, which is how it is built here.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gguf import TokenType
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from kvtier.model.gguf import GGUFMetadata
@@ -177,26 +186,29 @@ class _Vocabulary:
 
 
 def load_tokenizer(metadata: GGUFMetadata) -> Tokenizer:
-    """Build the model's tokenizer from ``tokenizer.ggml.*`` metadata (byte-level BPE only)."""
+    """Build the model's tokenizer from ``tokenizer.ggml.*`` metadata: byte-level BPE, or SentencePiece."""
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model {model!r} is not supported (only byte-level BPE, 'gpt2')")
-    pre = metadata.get("tokenizer.ggml.pre")  # no default: llama.cpp's fallback split is not GPT-2's
-    if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
-    vocab = _read_vocabulary(metadata)
     add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", False))
-
-    backend = Backend(
-        models.BPE(
-            vocab={token: i for i, token in enumerate(vocab.tokens)},
-            merges=vocab.merges,
-            fuse_unk=False,
-            byte_fallback=False,
+    if model == "gpt2":
+        pre = metadata.get("tokenizer.ggml.pre")  # no default: llama.cpp's fallback split is not GPT-2's
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
+        vocab = _read_vocabulary(metadata)
+        backend = Backend(
+            models.BPE(
+                vocab={token: i for i, token in enumerate(vocab.tokens)},
+                merges=vocab.merges,
+                fuse_unk=False,
+                byte_fallback=False,
+            )
         )
-    )
-    backend.pre_tokenizer = PRE_TOKENIZERS[pre](add_prefix_space)
-    backend.decoder = decoders.ByteLevel()
+        backend.pre_tokenizer = PRE_TOKENIZERS[pre](add_prefix_space)
+        backend.decoder = decoders.ByteLevel()
+    elif model == "llama":
+        vocab = _read_vocabulary(metadata, merges=False)
+        backend = _sentencepiece(vocab, list(metadata["tokenizer.ggml.scores"]), add_prefix_space)
+    else:
+        raise ValueError(f"tokenizer.ggml.model {model!r} is not supported; known: 'gpt2' (BPE), 'llama' (SPM)")
     _add_special_tokens(backend, vocab)
 
     bos_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id")
@@ -217,12 +229,38 @@ def load_tokenizer(metadata: GGUFMetadata) -> Tokenizer:
     )
 
 
-def _read_vocabulary(metadata: GGUFMetadata) -> _Vocabulary:
+def _sentencepiece(vocab: _Vocabulary, scores: list[float], add_prefix_space: bool) -> Backend:
+    """llama.cpp's SentencePiece tokenizer as BPE (see the module docstring).
+
+    Every split of every token into two tokens is a merge, ranked by the
+    whole token's score (higher first): BPE then merges the adjacent pair of
+    best rank, leftmost first, as llama.cpp does by score.
+    """
+    if len(scores) != len(vocab.tokens):
+        raise ValueError(f"{len(scores)} scores for {len(vocab.tokens)} tokens")
+    ids = {token: i for i, token in enumerate(vocab.tokens)}
+    ranked = sorted(range(len(vocab.tokens)), key=lambda i: (-scores[i], i))
+    merges = []
+    for i in ranked:
+        token = vocab.tokens[i]
+        merges += [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+    unk = next((t for t, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind == TokenType.UNKNOWN), None)
+    backend = Backend(models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend("▁")] if add_prefix_space else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_prefix_space else [])
+    )
+    return backend
+
+
+def _read_vocabulary(metadata: GGUFMetadata, *, merges: bool = True) -> _Vocabulary:
     tokens = list(metadata["tokenizer.ggml.tokens"])
     if len(set(tokens)) != len(tokens):
         raise ValueError("tokenizer.ggml.tokens has duplicates; ids would be ambiguous")
     pairs = []
-    for merge in metadata["tokenizer.ggml.merges"]:
+    for merge in metadata["tokenizer.ggml.merges"] if merges else []:
         # Byte-level tokens never contain a space (it is spelled 'Ġ'), so one space separates the pair.
         left, sep, right = merge.partition(" ")
         if not sep or " " in right:

@@ -262,3 +262,40 @@ def test_tojson_is_plain_json() -> None:
 def test_broken_template_is_a_chat_template_error() -> None:
     with pytest.raises(ChatTemplateError, match="does not compile"):
         ChatTemplate("{% for %}")
+
+
+def sentencepiece(scores: dict[str, float], add_space_prefix: bool = False) -> Tokenizer:
+    """A tiny SentencePiece vocabulary: unknown, BOS, EOS, the 256 byte tokens, then ``scores``' pieces."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *scores]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(scores))]  # UNKNOWN, CONTROL, BYTE, NORMAL
+    values = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": pieces,
+        "tokenizer.ggml.scores": [0.0, 0.0, 0.0, *([0.0] * 256), *scores.values()],
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": add_space_prefix,
+    }
+    return load_tokenizer(GGUFMetadata(values))
+
+
+def test_sentencepiece_merges_the_best_scoring_pair_first_and_spells_the_unknown_in_bytes() -> None:
+    base = {"▁": -1.0, "a": -2.0, "b": -3.0, "c": -4.0}
+    first = 259  # the first piece after the byte tokens
+    ids = {piece: first + i for i, piece in enumerate([*base, "ab", "bc"])}
+    prefers_bc = sentencepiece(base | {"ab": -6.0, "bc": -5.0})
+    assert prefers_bc.encode("abc") == [1, ids["a"], ids["bc"]]  # llama.cpp: highest score first
+    prefers_ab = sentencepiece(base | {"ab": -5.0, "bc": -6.0})
+    assert prefers_ab.encode("abc") == [1, ids["ab"], ids["c"]]
+    assert prefers_ab.encode("a é") == [1, ids["a"], ids["▁"], 3 + 0xC3, 3 + 0xA9]  # no piece: its UTF-8 bytes
+    assert prefers_ab.decode(prefers_ab.encode("a é"), skip_special_tokens=True) == "a é"
+    prefixed = sentencepiece(base | {"ab": -5.0, "bc": -6.0}, add_space_prefix=True)
+    assert prefixed.encode("ab") == [1, ids["▁"], ids["ab"]]
+    assert prefixed.decode(prefixed.encode("ab"), skip_special_tokens=True) == "ab"
+
+
+def test_an_unknown_tokenizer_model_is_refused_by_name(metadata: GGUFMetadata) -> None:
+    with pytest.raises(ValueError, match="'rwkv' is not supported"):
+        load_tokenizer(GGUFMetadata({**metadata.values, "tokenizer.ggml.model": "rwkv"}))
