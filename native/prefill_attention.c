@@ -27,6 +27,13 @@
  * Every row is computed on its own, in the same order of tiles whatever the units are
  * or however many threads share them, so a result is the same bits on any thread
  * count. It differs from SDPA's by rounding only (float32 throughout).
+ *
+ * A sliding-window layer (window > 0) sees only positions > its own - window. Tiles
+ * below every row's window are skipped; a row whose window starts later than its unit's
+ * first row's still meets the tiles in between, wholly masked for it, and those leave
+ * its state exactly as it was (weights 0, rescale exp(0) = 1, or nothing seen yet), so
+ * a row's result still does not depend on the rows beside it: the same bits however a
+ * prompt was cut into chunks.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -62,6 +69,7 @@ typedef struct pf_job {
     char *out;                              /* the same shape */
     const int32_t *ids;                     /* the sequence's blocks */
     int start, tokens, kv_heads, group, dim, block;
+    int window; /* a sliding-window layer's: positions each row sees back from its own, itself included; 0: all */
     float scale;
     pf_unit_t *units;
     size_t n_units, next; /* next: the next unclaimed unit (atomic) */
@@ -160,6 +168,17 @@ static inline void pf_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scrat
     *v = w->vt;
 }
 
+/* Whether tile [pos0, pos0 + PF_TILE) lies below every row's window (the unit's first row starts the lowest one). */
+static inline int pf_below_window(const pf_job_t *j, int pos0, int first) {
+    return j->window > 0 && pos0 + PF_TILE - 1 + j->window <= first;
+}
+
+/* Whether the tile needs its mask: positions past its end, past the unit's first row, or before some row's window. */
+static inline int pf_masked(const pf_job_t *j, const pf_unit_t *u, int pos0, int nt) {
+    const int first = j->start + u->t0, last = j->start + u->t1 - 1;
+    return nt < PF_TILE || pos0 + PF_TILE - 1 > first || (j->window > 0 && pos0 + j->window <= last);
+}
+
 /* -- portable ---------------------------------------------------------------------- */
 
 static void pf_unit_base(const pf_job_t *j, const pf_unit_t *u, float *buf) {
@@ -174,6 +193,7 @@ static void pf_unit_base(const pf_job_t *j, const pf_unit_t *u, float *buf) {
         for (int t0 = 0; t0 < n; t0 += PF_TILE) {
             const int nt = n - t0 < PF_TILE ? n - t0 : PF_TILE;
             const int pos0 = b * B + t0;
+            if (pf_below_window(j, pos0, (int)first)) continue;
             const float *k, *v;
             pf_tile(j, u, &w, b, t0, nt, &k, &v);
             for (int p = 0; p < PF_TILE; p++) {
@@ -185,15 +205,18 @@ static void pf_unit_base(const pf_job_t *j, const pf_unit_t *u, float *buf) {
                     for (int r = 0; r < RP; r++) s[r] += q[r] * kd;
                 }
             }
-            const int masked = nt < PF_TILE || (float)(pos0 + PF_TILE - 1) > first;
+            const int masked = pf_masked(j, u, pos0, nt);
+            const float reach = (float)(j->window > 0 ? j->window - 1 : -1); /* window rows see qpos - reach .. */
             for (int r = 0; r < RP; r++) {
                 float mx = w.m[r];
                 for (int p = 0; p < PF_TILE; p++) {
                     float *s = w.s + (size_t)p * RP + r;
-                    if (masked && (p >= nt || (float)(pos0 + p) > w.qpos[r])) *s = -INFINITY;
+                    const float pos = (float)(pos0 + p);
+                    if (masked && (p >= nt || pos > w.qpos[r] || (reach >= 0.0f && pos < w.qpos[r] - reach)))
+                        *s = -INFINITY;
                     mx = *s > mx ? *s : mx;
                 }
-                const float c = kvt_exp(w.m[r] - mx);
+                const float c = mx == -INFINITY ? 0.0f : kvt_exp(w.m[r] - mx); /* nothing seen yet: all stays 0 */
                 float sum = 0.0f;
                 for (int p = 0; p < PF_TILE; p++) {
                     float *s = w.s + (size_t)p * RP + r;
@@ -272,18 +295,22 @@ PF_AVX2_INLINE void pf256_values(float *ot, int rp, const float *pw, const float
 }
 
 /* The tile's softmax, eight rows at a time: mask, running max, weights into S, sums. */
-PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int masked) {
+PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int masked, int window) {
     const int RP = w->padded;
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    /* a window row sees positions >= qpos - (window - 1); without one, every position >= -inf */
+    const __m256 reach = _mm256_set1_ps(window > 0 ? (float)(window - 1) : INFINITY);
     for (int r = 0; r < RP; r += 8) {
         const __m256 qpos = _mm256_load_ps(w->qpos + r);
+        const __m256 qlo = _mm256_sub_ps(qpos, reach);
         __m256 live[PF_TILE] = {0};
         __m256 mx = _mm256_load_ps(w->m + r);
         for (int p = 0; p < PF_TILE; p++) {
             float *s = w->s + (size_t)p * RP + r;
             __m256 x = _mm256_load_ps(s);
             if (masked) {
-                live[p] = p < nt ? _mm256_cmp_ps(_mm256_set1_ps((float)(pos0 + p)), qpos, _CMP_LE_OQ)
+                const __m256 pos = _mm256_set1_ps((float)(pos0 + p));
+                live[p] = p < nt ? _mm256_and_ps(_mm256_cmp_ps(pos, qpos, _CMP_LE_OQ), _mm256_cmp_ps(pos, qlo, _CMP_GE_OQ))
                                  : _mm256_setzero_ps();
                 x = _mm256_blendv_ps(ninf, x, live[p]);
             }
@@ -353,11 +380,12 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
         for (int t0 = 0; t0 < n; t0 += PF_TILE) {
             const int nt = n - t0 < PF_TILE ? n - t0 : PF_TILE;
             const int pos0 = b * B + t0;
+            if (pf_below_window(j, pos0, first)) continue;
             const float *k, *v;
             pf256_tile(j, u, &w, b, t0, nt, &k, &v);
             for (int r = 0; r < RP; r += PF_PANEL)
                 for (int p = 0; p < PF_TILE; p += 4) pf256_scores(w.qt + r, RP, k + p * D, D, w.s + (size_t)p * RP + r);
-            pf256_softmax(&w, pos0, nt, nt < PF_TILE || pos0 + PF_TILE - 1 > first);
+            pf256_softmax(&w, pos0, nt, pf_masked(j, u, pos0, nt), j->window);
             for (int r = 0; r < RP; r += PF_PANEL)
                 for (int d = 0; d < D; d += 4) pf256_values(w.ot + (size_t)d * RP + r, RP, w.s + r, v + d, D, w.c + r);
         }
@@ -439,18 +467,21 @@ PF_BF16_INLINE void pf512_values(float *ot, int rp, const uint32_t *pp, const ui
 }
 
 /* pf256_softmax, sixteen rows at a time. */
-PF_BF16_INLINE void pf512_softmax(const pf_scratch_t *w, int pos0, int nt, int masked) {
+PF_BF16_INLINE void pf512_softmax(const pf_scratch_t *w, int pos0, int nt, int masked, int window) {
     const int RP = w->padded;
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 reach = _mm512_set1_ps(window > 0 ? (float)(window - 1) : INFINITY); /* as pf256_softmax */
     for (int r = 0; r < RP; r += 16) {
         const __m512 qpos = _mm512_load_ps(w->qpos + r);
+        const __m512 qlo = _mm512_sub_ps(qpos, reach);
         __mmask16 live[PF_TILE];
         __m512 mx = _mm512_load_ps(w->m + r);
         for (int p = 0; p < PF_TILE; p++) {
             float *s = w->s + (size_t)p * RP + r;
             __m512 x = _mm512_load_ps(s);
             if (masked) {
-                live[p] = p < nt ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(pos0 + p)), qpos, _CMP_LE_OQ) : 0;
+                const __m512 pos = _mm512_set1_ps((float)(pos0 + p));
+                live[p] = p < nt ? _mm512_cmp_ps_mask(pos, qpos, _CMP_LE_OQ) & _mm512_cmp_ps_mask(pos, qlo, _CMP_GE_OQ) : 0;
                 x = _mm512_mask_mov_ps(ninf, live[p], x);
             }
             mx = _mm512_max_ps(mx, x);
@@ -499,6 +530,7 @@ PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *b
         for (int t0 = 0; t0 < n; t0 += PF_TILE) {
             const int nt = n - t0 < PF_TILE ? n - t0 : PF_TILE;
             const int pos0 = b * B + t0;
+            if (pf_below_window(j, pos0, first)) continue;
             const ptrdiff_t k_off =
                 (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
             const uint16_t *k = (const uint16_t *)j->kv + k_off, *v = (const uint16_t *)j->kv + k_off + j->s_kv;
@@ -522,7 +554,7 @@ PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *b
             for (int r = 0; r < RP; r += PF_PANEL_BF16)
                 for (int p = 0; p < PF_TILE; p += 8)
                     pf512_scores(x.qp + r, RP, k + p * stride, stride, D, w.s + (size_t)p * RP + r);
-            pf512_softmax(&w, pos0, nt, nt < PF_TILE || pos0 + PF_TILE - 1 > first);
+            pf512_softmax(&w, pos0, nt, pf_masked(j, u, pos0, nt), j->window);
             for (int pr = 0; pr < PF_TILE / 2; pr++) /* the weights of positions 2pr, 2pr + 1, rounded */
                 for (int r = 0; r < RP; r += 16) {
                     const __m256i a = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(w.s + (size_t)(2 * pr) * RP + r));
@@ -592,15 +624,15 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
     (void)mod;
     static char *names[] = {"kv",     "strides",  "num_blocks", "bf16",     "q",          "out",   "ids",
                             "n_ids",  "start",    "tokens",     "kv_heads", "group",      "head_dim",
-                            "block_size", "scale", "threads",   "impl",     NULL};
+                            "block_size", "scale", "threads",   "impl",     "window", NULL};
     unsigned long long kv, q, out, ids;
     Py_ssize_t sb, skv, sh, sp, num_blocks, n_ids;
     int bf16, threads;
     const char *impl = NULL;
     pf_job_t j = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKniiiiiifi|z:paged_prefill_attention", names, &kv, &sb,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKniiiiiifi|zi:paged_prefill_attention", names, &kv, &sb,
                                      &skv, &sh, &sp, &num_blocks, &bf16, &q, &out, &ids, &n_ids, &j.start, &j.tokens,
-                                     &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &impl))
+                                     &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &impl, &j.window))
         return NULL;
     pthread_once(&pf_once, pf_pick);
     j.unit_fn = pf_impls[0].fn;
@@ -612,6 +644,7 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
     }
     const char *bad = NULL;
     if (j.start < 0 || j.tokens <= 0) bad = "start >= 0 and tokens > 0";
+    else if (j.window < 0) bad = "window >= 0 (0: none)";
     else if (j.kv_heads <= 0 || j.group <= 0 || j.group > PF_MAX_GROUP) bad = "kv_heads > 0 and group 1..16";
     else if (j.dim <= 0 || j.dim > PF_MAX_DIM || j.dim % 4) bad = "head_dim must be a multiple of 4, <= 256";
     else if (j.block <= 0 || j.block > PF_MAX_BLOCK) bad = "block_size must be 1..256";

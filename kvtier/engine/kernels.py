@@ -237,6 +237,8 @@ class NativePrefill:
     C call. The new tokens' K/V must be in the pool before :meth:`attend`
     (the forward writes each layer's first). ``threads`` and ``impl`` as for
     :class:`NativeDecode`; the result is the same bits on any thread count.
+    ``window``: a sliding-window layer's (each token sees its last ``window``
+    positions); a token's result is the same bits however the prompt was cut.
     """
 
     def __init__(
@@ -249,8 +251,10 @@ class NativePrefill:
         *,
         threads: int | None = None,
         impl: str | None = None,
+        window: int | None = None,
     ) -> None:
         first = layers[0]
+        self._window = window or 0
         if not (NATIVE_PREFILL and native_fits(first, num_heads)):
             raise ValueError(
                 f"the prefill kernel does not take a {first.dtype} pool {tuple(first.shape)} on {first.device}"
@@ -280,11 +284,15 @@ class NativePrefill:
             raise ValueError(f"q {q.dtype} {tuple(q.shape)} on {q.device} does not fit this plan's {self._q}")
         q = q.contiguous()
         out = torch.empty_like(q)
-        _native.paged_prefill_attention(self._addrs[layer], *self._pool, q.data_ptr(), out.data_ptr(), *self._rest)
+        _native.paged_prefill_attention(
+            self._addrs[layer], *self._pool, q.data_ptr(), out.data_ptr(), *self._rest, window=self._window
+        )
         return out
 
 
-def plan_prefill(pool: KVPool, table: BlockTable, start: int, tokens: int, num_heads: int) -> NativePrefill | None:
+def plan_prefill(
+    pool: KVPool, table: BlockTable, start: int, tokens: int, num_heads: int, *, window: int | None = None
+) -> NativePrefill | None:
     """The C kernel for ``tokens`` new positions after ``start`` cached ones, or None where it does not fit.
 
     After cached positions always (no gather, no mask). At position 0 only
@@ -296,7 +304,7 @@ def plan_prefill(pool: KVPool, table: BlockTable, start: int, tokens: int, num_h
     if start == 0 and pool.layers[0].dtype != torch.bfloat16:
         return None
     if NATIVE_PREFILL and native_fits(pool.layers[0], num_heads):
-        return NativePrefill(pool.layers, table, start, tokens, num_heads)
+        return NativePrefill(pool.layers, table, start, tokens, num_heads, window=window)
     return None
 
 

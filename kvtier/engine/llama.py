@@ -131,7 +131,7 @@ class _Prefill:
     native: NativePrefill | None  # the C kernel over the cached + new positions, where it fits
     gather: Gather | None  # else torch's: None when nothing is cached (attend to the fresh K/V)
     mask: torch.Tensor | None  # additive [T, start + T]: 0 where a new token may look, -inf elsewhere
-    windowed: _Windowed | None  # for sliding-window layers, when the window cuts into what the tokens see
+    windowed: _Windowed | NativePrefill | None  # sliding-window layers, when the window cuts into what tokens see
 
 
 @dataclass(frozen=True)
@@ -403,11 +403,22 @@ class LlamaModel:
         mask = torch.zeros(count, total, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, float("-inf"))
 
-    def _windowed_prefill(self, pool: KVPool, table: BlockTable, start: int, count: int) -> _Windowed | None:
-        """The masked torch path for sliding-window layers, when the window cuts into what these tokens see."""
+    def _windowed_prefill(
+        self, pool: KVPool, table: BlockTable, start: int, count: int
+    ) -> _Windowed | NativePrefill | None:
+        """Sliding-window layers' attention, when the window cuts into what these tokens see.
+
+        The C kernel with the window where it takes the pool (where the forward
+        uses it for the other layers too, so a token's K/V are the same bits
+        however the prompt was cut: bfloat16's exact reuse), else torch's path
+        with the window in the mask.
+        """
         window = self.config.sliding_window
         if not self.config.sliding_layers or window is None or start + count <= window:
             return None
+        native = plan_prefill(pool, table, start, count, self.config.num_heads, window=window)
+        if native is not None:
+            return native
         total = start + count
         query_pos = torch.arange(start, total, device=self.device)[:, None]
         key_pos = torch.arange(total, device=self.device)[None, :]
@@ -491,6 +502,8 @@ class LlamaModel:
         on CPU it takes its flash kernel only for 4-D inputs and falls back
         to the math path, which materializes every score, for 3-D ones.
         """
+        if sliding and isinstance(p.windowed, NativePrefill):
+            return p.windowed.attend(index, q)
         if sliding and p.windowed is not None:
             return self._windowed_attention(index, p.windowed, q, k, v, pool)
         if p.native is not None:

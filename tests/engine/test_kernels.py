@@ -195,8 +195,11 @@ needs_prefill = pytest.mark.skipif(
 )
 
 
-def prefill_reference(pool: KVPool, layer: int, table: BlockTable, start: int, q: torch.Tensor) -> torch.Tensor:
-    """Dense float64 causal attention: new token i (of q [T, heads, D]) sees positions <= start + i."""
+def prefill_reference(
+    pool: KVPool, layer: int, table: BlockTable, start: int, q: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """Dense float64 causal attention: new token i (of q [T, heads, D]) sees positions <= start + i
+    (and, with a ``window``, > start + i - window)."""
     total = start + len(q)
     kv = pool.layers[layer][torch.tensor(table.block_ids)].double()
     k, v = (kv[:, i].transpose(0, 1).flatten(1, 2)[:, :total] for i in (0, 1))  # [kv_heads, total, D]
@@ -204,6 +207,8 @@ def prefill_reference(pool: KVPool, layer: int, table: BlockTable, start: int, q
     qq = q.double().transpose(0, 1).reshape(k.shape[0], heads // k.shape[0], tokens, dim)
     scores = qq @ k[:, None].transpose(-1, -2) * dim**-0.5  # [kv_heads, group, T, total]
     allowed = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
+    if window is not None:
+        allowed &= torch.arange(total)[None, :] > torch.arange(start, total)[:, None] - window
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return (probs @ v[:, None]).reshape(heads, tokens, dim).transpose(0, 1)
 
@@ -217,11 +222,13 @@ def prefill(
     *,
     threads: int | None = None,
     impl: str | None = None,
+    window: int | None = None,
 ) -> tuple[NativePrefill, BlockTable, torch.Tensor]:
     """A plan for ``tokens`` new positions after ``start`` cached ones (shuffled blocks), and their queries."""
     (table,) = shuffled_tables(pool, [start + tokens])
     q = queries(tokens, heads, pool.layout.head_dim, dtype)
-    return NativePrefill(pool.layers, table, start, tokens, heads, threads=threads, impl=impl), table, q
+    plan = NativePrefill(pool.layers, table, start, tokens, heads, threads=threads, impl=impl, window=window)
+    return plan, table, q
 
 
 @needs_prefill
@@ -266,6 +273,40 @@ def test_prefill_handles_other_shapes(impl: str, kv_heads: int, heads: int, head
     plan, table, q = prefill(pool, 23, 41, heads, torch.float32, impl=impl)
     got = plan.attend(0, q)
     assert (got.double() - prefill_reference(pool, 0, table, 23, q)).abs().max().item() < TOL[torch.float32]
+
+
+@needs_prefill
+@pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("start", "tokens", "window"),
+    [(0, 150, 40), (130, 64, 50), (300, 150, 17), (60, 20, 100), (200, 1, 33)],
+    ids=["from-nothing", "agent-turn", "units-past-window", "window-not-reached", "one-token"],
+)
+def test_a_windowed_prefill_matches_the_float64_reference(
+    impl: str, dtype: torch.dtype, start: int, tokens: int, window: int
+) -> None:
+    """A sliding-window layer: each token sees its last ``window`` positions only, off tile and block edges."""
+    pool = random_pool(dtype)
+    plan, table, q = prefill(pool, start, tokens, 9, dtype, impl=impl, window=window)
+    got = plan.attend(1, q)
+    want = prefill_reference(pool, 1, table, start, q, window)
+    assert (got.double() - want).abs().max().item() < TOL[dtype]
+
+
+@needs_prefill
+@pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_windowed_token_is_the_same_bits_however_the_prompt_was_cut(impl: str, dtype: torch.dtype) -> None:
+    """What makes reuse exact on a sliding-window layer: a token computed in one long prefill, in a short
+    tail over a cached prefix, or alone, beside other rows whose windows start elsewhere, gives the same bits."""
+    pool = random_pool(dtype)
+    (table,) = shuffled_tables(pool, [300])
+    q = queries(300, 9, pool.layout.head_dim, dtype)
+    whole = NativePrefill(pool.layers, table, 0, 300, 9, impl=impl, window=37).attend(0, q)
+    for start, stop in [(0, 77), (77, 200), (200, 201), (201, 300)]:
+        part = NativePrefill(pool.layers, table, start, stop - start, 9, impl=impl, window=37).attend(0, q[start:stop])
+        assert torch.equal(part, whole[start:stop]), (start, stop)
 
 
 @needs_prefill

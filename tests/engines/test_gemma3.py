@@ -1,5 +1,12 @@
 """Gemma 3 270M (Q4_K_M, from its registry package) on the built-in engine, against llama.cpp on the same file.
 
+Tokens: kvtier's SentencePiece tokenizer against llama.cpp's own
+(``tests/engines/runners/llamacpp_tokenize.py``) on text from this machine:
+CPython's sources and tests (docs, code, digits, whitespace runs, emoji,
+Cyrillic, and its CJK codec samples in Chinese, Japanese and Korean) and
+Debian's GPL text. Every id must be the same.
+
+Logits:
 Teacher-forced over text nobody here wrote (CPython's own ``json`` module
 source, docs and code, about 1,500 tokens: three times the 512-position
 sliding window): at every position the engine's most likely next token is
@@ -17,21 +24,39 @@ import inspect
 import json
 import os
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvtier.config import load_config
 from kvtier.engine import BlockTable, LlamaModel, SeqInput
-from kvtier.model import load_gguf
+from kvtier.engine.runtime import load_model, make_engine, open_cache
+from kvtier.engine.sampling import SamplingParams
+from kvtier.model import load_gguf, load_tokenizer, read_gguf_metadata
 from kvtier.model.config import Architecture
 from kvtier.model.locate import gemma3_270m_path
+from kvtier.tiers.base import TierKind
 
 pytestmark = pytest.mark.engines
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
-RUNNER = ROOT / "tests" / "engines" / "runners" / "llamacpp_logits.py"
+RUNNERS = ROOT / "tests" / "engines" / "runners"
+RUNNER = RUNNERS / "llamacpp_logits.py"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+CORPUS = [
+    STDLIB / "json" / "__init__.py",
+    STDLIB / "textwrap.py",
+    STDLIB / "this.py",
+    STDLIB / "test" / "test_unparse.py",  # emoji
+    STDLIB / "test" / "test_doctest2.py",  # Cyrillic
+    STDLIB / "test" / "test_tokenize.py",  # whitespace runs, numbers
+    *sorted((STDLIB / "test" / "cjkencodings").glob("*-utf8.txt")),
+    Path("/usr/share/common-licenses/GPL-3"),
+]
+SLICE = 6000  # characters of each file
 CLEAR = 1.0  # a lead in logits no rounding of either engine overturns
 
 
@@ -41,13 +66,40 @@ def gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def llamacpp(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def llama_python() -> Path:
     if not LLAMA_PYTHON.exists():
         pytest.skip(f"no llama-cpp-python venv at {LLAMA_PYTHON} (make .venv-peer-llamacpp/.kvtier builds it)")
+    return LLAMA_PYTHON
+
+
+def test_tokens_are_llama_cpps_on_text_from_this_machine(gguf: Path, llama_python: Path, tmp_path: Path) -> None:
+    texts = {}
+    for source in CORPUS:
+        assert source.is_file(), source
+        texts[tmp_path / f"{len(texts)}-{source.name}"] = source.read_text(encoding="utf-8")[:SLICE]
+    for path, text in texts.items():
+        path.write_text(text, encoding="utf-8")
+    run = subprocess.run(
+        [str(llama_python), str(RUNNERS / "llamacpp_tokenize.py"), str(gguf), *map(str, texts)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    theirs = json.loads(run.stdout)
+    tokenizer = load_tokenizer(read_gguf_metadata(gguf))
+    differ = [p.name for p, text in texts.items() if tokenizer.encode_text(text) != theirs[str(p)]]
+    assert not differ, f"{len(differ)} of {len(texts)} texts tokenized otherwise than llama.cpp: {differ}"
+    assert sum(len(ids) for ids in theirs.values()) > 10_000
+    for path, text in texts.items():
+        assert tokenizer.decode(theirs[str(path)], skip_special_tokens=True) == text
+
+
+@pytest.fixture(scope="module")
+def llamacpp(gguf: Path, llama_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     text = tmp_path_factory.mktemp("corpus") / "json.py.txt"
     text.write_text(inspect.getsource(json)[:5000], encoding="utf-8")
     run = subprocess.run(
-        [str(LLAMA_PYTHON), str(RUNNER), str(gguf), str(text), "2"], capture_output=True, text=True, check=True
+        [str(llama_python), str(RUNNER), str(gguf), str(text), "2"], capture_output=True, text=True, check=True
     )
     return json.loads(run.stdout)
 
@@ -70,3 +122,39 @@ def test_next_token_agrees_with_llama_cpp_as_often_as_llama_cpp_with_itself(gguf
     for kv, same in agree.items():
         margin = np.array(llamacpp[kv]["margin"])
         assert (margin[~same] < CLEAR).all(), f"a clear choice of llama.cpp ({kv} K/V) differs"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_output_with_the_cache_is_the_output_without_it_past_the_window(
+    tmp_path: Path, gguf: Path, dtype: str
+) -> None:
+    """A second prompt sharing 1,000+ tokens with the first (twice the sliding window) hits them in host memory, then
+    on disk after a restart; either way its greedy tokens are the ones a full recompute gives. In bfloat16 that
+    holds because the sliding-window layers, like the others, run the C kernel, whose rows do not depend on where
+    the prompt was cut (a masked SDPA there changed turn 9 of the demo)."""
+    env = {
+        "KVTIER_DATA_DIR": str(tmp_path / "data"),
+        "KVTIER_ENGINE__MODEL_PATH": str(gguf),
+        "KVTIER_ENGINE__DTYPE": dtype,
+        "KVTIER_CACHE__WRITE_MODE": "write_through",
+        "KVTIER_ENGINE__MAX_STEP_TOKENS": "384",  # prefills in chunks, cut inside and across windows
+    }
+    config = load_config(environ=env)
+    loaded = load_model(config, progress=False)
+    text = inspect.getsource(json)[:5000]
+    first = loaded.tokenizer.encode(text[:4000])
+    second = loaded.tokenizer.encode(text)
+    params = SamplingParams(max_tokens=12)
+    (cold,) = make_engine(loaded, config, cache=None, keep_resident=False).generate([second], params)
+    with open_cache(loaded, config) as cache:
+        engine = make_engine(loaded, config, cache=cache, keep_resident=False)
+        engine.generate([first], params)
+        engine.drain_stores()
+        (warm,) = engine.generate([second], params)
+    assert warm.cached_tokens >= 2 * 512 and warm.served_from == {TierKind.HOST: warm.cached_tokens}
+    assert warm.token_ids == cold.token_ids
+    with open_cache(loaded, config) as cache:  # a new process's tiers: host empty, disk not
+        (restarted,) = make_engine(loaded, config, cache=cache, keep_resident=False).generate([second], params)
+    assert restarted.cached_tokens > warm.cached_tokens  # the second prompt was stored too
+    assert restarted.served_from == {TierKind.DISK: restarted.cached_tokens}
+    assert restarted.token_ids == cold.token_ids
