@@ -13,6 +13,15 @@ isolates every digit, then applies the GPT-2 regex: llama.cpp's expressions
 Isolating digits also changes how whitespace before a number is cut (``"a   1"``
 gives ``"a", "   ", "1"`` here and ``"a", "  ", " 1"`` with the GPT-2 regex alone).
 
+``"llama-bpe"`` (Llama 3; also ``"llama3"``, ``"llama-v3"``, ``"falcon3"``) and ``"qwen2"``
+(Qwen2/2.5/3) split with one expression each, the one in the model's
+``tokenizer.json`` with its ``(?i:...)`` group spelled out as llama.cpp does:
+letters take one leading non-letter (``"_foo"``), punctuation runs keep their
+trailing newlines, and digits go in runs of at most three (Llama 3) or one at a
+time (Qwen2). Llama 3 also *ignores merges* for a piece that is itself a token
+(it is taken whole, whatever BPE would have built), and llama.cpp adds BOS for it
+unless the header says otherwise.
+
 SentencePiece vocabularies (``tokenizer.ggml.model = "llama"``: Llama 2,
 Mistral, Gemma) carry a score per token instead of merges. llama.cpp
 tokenizes them with no split at all: spaces become ``▁``, the text starts as
@@ -29,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gguf import TokenType
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from kvtier.model.gguf import GGUFMetadata
@@ -48,11 +57,51 @@ def _digits_then_gpt2_split(add_prefix_space: bool) -> pre_tokenizers.PreTokeniz
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split(add_prefix_space)])
 
 
+# llama.cpp's expressions for LLAMA3 and QWEN2: they differ only in how many digits a piece holds.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT4_STYLE = (
+    _CONTRACTIONS + r"|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{digits}"
+    r"| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_EXPRESSION = _GPT4_STYLE.format(digits="{1,3}")
+QWEN2_EXPRESSION = _GPT4_STYLE.format(digits="")
+
+
+def _expression_split(expression: str) -> Callable[[bool], pre_tokenizers.PreTokenizer]:
+    def split(add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(expression), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
+            ]
+        )
+
+    return split
+
+
+@dataclass(frozen=True)
+class BpeSplit:
+    """What llama.cpp does for one ``tokenizer.ggml.pre`` value of a BPE vocabulary."""
+
+    split: Callable[[bool], pre_tokenizers.PreTokenizer]
+    ignore_merges: bool = False  # a piece that is a token is taken whole
+    add_bos: bool = False  # llama.cpp's default where the header has no tokenizer.ggml.add_bos_token
+
+
+_LLAMA3 = BpeSplit(_expression_split(LLAMA3_EXPRESSION), ignore_merges=True, add_bos=True)
+_QWEN2 = BpeSplit(_expression_split(QWEN2_EXPRESSION))
+
 # tokenizer.ggml.pre -> the split llama.cpp applies for it (see the module docstring).
-PRE_TOKENIZERS: dict[str, Callable[[bool], pre_tokenizers.PreTokenizer]] = {
-    "gpt2": _gpt2_split,
-    "smollm": _digits_then_gpt2_split,
-    "starcoder": _digits_then_gpt2_split,
+PRE_TOKENIZERS: dict[str, BpeSplit] = {
+    "gpt2": BpeSplit(_gpt2_split),
+    "smollm": BpeSplit(_digits_then_gpt2_split),
+    "starcoder": BpeSplit(_digits_then_gpt2_split),
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
 }
 
 
@@ -193,6 +242,7 @@ def load_tokenizer(metadata: GGUFMetadata) -> Tokenizer:
         pre = metadata.get("tokenizer.ggml.pre")  # no default: llama.cpp's fallback split is not GPT-2's
         if pre not in PRE_TOKENIZERS:
             raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
+        split = PRE_TOKENIZERS[pre]
         vocab = _read_vocabulary(metadata)
         backend = Backend(
             models.BPE(
@@ -200,20 +250,23 @@ def load_tokenizer(metadata: GGUFMetadata) -> Tokenizer:
                 merges=vocab.merges,
                 fuse_unk=False,
                 byte_fallback=False,
+                ignore_merges=split.ignore_merges,
             )
         )
-        backend.pre_tokenizer = PRE_TOKENIZERS[pre](add_prefix_space)
+        backend.pre_tokenizer = split.split(add_prefix_space)
         backend.decoder = decoders.ByteLevel()
+        default_add_bos = split.add_bos
     elif model == "llama":
         vocab = _read_vocabulary(metadata, merges=False)
         backend = _sentencepiece(vocab, list(metadata["tokenizer.ggml.scores"]), add_prefix_space)
+        default_add_bos = True  # llama.cpp's default for SentencePiece vocabularies
     else:
         raise ValueError(f"tokenizer.ggml.model {model!r} is not supported; known: 'gpt2' (BPE), 'llama' (SPM)")
     _add_special_tokens(backend, vocab)
 
     bos_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id")
     eos_id = _optional_id(metadata, "tokenizer.ggml.eos_token_id")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos_id is not None
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
     post = _post_processor(vocab.tokens, bos_id if add_bos else None, eos_id if add_eos else None)
     if post is not None:

@@ -1,10 +1,7 @@
 """Gemma 3 270M (Q4_K_M, from its registry package) on the built-in engine, against llama.cpp on the same file.
 
-Tokens: kvtier's SentencePiece tokenizer against llama.cpp's own
-(``tests/engines/runners/llamacpp_tokenize.py``) on text from this machine:
-CPython's sources and tests (docs, code, digits, whitespace runs, emoji,
-Cyrillic, and its CJK codec samples in Chinese, Japanese and Korean) and
-Debian's GPL text. Every id must be the same.
+Tokens: kvtier's SentencePiece tokenizer against llama.cpp's own on the
+corpus of ``tests/engines/corpus.py``. Every id must be the same.
 
 Logits:
 Teacher-forced over text nobody here wrote (CPython's own ``json`` module
@@ -24,7 +21,6 @@ import inspect
 import json
 import os
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +34,7 @@ from kvtier.model import load_gguf, load_tokenizer, read_gguf_metadata
 from kvtier.model.config import Architecture
 from kvtier.model.locate import gemma3_270m_path
 from kvtier.tiers.base import TierKind
+from tests.engines.corpus import corpus_texts, llamacpp_tokens
 
 pytestmark = pytest.mark.engines
 
@@ -45,18 +42,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
 RUNNERS = ROOT / "tests" / "engines" / "runners"
 RUNNER = RUNNERS / "llamacpp_logits.py"
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-CORPUS = [
-    STDLIB / "json" / "__init__.py",
-    STDLIB / "textwrap.py",
-    STDLIB / "this.py",
-    STDLIB / "test" / "test_unparse.py",  # emoji
-    STDLIB / "test" / "test_doctest2.py",  # Cyrillic
-    STDLIB / "test" / "test_tokenize.py",  # whitespace runs, numbers
-    *sorted((STDLIB / "test" / "cjkencodings").glob("*-utf8.txt")),
-    Path("/usr/share/common-licenses/GPL-3"),
-]
-SLICE = 6000  # characters of each file
 CLEAR = 1.0  # a lead in logits no rounding of either engine overturns
 
 
@@ -73,25 +58,14 @@ def llama_python() -> Path:
 
 
 def test_tokens_are_llama_cpps_on_text_from_this_machine(gguf: Path, llama_python: Path, tmp_path: Path) -> None:
-    texts = {}
-    for source in CORPUS:
-        assert source.is_file(), source
-        texts[tmp_path / f"{len(texts)}-{source.name}"] = source.read_text(encoding="utf-8")[:SLICE]
-    for path, text in texts.items():
-        path.write_text(text, encoding="utf-8")
-    run = subprocess.run(
-        [str(llama_python), str(RUNNERS / "llamacpp_tokenize.py"), str(gguf), *map(str, texts)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    theirs = json.loads(run.stdout)
+    texts = corpus_texts(tmp_path)
+    theirs = llamacpp_tokens(llama_python, gguf, texts)
     tokenizer = load_tokenizer(read_gguf_metadata(gguf))
-    differ = [p.name for p, text in texts.items() if tokenizer.encode_text(text) != theirs[str(p)]]
+    differ = [p.name for p, text in texts.items() if tokenizer.encode_text(text) != theirs[p]]
     assert not differ, f"{len(differ)} of {len(texts)} texts tokenized otherwise than llama.cpp: {differ}"
     assert sum(len(ids) for ids in theirs.values()) > 10_000
     for path, text in texts.items():
-        assert tokenizer.decode(theirs[str(path)], skip_special_tokens=True) == text
+        assert tokenizer.decode(theirs[path], skip_special_tokens=True) == text
 
 
 @pytest.fixture(scope="module")

@@ -125,9 +125,37 @@ def test_vocabulary_lacks_exactly_the_unencodable_bytes(tok: Tokenizer) -> None:
 
 
 def test_unsupported_pre_tokenizer_is_refused(metadata: GGUFMetadata) -> None:
-    for pre in ("qwen2", None):
+    for pre in ("deepseek-coder", "tekken", None):
         with pytest.raises(ValueError, match=r"tokenizer\.ggml\.pre"):
             load_tokenizer(GGUFMetadata({**metadata.values, "tokenizer.ggml.pre": pre}))
+
+
+def with_pre(metadata: GGUFMetadata, pre: str, **header: object) -> Tokenizer:
+    """SmolLM2's vocabulary under another ``tokenizer.ggml.pre`` (the add_bos key dropped unless given)."""
+    values = {k: v for k, v in metadata.values.items() if k != "tokenizer.ggml.add_bos_token"}
+    return load_tokenizer(GGUFMetadata({**values, "tokenizer.ggml.pre": pre, **header}))
+
+
+def test_llama3_adds_bos_unless_the_header_says_not(metadata: GGUFMetadata) -> None:
+    """llama.cpp's default for the llama-bpe group; qwen2 has none."""
+    assert with_pre(metadata, "llama-bpe").encode("hi")[0] == 1
+    assert with_pre(metadata, "llama-bpe", **{"tokenizer.ggml.add_bos_token": False}).encode("hi")[0] != 1
+    assert not with_pre(metadata, "qwen2").add_bos
+
+
+def test_llama3_takes_a_piece_that_is_a_token_whole() -> None:
+    """``ignore_merges``: "abc" is a token though no merge builds it; qwen2's BPE stops at "ab" + "c"."""
+    alphabet = list(gpt2_byte_alphabet().values())
+    header = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [*alphabet, "ab", "abc"],
+        "tokenizer.ggml.merges": ["a b"],
+    }
+    ab, abc = len(alphabet), len(alphabet) + 1
+    for pre, ids in (("llama-bpe", [abc]), ("qwen2", [ab, alphabet.index("c")])):
+        tokenizer = load_tokenizer(GGUFMetadata({**header, "tokenizer.ggml.pre": pre}))
+        assert tokenizer.encode("abc") == ids
+        assert tokenizer.encode("abcabc") == [ab, alphabet.index("c"), ab, alphabet.index("c")]  # one piece
 
 
 @settings(max_examples=150, deadline=None)
@@ -138,17 +166,28 @@ def test_decode_inverts_encode(tok: Tokenizer, text: str) -> None:
 
 # --- the split, against llama.cpp's own expressions ---------------------------------------------------------------
 
-LLAMACPP_SMOLLM_SPLITS = (
-    r"\p{N}",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-)
+# llama.cpp's expressions per pre type (src/llama-vocab.cpp), written out here, not imported from kvtier.
+LLAMACPP_SPLITS = {
+    "smollm": (
+        r"\p{N}",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    ),
+    "llama-bpe": (
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "qwen2": (
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+}
 
 
-def llamacpp_split(text: str) -> list[str]:
-    """llama.cpp's ``unicode_regex_split`` for pre type SMOLLM: each expression in turn, keeping the gaps."""
+def llamacpp_split(text: str, pre: str = "smollm") -> list[str]:
+    """llama.cpp's ``unicode_regex_split`` for one pre type: each expression in turn, keeping the gaps."""
     regex = pytest.importorskip("regex")
     pieces = [text] if text else []
-    for expression in LLAMACPP_SMOLLM_SPLITS:
+    for expression in LLAMACPP_SPLITS[pre]:
         pattern = regex.compile(expression)
         split: list[str] = []
         for piece in pieces:
@@ -175,6 +214,24 @@ ASSIGNED = st.characters(codec="utf-8", exclude_categories=["Cn", "Co", "Cs"])
 def test_split_is_llamacpps_smollm_split(tok: Tokenizer, text: str) -> None:
     ours = [text[a:b] for _, (a, b) in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
     assert ours == llamacpp_split(text)
+
+
+@pytest.fixture(scope="module")
+def gpt4_style(metadata: GGUFMetadata) -> dict[str, Tokenizer]:
+    return {pre: with_pre(metadata, pre) for pre in ("llama-bpe", "qwen2")}
+
+
+GPT4_STYLE_TEXT = st.text(st.sampled_from(list("aB1 2\t\r\n.'sS9٣_!é中")), max_size=24)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+@settings(max_examples=200, deadline=None)
+@given(text=st.one_of(GPT4_STYLE_TEXT, st.text(ASSIGNED, max_size=24)))
+def test_split_is_llamacpps_gpt4_style_split(gpt4_style: dict[str, Tokenizer], pre: str, text: str) -> None:
+    tokenizer = gpt4_style[pre]
+    ours = [text[a:b] for _, (a, b) in tokenizer.backend.pre_tokenizer.pre_tokenize_str(text)]
+    assert ours == llamacpp_split(text, pre)
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text or not all(map(encodable, text))
 
 
 # --- streaming --------------------------------------------------------------------------------------------------
