@@ -7,12 +7,14 @@
  * ships its projections as Q4_1 (32 weights in 20 bytes) and its embedding as Q8_0
  * (32 in 34); dequantized to float32 they are 5-6x larger, and reading them is most of
  * a float32 decode step. These kernels read the quantized form instead, repacked once
- * at load (kvtier/engine/quant.py): per row, the blocks' quants back to back, and the
- * blocks' scales (and Q4_1 minimums) as float32 arrays of their own.
+ * at load (kvtier/model/blocks.py maps every supported GGML format, K-quants included,
+ * onto three forms): per row, the blocks' quants back to back, and the blocks' scales
+ * (and minimums) as float32 arrays of their own.
  *
- *   Q4_1: w[j] = d * q[j] + m, q in 0..15; byte k of a block holds q[k] (low nibble)
- *         and q[k + 16] (high nibble), as in GGML.
- *   Q8_0: w[j] = d * q[j], q an int8.
+ *   Q4_1:  w[j] = d * q[j] + m, q in 0..15; byte k of a block holds q[k] (low nibble)
+ *          and q[k + 16] (high nibble), as in GGML.
+ *   Q8_0:  w[j] = d * q[j] (+ m where minimums are given), q an int8.
+ *   Q8_16: w[j] = d[j / 16] * q[j], q an int8: two scales per 32-weight block (Q6_K).
  *
  * out[i, r] = sum_j w[r, j] * x[i, j], in float32, for i < n rows of x. Per block,
  * sum_j (d q_j + m) x_j = d * (q . x) + m * sum(x): the sums of x per block are taken
@@ -51,20 +53,21 @@
 #define QV_MAX_X 64   /* rows of x per call: a decode batch */
 #define QV_GROUP 4    /* rows of x sharing one unpacking of a weight block */
 
-typedef enum { QV_Q4_1 = 0, QV_Q8_0 = 1 } qv_kind_t;
+typedef enum { QV_Q4_1 = 0, QV_Q8_0 = 1, QV_Q8_16 = 2 } qv_kind_t;
 
 typedef struct {
     qv_kind_t kind;
     const uint8_t *q;  /* rows x row_bytes */
-    const float *d;    /* rows x blocks */
-    const float *m;    /* rows x blocks (Q4_1 only) */
+    const float *d;    /* rows x scales */
+    const float *m;    /* rows x blocks, or NULL (no minimums) */
     const float *x;    /* n x cols */
-    const float *xsum; /* n x blocks (Q4_1 only) */
+    const float *xsum; /* n x blocks (where m is given) */
     const uint16_t *xb; /* the bfloat16 build's x: n x pairs x 64, in its lane order (qv_arrange) */
     const float *xs8;   /* and its minimums' sums: n x pairs x 16 */
     int64_t pairs;      /* blocks / 2, rounded up */
     float *out;        /* n x rows */
     int64_t rows, cols, blocks, row_bytes;
+    int64_t scales;    /* scales per row: blocks, or 2 * blocks for Q8_16 */
     int n;
     int64_t unit_rows; /* rows per unit of work (QV_UNITS_PER_THREAD) */
     size_t next, n_units;
@@ -81,7 +84,15 @@ static void qv_rows_base(const void *job, int64_t r0, int64_t r1) {
             const float *x = j->x + (int64_t)i * j->cols;
             float total = 0.0f;
             for (int64_t b = 0; b < j->blocks; b++) {
-                const float d = j->d[r * j->blocks + b];
+                const float *d = j->d + r * j->scales;
+                if (j->kind == QV_Q8_16) {
+                    const int8_t *p = (const int8_t *)q + b * QV_BLOCK;
+                    float lo = 0.0f, hi = 0.0f;
+                    for (int k = 0; k < QV_BLOCK / 2; k++) lo += (float)p[k] * x[b * QV_BLOCK + k];
+                    for (int k = QV_BLOCK / 2; k < QV_BLOCK; k++) hi += (float)p[k] * x[b * QV_BLOCK + k];
+                    total += d[2 * b] * lo + d[2 * b + 1] * hi;
+                    continue;
+                }
                 float dot = 0.0f;
                 if (j->kind == QV_Q4_1) {
                     const uint8_t *p = q + b * (QV_BLOCK / 2);
@@ -94,8 +105,8 @@ static void qv_rows_base(const void *job, int64_t r0, int64_t r1) {
                     for (int k = 0; k < QV_BLOCK; k++) w[k] = (float)p[k];
                 }
                 for (int k = 0; k < QV_BLOCK; k++) dot += w[k] * x[b * QV_BLOCK + k];
-                total += d * dot;
-                if (j->kind == QV_Q4_1) total += j->m[r * j->blocks + b] * j->xsum[(int64_t)i * j->blocks + b];
+                total += d[b] * dot;
+                if (j->m != NULL) total += j->m[r * j->blocks + b] * j->xsum[(int64_t)i * j->blocks + b];
             }
             j->out[(int64_t)i * j->rows + r] = total;
         }
@@ -139,13 +150,24 @@ QV_AVX2 static inline __m256 qv_block_dot(const __m256 f[4], const float *x) {
     return _mm256_add_ps(a, b);
 }
 
+/* acc plus block b's products scaled: one scale for the block, or (Q8_16) one per half. */
+QV_AVX2 static inline __m256 qv_block_acc(const qv_job_t *j, const __m256 f[4], const float *x, const float *d, int64_t b,
+                                          __m256 acc) {
+    if (j->kind == QV_Q8_16) {
+        const __m256 lo = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(x)));
+        const __m256 hi = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(x + 16)));
+        return _mm256_fmadd_ps(_mm256_set1_ps(d[2 * b + 1]), hi, _mm256_fmadd_ps(_mm256_set1_ps(d[2 * b]), lo, acc));
+    }
+    return _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qv_block_dot(f, x), acc);
+}
+
 /* A row's sum from its two block accumulators (even blocks, odd blocks) and, for Q4_1, the
  * minimums' share. One function for one row of x and for several, so that a row's result is
  * the same bits whether it was multiplied alone or with others (a decode step and a verify
  * step of prompt lookup give a token the same logits). */
 QV_AVX2 static inline float qv_total(const qv_job_t *j, int64_t r, __m256 acc0, __m256 acc1, const float *xsum) {
     float total = qv_hsum(_mm256_add_ps(acc0, acc1));
-    if (j->kind == QV_Q4_1) {
+    if (j->m != NULL) {
         const float *m = j->m + r * j->blocks;
         __m256 bias = _mm256_setzero_ps();
         int64_t k = 0;
@@ -160,20 +182,20 @@ QV_AVX2 static inline float qv_total(const qv_job_t *j, int64_t r, __m256 acc0, 
 QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, int64_t qb) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
-        const float *d = j->d + r * j->blocks;
+        const float *d = j->d + r * j->scales;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 1 < j->blocks; b += 2) {
             __m256 f[4], g[4];
             qv_unpack(j->kind, q + b * qb, f);
             qv_unpack(j->kind, q + (b + 1) * qb, g);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qv_block_dot(f, j->x + b * QV_BLOCK), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[b + 1]), qv_block_dot(g, j->x + (b + 1) * QV_BLOCK), acc1);
+            acc0 = qv_block_acc(j, f, j->x + b * QV_BLOCK, d, b, acc0);
+            acc1 = qv_block_acc(j, g, j->x + (b + 1) * QV_BLOCK, d, b + 1, acc1);
         }
         if (b < j->blocks) {
             __m256 f[4];
             qv_unpack(j->kind, q + b * qb, f);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qv_block_dot(f, j->x + b * QV_BLOCK), acc0);
+            acc0 = qv_block_acc(j, f, j->x + b * QV_BLOCK, d, b, acc0);
         }
         j->out[r] = qv_total(j, r, acc0, acc1, j->xsum);
     }
@@ -188,7 +210,7 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
     }
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
-        const float *d = j->d + r * j->blocks;
+        const float *d = j->d + r * j->scales;
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
             const int g = j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP;
             __m256 acc0[QV_GROUP], acc1[QV_GROUP];  /* even and odd blocks, as qv_rows_avx2_one sums them */
@@ -196,13 +218,12 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
             for (int64_t b = 0; b < j->blocks; b++) {
                 __m256 f[4];
                 qv_unpack(j->kind, q + b * qb, f);
-                const __m256 scale = _mm256_set1_ps(d[b]);
                 for (int i = 0; i < g; i++) {
-                    const __m256 dot = qv_block_dot(f, j->x + (int64_t)(i0 + i) * j->cols + b * QV_BLOCK);
+                    const float *x = j->x + (int64_t)(i0 + i) * j->cols + b * QV_BLOCK;
                     if (b & 1)
-                        acc1[i] = _mm256_fmadd_ps(scale, dot, acc1[i]);
+                        acc1[i] = qv_block_acc(j, f, x, d, b, acc1[i]);
                     else
-                        acc0[i] = _mm256_fmadd_ps(scale, dot, acc0[i]);
+                        acc0[i] = qv_block_acc(j, f, x, d, b, acc0[i]);
                 }
             }
             for (int i = 0; i < g; i++)
@@ -384,11 +405,13 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izp:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols, &x,
                                      &n, &out, &threads, &impl, &x_bf16))
         return NULL;
-    if (kind != QV_Q4_1 && kind != QV_Q8_0) return PyErr_Format(PyExc_ValueError, "kind must be 0 (Q4_1) or 1 (Q8_0)");
+    if (kind != QV_Q4_1 && kind != QV_Q8_0 && kind != QV_Q8_16)
+        return PyErr_Format(PyExc_ValueError, "kind must be 0 (Q4_1), 1 (Q8_0) or 2 (Q8_16)");
     if (rows <= 0 || cols <= 0 || cols % QV_BLOCK) return PyErr_Format(PyExc_ValueError, "cols must be a positive multiple of 32");
     if (n <= 0 || n > QV_MAX_X) return PyErr_Format(PyExc_ValueError, "n (rows of x) must be 1..%d", QV_MAX_X);
     if (threads < 1 || threads > 16) return PyErr_Format(PyExc_ValueError, "threads must be 1..16");
     if (!q || !d || !x || !out || (kind == QV_Q4_1 && !m)) return PyErr_Format(PyExc_ValueError, "null address");
+    if (kind == QV_Q8_16 && m) return PyErr_Format(PyExc_ValueError, "Q8_16 has no minimums");
     kvt_quant_impl();
     void (*rows_fn)(const void *, int64_t, int64_t) = qv_rows_best;
     int use_bf16 = x_bf16 && kind == QV_Q4_1 && qv_has_bf16 && impl == NULL;
@@ -400,7 +423,7 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     const int64_t blocks = cols / QV_BLOCK, pairs = (blocks + 1) / 2;
     const int64_t units = (int64_t)QV_UNITS_PER_THREAD * threads;
     const int64_t unit_rows = ((rows + units - 1) / units + QV_UNIT_ALIGN - 1) / QV_UNIT_ALIGN * QV_UNIT_ALIGN;
-    const size_t n_xsum = kind == QV_Q4_1 ? (size_t)(n * blocks) : 0;
+    const size_t n_xsum = m ? (size_t)(n * blocks) : 0;
     const size_t n_wide = x_bf16 && !use_bf16 ? (size_t)(n * cols) : 0; /* another build: x widened to float32 */
     const size_t n_xs8 = use_bf16 ? (size_t)(n * pairs * 16) : 0, n_xb = use_bf16 ? (size_t)(n * pairs * 64) : 0;
     char *scratch = malloc(sizeof(float) * (n_xsum + n_wide + n_xs8) + sizeof(uint16_t) * n_xb + 1);
@@ -423,6 +446,7 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
         .cols = cols,
         .blocks = blocks,
         .row_bytes = kind == QV_Q4_1 ? cols / 2 : cols,
+        .scales = kind == QV_Q8_16 ? 2 * blocks : blocks,
         .n = n,
         .next = 0,
         .unit_rows = unit_rows,

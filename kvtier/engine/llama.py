@@ -19,9 +19,10 @@ writes its new K/V into the pool first, then attends:
   decoding sequences gathered padded to the longest, with a padding mask.
   Either way the query heads that share a KV head attend together, so
   grouped-query attention needs no repeated K/V. A decode-only step also
-  multiplies by the GGUF's own Q4_1/Q8_0 blocks instead of the float32
-  matrices when the model was given them (:mod:`kvtier.engine.quant`):
-  the step is bound by weight bytes, and those are 5-6x fewer.
+  multiplies by the GGUF's own quantized blocks (Q4_0 to Q8_0 and the
+  K-quants) instead of the dense matrices when the model was given them
+  (:mod:`kvtier.engine.quant`): the step is bound by weight bytes, and
+  those are 4-7x fewer.
 
 Between the matrix products, a layer's element-wise steps (each residual
 add fused with the RMSNorm after it, RoPE fused with the K/V write into the
@@ -60,7 +61,7 @@ import torch.nn.functional as F
 from kvtier.engine import quant
 from kvtier.engine.kernels import DecodePlan, NativePrefill, plan_decode, plan_prefill
 from kvtier.engine.pool import BlockTable, Gather, KVPool, Slots
-from kvtier.engine.quant import QuantMatrix
+from kvtier.engine.quant import QuantMatrix, QuantStack, fuse
 from kvtier.engine.rowwise import Rope, add_rms_norm, rms_norm, rope_table, silu_mul
 from kvtier.layout import KVLayout
 from kvtier.model import QuantBlocks
@@ -110,9 +111,9 @@ class _Layer:
 class _QuantLayer:
     """The same layer's matrices as GGUF blocks, for decode steps (:mod:`kvtier.engine.quant`)."""
 
-    wqkv: QuantMatrix
+    wqkv: QuantMatrix | QuantStack
     wo: QuantMatrix
-    w_gate_up: QuantMatrix
+    w_gate_up: QuantMatrix | QuantStack
     w_down: QuantMatrix
 
 
@@ -241,10 +242,10 @@ class LlamaModel:
             names += [f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
             names += [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         if not all(n in blocks for n in names):
-            return  # some matrix in another format: decode keeps the float32 matmuls throughout
+            return  # some matrix dense in the file (F16, BF16...): decode keeps the dense matmuls throughout
 
-        def cat(p: str, *parts: str) -> QuantMatrix:
-            return QuantMatrix.cat([blocks[f"{p}{part}.weight"] for part in parts])
+        def cat(p: str, *parts: str) -> QuantMatrix | QuantStack:
+            return fuse([blocks[f"{p}{part}.weight"] for part in parts])
 
         layers = []
         for i in range(self.config.num_layers):
@@ -252,9 +253,9 @@ class LlamaModel:
             layers.append(
                 _QuantLayer(
                     wqkv=cat(p, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                    wo=cat(p, "self_attn.o_proj"),
+                    wo=QuantMatrix.of(blocks[f"{p}self_attn.o_proj.weight"]),
                     w_gate_up=cat(p, "mlp.gate_proj", "mlp.up_proj"),
-                    w_down=cat(p, "mlp.down_proj"),
+                    w_down=QuantMatrix.of(blocks[f"{p}mlp.down_proj.weight"]),
                 )
             )
         self.decode_layers = layers

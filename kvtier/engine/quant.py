@@ -2,11 +2,13 @@
 
 A decode step multiplies a handful of activation rows (one per decoding
 sequence) by every weight matrix, so it is bound by the bytes of weights it
-streams, not by arithmetic. float32 copies of the embedded model's Q4_1 and
-Q8_0 matrices are 5-6x larger than the blocks they were dequantized from;
-:class:`QuantMatrix` keeps the blocks (repacked by
-:func:`~kvtier.model.load_gguf_blocks`) and multiplies with the native
-``quant_matvec`` (``native/quant_matvec.c``).
+streams, not by arithmetic. float32 copies of a GGUF's quantized matrices
+are 4-7x larger than the blocks they were dequantized from;
+:class:`QuantMatrix` keeps the blocks (every supported GGML format, K-quants
+included, repacked into one of three forms by :mod:`kvtier.model.blocks`)
+and multiplies with the native ``quant_matvec`` (``native/quant_matvec.c``).
+A fused matrix whose parts came in different forms (a Q4_K_M file's Q and K
+in Q4_K, its V in Q6_K) is a :class:`QuantStack`, one kernel call a form.
 
 The weights are exactly the ones the float32 matmuls use (same values, only
 stored smaller), and the products accumulate in float32; what differs is
@@ -27,6 +29,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 import numpy as np
 import torch
@@ -50,9 +53,9 @@ class QuantMatrix:
     """A ``[rows, cols]`` weight matrix as quantized blocks; ``x @ W.T`` for up to :data:`MAX_ROWS` rows of ``x``."""
 
     kind: QuantKind
-    q: torch.Tensor  # uint8 [rows, cols / 2] (Q4_1) or [rows, cols] (Q8_0)
-    d: torch.Tensor  # float32 [rows, cols / 32]
-    m: torch.Tensor | None  # float32 [rows, cols / 32], Q4_1 only
+    q: torch.Tensor  # uint8 [rows, cols / 2] (Q4_1) or [rows, cols] (int8 as uint8: Q8_0, Q8_16)
+    d: torch.Tensor  # float32 [rows, cols / 32] ([rows, cols / 16] for Q8_16)
+    m: torch.Tensor | None  # float32 [rows, cols / 32]: always for Q4_1, for Q8_0 where the source had minimums
     rows: int
     cols: int
 
@@ -62,16 +65,21 @@ class QuantMatrix:
 
     @classmethod
     def cat(cls, parts: Sequence[QuantBlocks]) -> QuantMatrix:
-        """Rows of ``parts`` stacked, like ``torch.cat`` of the dense matrices (fused Q/K/V, gate/up)."""
+        """Rows of ``parts`` stacked, like ``torch.cat`` of the dense matrices (fused Q/K/V, gate/up).
+
+        Parts must share a form; where only some carry minimums, the others get
+        zeros (the same weights, and one kernel call instead of two).
+        """
         kinds = {p.kind for p in parts}
         if len(kinds) != 1 or len({p.cols for p in parts}) != 1:
-            raise ValueError("only matrices of one format and width stack")
+            raise ValueError("only matrices of one form and width stack")
         (kind,) = kinds
 
         def stack(arrays: list[np.ndarray]) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(np.concatenate(arrays, axis=0)))
 
-        m = stack([p.m for p in parts if p.m is not None]) if kind is QuantKind.Q4_1 else None
+        with_min = any(p.m is not None for p in parts)
+        m = stack([np.zeros_like(p.d) if p.m is None else p.m for p in parts]) if with_min else None
         return cls(
             kind, stack([p.q for p in parts]), stack([p.d for p in parts]), m, sum(p.rows for p in parts), parts[0].cols
         )
@@ -120,4 +128,32 @@ class QuantMatrix:
         return out
 
 
-__all__ = ["BF16", "IMPL", "MAX_ROWS", "NATIVE", "QuantMatrix"]
+@dataclass(frozen=True)
+class QuantStack:
+    """Rows of matrices in different forms, stacked: each run of one form is one :class:`QuantMatrix`."""
+
+    parts: tuple[QuantMatrix, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
+        return torch.cat([p(x, threads=threads, impl=impl) for p in self.parts], dim=1)
+
+
+def fuse(parts: Sequence[QuantBlocks]) -> QuantMatrix | QuantStack:
+    """Rows of ``parts`` stacked: one :class:`QuantMatrix` where they share a form, else a :class:`QuantStack`."""
+    runs = [QuantMatrix.cat(list(run)) for _, run in groupby(parts, key=lambda p: p.kind)]
+    return runs[0] if len(runs) == 1 else QuantStack(tuple(runs))
+
+
+__all__ = ["BF16", "IMPL", "MAX_ROWS", "NATIVE", "QuantMatrix", "QuantStack", "fuse"]

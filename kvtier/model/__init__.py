@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from kvtier.model.blocks import QuantBlocks, QuantKind
 from kvtier.model.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvtier.model.config import ModelConfig
 from kvtier.model.gguf import (
     GGUFMetadata,
     GGUFModel,
-    QuantBlocks,
-    QuantKind,
     file_sha256,
     load_gguf,
     load_gguf_blocks,

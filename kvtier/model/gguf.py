@@ -18,7 +18,6 @@ Two things about the file layout decide correctness here:
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import logging
@@ -33,10 +32,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+from gguf import GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from kvtier.model.blocks import BLOCK_FORMATS, QuantBlocks, repack
 from kvtier.model.config import TRAITS, Architecture, ModelConfig
 from kvtier.private import make_private, private_dir
 
@@ -158,48 +158,13 @@ def _load(reader: GGUFReader, path: Path, dtype: torch.dtype, progress: bool) ->
     return GGUFModel(config, weights, metadata)
 
 
-class QuantKind(enum.IntEnum):
-    """GGUF block formats the decode kernel reads as they are (the value is the C kernel's ``kind``)."""
-
-    Q4_1 = 0  # 32 weights: float16 scale d, float16 minimum m, 16 bytes of nibbles; w = d * q + m
-    Q8_0 = 1  # 32 weights: float16 scale d, 32 int8; w = d * q
-
-
-_BLOCK_BYTES = {QuantKind.Q4_1: 20, QuantKind.Q8_0: 34}
-_GGML_KIND = {GGMLQuantizationType.Q4_1: QuantKind.Q4_1, GGMLQuantizationType.Q8_0: QuantKind.Q8_0}
-
-
-class QuantBlocks(NamedTuple):
-    """One weight matrix as the GGUF stores it, split into arrays a C kernel can stream.
-
-    ``q`` holds each row's quants back to back (Q4_1: ``cols / 2`` bytes of
-    nibbles per row, GGML's order inside a block; Q8_0: ``cols`` int8 as
-    uint8); ``d`` and ``m`` are the blocks' scales and minimums, float32
-    ``[rows, cols / 32]`` (``m`` is None for Q8_0). The float16 scales widen
-    to float32 exactly, so these arrays describe exactly the weights
-    :func:`load_gguf` dequantizes.
-    """
-
-    kind: QuantKind
-    q: np.ndarray
-    d: np.ndarray
-    m: np.ndarray | None
-
-    @property
-    def rows(self) -> int:
-        return int(self.d.shape[0])
-
-    @property
-    def cols(self) -> int:
-        return int(self.d.shape[1]) * 32
-
-
 def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
-    """Every Q4_1 and Q8_0 matrix of the file, under its Hugging Face name, rows in :func:`load_gguf`'s order.
+    """Every matrix in a block format (:data:`~kvtier.model.blocks.BLOCK_FORMATS`) in its decode-kernel form.
 
-    Q and K rows get the same un-permutation as the dequantized weights, so
-    row *r* here is row *r* there. Tensors in other formats are left out;
-    their users fall back to the dequantized weights.
+    Under its Hugging Face name, rows in :func:`load_gguf`'s order: Q and K rows
+    get the same un-permutation as the dequantized weights, so row *r* here is
+    row *r* there. Tensors in other formats are left out; their users fall back
+    to the dequantized weights.
     """
     reader = GGUFReader(Path(path), "r")
     return _blocks(reader, _config_from(_read_metadata(reader), {t.name for t in reader.tensors}, reader))
@@ -208,26 +173,17 @@ def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
 def _blocks(reader: GGUFReader, config: ModelConfig) -> dict[str, QuantBlocks]:
     out: dict[str, QuantBlocks] = {}
     for tensor in reader.tensors:
-        kind = _GGML_KIND.get(tensor.tensor_type)
-        if kind is None:
+        if tensor.tensor_type not in BLOCK_FORMATS or len(tensor.shape) < 2:
             continue
-        raw = np.asarray(tensor.data.view(np.ndarray), dtype=np.uint8)
-        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
-        blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
-        d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-        if kind is QuantKind.Q4_1:
-            m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-            q = np.ascontiguousarray(blocks[..., 4:]).reshape(rows, -1)
-        else:
-            m, q = None, np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
-        arrays = [q, d, m]
+        rows = int(tensor.shape[-1])
+        blocks = repack(tensor.data.view(np.ndarray), tensor.tensor_type, rows)
         hf_name = hf_tensor_name(tensor.name, config.architecture)
         heads = config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
         if config.traits.interleaved_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            arrays = [None if a is None else unpermute_qk(a, heads) for a in arrays]
-        q, d, m = arrays
-        assert q is not None and d is not None
-        out[hf_name] = QuantBlocks(kind, q, d, m)
+            q, d, m = (None if a is None else unpermute_qk(a, heads) for a in (blocks.q, blocks.d, blocks.m))
+            assert q is not None and d is not None
+            blocks = blocks._replace(q=q, d=d, m=m)
+        out[hf_name] = blocks
     return out
 
 

@@ -2,26 +2,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from kvtier.engine import BlockTable, SeqInput, quant
-from kvtier.engine.quant import QuantMatrix
+from kvtier.engine.llama import LlamaModel
+from kvtier.engine.quant import QuantMatrix, QuantStack, fuse
 from kvtier.engine.runtime import LoadedModel
-from kvtier.model import QuantKind
+from kvtier.model import QuantKind, load_gguf_with_blocks
+from kvtier.model.blocks import BLOCK_FORMATS, repack
+from kvtier.model.config import Architecture
+from tests.model.hf_gguf import VOCAB, random_model, write_gguf
+from tests.model.random_blocks import random_raw
 
 pytestmark = pytest.mark.skipif(not quant.NATIVE, reason="the native extension is not built")
 
 
-def dequantized(m: QuantMatrix) -> torch.Tensor:
-    """The float32 matrix a :class:`QuantMatrix` stands for, computed the plain way."""
+def dequantized(m: QuantMatrix | QuantStack) -> torch.Tensor:
+    """The float32 matrix a :class:`QuantMatrix` (or a stack of them) stands for, computed the plain way."""
+    if isinstance(m, QuantStack):
+        return torch.cat([dequantized(p) for p in m.parts])
     d = m.d.numpy()[..., None]
     if m.kind is QuantKind.Q4_1:
         q = m.q.numpy().reshape(m.rows, -1, 16)
         values = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32)
-        return torch.from_numpy((values * d + m.m.numpy()[..., None]).reshape(m.rows, m.cols))
-    return torch.from_numpy((m.q.numpy().view(np.int8).reshape(m.rows, -1, 32) * d).reshape(m.rows, m.cols))
+    else:
+        values = m.q.numpy().view(np.int8).reshape(m.rows, d.shape[1], -1).astype(np.float32)
+    w = values * d + (0 if m.m is None else m.m.numpy()[..., None])
+    return torch.from_numpy(w.reshape(m.rows, m.cols))
 
 
 def test_the_native_decode_path_is_the_one_in_use(loaded_model: LoadedModel) -> None:
@@ -138,3 +150,111 @@ def test_bfloat16_rows_of_q8_0_are_widened_exactly(loaded_model: LoadedModel) ->
     head = loaded_model.model.lm_head_blocks
     x = torch.randn(2, head.cols, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     assert torch.equal(head(x), head(x.float()))
+
+
+# --- every block format -----------------------------------------------------------------------------------------
+
+FORMATS = sorted(BLOCK_FORMATS, key=lambda f: f.name)
+
+
+def random_matrix(fmt: GGMLQuantizationType, rows: int, cols: int, seed: int) -> QuantMatrix:
+    return QuantMatrix.of(repack(random_raw(fmt, rows, cols, seed), fmt, rows))
+
+
+def assert_close_to_exact(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """Within float32's own error of the float64 product (a few ulps of summation order)."""
+    exact = x.double() @ dense.double().T
+    float32_error = (x.float() @ dense.T - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 1e-6 * exact.abs().max().item() + 4 * float32_error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_every_format_multiplies_to_float32_accuracy(fmt: GGMLQuantizationType, dtype: torch.dtype) -> None:
+    """Each row of x the same bits alone or in a batch, on any thread count, and the portable build agrees."""
+    m = random_matrix(fmt, 48, 768, seed=int(fmt))
+    dense = dequantized(m)
+    x = torch.randn(6, m.cols, generator=torch.Generator().manual_seed(int(fmt))).to(dtype)
+    got = m(x)
+    assert got.shape == (6, 48)
+    assert_close_to_exact(got, x, dense)
+    assert_close_to_exact(m(x, impl="base"), x, dense)
+    for i in (0, 5):
+        assert torch.equal(m(x[i : i + 1])[0], got[i])
+    assert torch.equal(m(x, threads=1), m(x, threads=2))
+
+
+def test_parts_in_different_forms_stack_as_one_matrix() -> None:
+    """A Q4_K_M layer's Q and K (Q4_K) with its V (Q6_K): one call a form; Q5_0 beside Q8_0 and Q5_1 fuse into one."""
+    t = GGMLQuantizationType
+    parts = [repack(random_raw(f, 32, 512, seed=i), f, 32) for i, f in enumerate((t.Q4_K, t.Q4_K, t.Q6_K))]
+    stack = fuse(parts)
+    assert isinstance(stack, QuantStack) and [p.kind for p in stack.parts] == [QuantKind.Q4_1, QuantKind.Q8_16]
+    assert stack.rows == 96 and stack.cols == 512
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    assert_close_to_exact(stack(x), x, dequantized(stack))
+    int8 = [repack(random_raw(f, 32, 512, seed=i), f, 32) for i, f in enumerate((t.Q5_0, t.Q8_0, t.Q5_1))]
+    one = fuse(int8)
+    assert isinstance(one, QuantMatrix) and one.kind is QuantKind.Q8_0 and one.m is not None
+    assert_close_to_exact(one(x), x, dequantized(one))
+    assert torch.equal(dequantized(one)[:64], torch.cat([dequantized(QuantMatrix.of(b)) for b in int8[:2]]))
+
+
+def test_q8_16_refuses_minimums() -> None:
+    m = random_matrix(GGMLQuantizationType.Q6_K, 16, 256, seed=0)
+    bad = QuantMatrix(m.kind, m.q, m.d, torch.zeros(16, 8), m.rows, m.cols)
+    with pytest.raises(ValueError, match="no minimums"):
+        bad(torch.zeros(1, 256))
+
+
+# --- a model whose file mixes block formats ----------------------------------------------------------------------
+
+MIXED = {  # each projection in another format, Q/K/V and gate/up across forms, the head in one with minimums
+    "q_proj.weight": GGMLQuantizationType.Q4_0,
+    "k_proj.weight": GGMLQuantizationType.Q5_0,
+    "v_proj.weight": GGMLQuantizationType.Q8_0,
+    "o_proj.weight": GGMLQuantizationType.Q5_1,
+    "gate_proj.weight": GGMLQuantizationType.Q4_1,
+    "up_proj.weight": GGMLQuantizationType.Q5_0,
+    "down_proj.weight": GGMLQuantizationType.Q8_0,
+    "embed_tokens.weight": GGMLQuantizationType.Q8_0,
+    "lm_head.weight": GGMLQuantizationType.Q5_1,
+}
+
+
+@pytest.mark.parametrize("arch", [Architecture.LLAMA, Architecture.GEMMA3], ids=lambda a: a.value)
+def test_a_file_of_mixed_formats_decodes_on_its_blocks(arch: Architecture, tmp_path: Path) -> None:
+    """Quantized by gguf's own quantizer; blocks are the dequantized weights, and decode on them is dense decode's."""
+    path = write_gguf(random_model(arch), arch, tmp_path / "mixed.gguf", MIXED)
+    (config, weights, _), blocks = load_gguf_with_blocks(path, progress=False)
+    model = LlamaModel(config, weights, blocks=blocks)
+    assert model.decode_layers is not None and model.lm_head_blocks is not None
+    layer = model.decode_layers[0]
+    assert isinstance(layer.wqkv, QuantStack) and isinstance(layer.w_gate_up, QuantStack)
+    for i, quantized in enumerate(model.decode_layers):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert torch.equal(dequantized(getattr(quantized, name)), getattr(model.layers[i], name)), (i, name)
+    assert torch.equal(dequantized(model.lm_head_blocks), model.lm_head)
+
+    prompt = [int(t) for t in torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5))]
+
+    def greedy(on_blocks: bool) -> tuple[list[int], torch.Tensor]:
+        saved = model.decode_layers, model.lm_head_blocks
+        if not on_blocks:
+            model.decode_layers, model.lm_head_blocks = None, None
+        try:
+            pool, table = model.make_pool(16, 8), BlockTable()
+            pool.grow(table, len(prompt) + 24)
+            logits = model.forward([SeqInput(prompt, 0, table)], pool)[-1:]
+            ids, steps = [int(logits.argmax())], []
+            for i in range(24):  # past the Gemma model's 16-position window
+                logits = model.forward([SeqInput(ids[-1:], len(prompt) + i, table)], pool)
+                steps.append(logits[-1])
+                ids.append(int(logits[-1].argmax()))
+            return ids, torch.stack(steps)
+        finally:
+            model.decode_layers, model.lm_head_blocks = saved
+
+    (ids, logits), (dense_ids, dense_logits) = greedy(True), greedy(False)
+    assert ids == dense_ids
+    assert (logits - dense_logits).abs().max().item() < 1e-3

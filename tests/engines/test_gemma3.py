@@ -115,6 +115,8 @@ def test_greedy_output_with_the_cache_is_the_output_without_it_past_the_window(
     }
     config = load_config(environ=env)
     loaded = load_model(config, progress=False)
+    # Q5_0, Q8_0, Q4_K and Q6_K matrices, all read as blocks by decode steps
+    assert loaded.model.decode_layers is not None and loaded.model.lm_head_blocks is not None
     text = inspect.getsource(json)[:5000]
     first = loaded.tokenizer.encode(text[:4000])
     second = loaded.tokenizer.encode(text)

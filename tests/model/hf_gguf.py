@@ -12,12 +12,14 @@ one sliding layer before one global one, so a short prompt crosses it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 
 from kvtier.model.config import Architecture
 
@@ -90,8 +92,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: transformers.PreTrainedModel, arch: Architecture, path: Path) -> Path:
-    """``model`` as an F32 GGUF of ``arch`` at ``path``."""
+def write_gguf(
+    model: transformers.PreTrainedModel,
+    arch: Architecture,
+    path: Path,
+    formats: Mapping[str, GGMLQuantizationType] | None = None,
+) -> Path:
+    """``model`` as a GGUF of ``arch`` at ``path``: F32, but for matrices ``formats`` names.
+
+    ``formats`` maps a suffix of a Hugging Face weight name (``"q_proj.weight"``)
+    to a block format ``gguf``'s own quantizer writes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+    """
     c = model.config
     head_dim = head_dim_of(c)
     writer = GGUFWriter(str(path), arch.value)
@@ -113,7 +124,12 @@ def write_gguf(model: transformers.PreTrainedModel, arch: Architecture, path: Pa
     writer.add_file_type(0)  # all F32
     for name, tensor in model.state_dict().items():
         array = tensor.detach().to(torch.float32).numpy()
-        writer.add_tensor(_gguf_name(name, arch, c, array), _as_stored(name, arch, c, array))
+        stored = _as_stored(name, arch, c, array)
+        fmt = next((f for suffix, f in (formats or {}).items() if name.endswith(suffix)), None)
+        if fmt is None:
+            writer.add_tensor(_gguf_name(name, arch, c, array), stored)
+        else:
+            writer.add_tensor(_gguf_name(name, arch, c, array), quantize(stored, fmt), raw_dtype=fmt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

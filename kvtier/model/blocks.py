@@ -1,0 +1,198 @@
+"""GGUF weight blocks repacked into the three forms the decode kernel reads (``native/quant_matvec.c``).
+
+GGML has a dozen block formats, but each weight of the ones people run is
+``scale * q + minimum`` with a small integer ``q`` and a scale (and maybe a
+minimum) shared by 16 or 32 consecutive weights. The K-quants only store
+those scales compactly (6-bit factors of a float16 per 256 weights); once
+multiplied out they are ordinary float32 scales. So every supported format
+repacks, at load, into one of:
+
+* :attr:`QuantKind.Q4_1`: 4-bit ``q`` (two a byte, GGML's order: byte ``k``
+  of a 32-weight block holds ``q[k]`` low and ``q[k + 16]`` high), a scale and
+  a minimum per 32. From Q4_0 (minimum ``-8 d``), Q4_1 and Q4_K.
+* :attr:`QuantKind.Q8_0`: ``q`` an int8, a scale per 32, a minimum per 32 or
+  none. From Q8_0, Q5_0 (``q - 16``), Q5_1 and Q5_K.
+* :attr:`QuantKind.Q8_16`: ``q`` an int8 and a scale per 16. From Q6_K
+  (``q - 32``, scale ``d * scales[i]``).
+
+The products that make the float32 scales (a float16 times a 6- or 8-bit
+integer) and the weights ``scale * q + minimum`` are exact or rounded once,
+exactly as ``gguf.quants.dequantize`` rounds them, so the repacked blocks
+stand for the very weights :func:`~kvtier.model.load_gguf` dequantizes, bit
+for bit. The 5- and 6-bit formats widen to a byte a weight (the kernel reads
+whole bytes); still a quarter of float32's bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
+
+QK = 32  # weights per block of the kernel's forms (Q8_16 has two scales per block)
+SUPER = 256  # weights per K-quant super-block
+
+
+class QuantKind(enum.IntEnum):
+    """The block forms the decode kernel reads (the value is the C kernel's ``kind``)."""
+
+    Q4_1 = 0  # 4-bit q, float32 scale and minimum per 32
+    Q8_0 = 1  # int8 q, float32 scale per 32, float32 minimum per 32 or none
+    Q8_16 = 2  # int8 q, float32 scale per 16
+
+
+class QuantBlocks(NamedTuple):
+    """One weight matrix in a kernel form: arrays a C kernel can stream, row by row.
+
+    ``q`` holds each row's quants back to back (Q4_1: ``cols / 2`` bytes of
+    nibbles; the int8 forms: ``cols`` int8 as uint8); ``d`` the scales,
+    float32 ``[rows, cols / 32]`` (``[rows, cols / 16]`` for Q8_16); ``m`` the
+    minimums, float32 ``[rows, cols / 32]`` or None. ``source`` is the GGML
+    format they came from.
+    """
+
+    kind: QuantKind
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    source: GGMLQuantizationType
+
+    @property
+    def rows(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def cols(self) -> int:
+        return int(self.q.shape[1]) * (2 if self.kind is QuantKind.Q4_1 else 1)
+
+
+class _Unpacked(NamedTuple):
+    """Blocks of one row set as integers and float32 scales: ``w = d[s] * q + m[s]`` over sub-blocks ``s``."""
+
+    q: np.ndarray  # [n, sub-blocks, sub] integers
+    d: np.ndarray  # [n, sub-blocks] float32
+    m: np.ndarray | None  # [n, sub-blocks] float32
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 fields ``[n, 2]`` (bytes) as float32 ``[n]``."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[n, k, 16]`` bytes of GGML's 32-weight nibble order to ``[n, k, 32]`` values 0..15."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 32 fifth bits (a little-endian uint32 per block) as ``[n, 32]`` values 0 or 16."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits.astype(np.uint8) << 4
+
+
+def _q4_0(b: np.ndarray) -> _Unpacked:
+    d = _f16(b[:, 0:2])
+    return _Unpacked(_nibbles(b[:, None, 2:18]), d[:, None], (-8.0 * d)[:, None])
+
+
+def _q4_1(b: np.ndarray) -> _Unpacked:
+    return _Unpacked(_nibbles(b[:, None, 4:20]), _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None])
+
+
+def _q5_0(b: np.ndarray) -> _Unpacked:
+    q = _nibbles(b[:, None, 6:22])[:, 0] | _high_bits(b[:, 2:6])
+    return _Unpacked((q.astype(np.int8) - 16)[:, None], _f16(b[:, 0:2])[:, None], None)
+
+
+def _q5_1(b: np.ndarray) -> _Unpacked:
+    q = _nibbles(b[:, None, 8:24])[:, 0] | _high_bits(b[:, 4:8])
+    return _Unpacked(q[:, None], _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None])
+
+
+def _q8_0(b: np.ndarray) -> _Unpacked:
+    return _Unpacked(np.ascontiguousarray(b[:, None, 2:34]).view(np.int8), _f16(b[:, 0:2])[:, None], None)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: the eight sub-blocks' scales and minimums as float32, ``d * sc`` and ``-dmin * m`` (exact)."""
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    return _f16(b[:, 0:2])[:, None] * sc.astype(np.float32), -(_f16(b[:, 2:4])[:, None] * mn.astype(np.float32))
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """K-quant 4-bit fields: 32 bytes per 64 weights, low nibbles the first 32, high the next: ``[n, 8, 32]``."""
+    pairs = qs.reshape(len(qs), 4, 1, 32)
+    return np.concatenate([pairs & 0x0F, pairs >> 4], axis=2).reshape(len(qs), 8, 32)
+
+
+def _q4_k(b: np.ndarray) -> _Unpacked:
+    d, m = _k_scales(b)
+    return _Unpacked(_k_nibbles(b[:, 16:144]), d, m)
+
+
+def _q5_k(b: np.ndarray) -> _Unpacked:
+    d, m = _k_scales(b)
+    high = np.unpackbits(np.ascontiguousarray(b[:, 16:48])[:, :, None], axis=-1, bitorder="little")  # [n, 32, 8]
+    q = _k_nibbles(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)
+    return _Unpacked(q, d, m)
+
+
+def _q6_k(b: np.ndarray) -> _Unpacked:
+    n = len(b)
+    ql, qh = b[:, 0:128].reshape(n, 2, 1, 64), b[:, 128:192].reshape(n, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(n, 2, 4, 32)  # 128 weights: l, l+32, l+64, l+96
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (low | (high << 4)).astype(np.int8) - 32
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return _Unpacked(q.reshape(n, 16, 16), _f16(b[:, 208:210])[:, None] * scales, None)
+
+
+# GGML format -> (bytes per block, weights per block, unpacker, the kernel form it repacks into)
+_FORMATS: dict[GGMLQuantizationType, tuple[int, int, Callable[[np.ndarray], _Unpacked], QuantKind]] = {
+    GGMLQuantizationType.Q4_0: (18, QK, _q4_0, QuantKind.Q4_1),
+    GGMLQuantizationType.Q4_1: (20, QK, _q4_1, QuantKind.Q4_1),
+    GGMLQuantizationType.Q5_0: (22, QK, _q5_0, QuantKind.Q8_0),
+    GGMLQuantizationType.Q5_1: (24, QK, _q5_1, QuantKind.Q8_0),
+    GGMLQuantizationType.Q8_0: (34, QK, _q8_0, QuantKind.Q8_0),
+    GGMLQuantizationType.Q4_K: (144, SUPER, _q4_k, QuantKind.Q4_1),
+    GGMLQuantizationType.Q5_K: (176, SUPER, _q5_k, QuantKind.Q8_0),
+    GGMLQuantizationType.Q6_K: (210, SUPER, _q6_k, QuantKind.Q8_16),
+}
+BLOCK_FORMATS = frozenset(_FORMATS)
+"""The GGML formats decode reads as blocks; a matrix in any other (F32, F16, BF16...) decodes dense."""
+
+
+def repack(raw: np.ndarray, fmt: GGMLQuantizationType, rows: int) -> QuantBlocks:
+    """A matrix's raw GGUF bytes (``rows`` rows) in its kernel form."""
+    block_bytes, per_block, unpack, kind = _FORMATS[fmt]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+    if fmt in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):  # already the form: slice, don't unpack
+        q = np.ascontiguousarray(blocks[:, 4:] if fmt is GGMLQuantizationType.Q4_1 else blocks[:, 2:])
+        m = _f16(blocks[:, 2:4]).reshape(rows, -1) if fmt is GGMLQuantizationType.Q4_1 else None
+        return QuantBlocks(kind, q.reshape(rows, -1), _f16(blocks[:, 0:2]).reshape(rows, -1), m, fmt)
+    u = unpack(blocks)
+    cols = len(blocks) * per_block // rows
+    q = u.q.reshape(rows, cols)
+    if kind is QuantKind.Q4_1:
+        q = q.reshape(rows, -1, 2, 16)
+        q = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8)
+    d = np.ascontiguousarray(u.d.reshape(rows, -1), dtype=np.float32)
+    m = None if u.m is None else np.ascontiguousarray(u.m.reshape(rows, -1), dtype=np.float32)
+    return QuantBlocks(kind, np.ascontiguousarray(q.reshape(rows, -1)).view(np.uint8), d, m, fmt)
+
+
+def weights_of(blocks: QuantBlocks) -> np.ndarray:
+    """The float32 matrix the blocks stand for, ``d * q + m`` weight by weight (what tests compare)."""
+    rows = blocks.rows
+    if blocks.kind is QuantKind.Q4_1:
+        q = _nibbles(blocks.q.reshape(rows, -1, 16)).astype(np.float32)
+    else:
+        q = blocks.q.view(np.int8).reshape(rows, blocks.d.shape[1], -1).astype(np.float32)
+    w = q * blocks.d[..., None]
+    if blocks.m is not None:
+        w = w + blocks.m[..., None]
+    return w.reshape(rows, blocks.cols)
