@@ -286,6 +286,10 @@ class EngineConfig(_Section):
         description="Tokens one step computes: a token per decoding request, then prompt chunks (chunked prefill).",
     )
     keep_resident: bool = Field(True, description="Keep finished requests' blocks in the pool (device tier).")
+    windowed_loads: bool = Field(
+        True,
+        description="A hit loads into sliding-window layers (Gemma 3) only the blocks inside their window.",
+    )
     decoded_kv: DecodedKV = Field(
         DecodedKV.AUTO, description="Cache blocks a decode step computed: auto = in float32, not in bfloat16."
     )

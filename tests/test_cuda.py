@@ -51,7 +51,7 @@ def test_gpu_bench_moves_the_bytes_and_reports_both_directions() -> None:
 def test_layerwise_load_to_a_gpu_pool_is_ordered_by_events() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvtier.engine.onboard import LayerwiseLoad
+    from kvtier.engine.onboard import LayerwiseLoad, LoadPart
     from kvtier.engine.pool import KVPool
     from kvtier.fetch import LoadHandle
     from kvtier.tiers.base import TierKind
@@ -73,7 +73,7 @@ def test_layerwise_load_to_a_gpu_pool_is_ordered_by_events() -> None:
         lambda h: released.append(True),
     )
     with ThreadPoolExecutor(1) as executor:
-        load = LayerwiseLoad(pool, [(handle, [3, 0, 2])], executor)
+        load = LayerwiseLoad(pool, [LoadPart(handle, [3, 0, 2])], executor)
         for layer in range(layout.num_layers):
             load.wait(layer)  # the compute stream now waits on this layer's event
             got = pool.layers[layer][[3, 0, 2]].cpu()

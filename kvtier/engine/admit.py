@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from kvtier.engine.onboard import LayerwiseLoad
+from kvtier.engine.onboard import LayerwiseLoad, LoadPart, SlidingWindow
 from kvtier.engine.pool import KVPool, blocks_for
 from kvtier.engine.publish import Publisher
 from kvtier.engine.request import PrefetchCounters, Request
@@ -40,6 +40,7 @@ class Admission:
         block_size: int,
         context_length: int,
         prefetch: bool,
+        window: SlidingWindow | None = None,
     ) -> None:
         self.pool = pool
         self.cache = cache
@@ -50,7 +51,8 @@ class Admission:
         self.prefetch = prefetch and cache is not None
         self.counters = PrefetchCounters()
         self.verifier: ShadowVerifier | None = None  # shadow verification of hits (set by make_engine)
-        self.loads: list[tuple[LoadHandle | ClientLoad, list[int]]] = []  # fetched, copied in the next forward
+        self.window = window  # the model's sliding-window layers: loads leave out what their window never reads
+        self.loads: list[LoadPart] = []  # fetched, copied in the next forward
         self.tokens_skipped = 0  # prompt tokens whose KV came from the pool or kvtier
 
     # -- on arrival ------------------------------------------------------------------------------
@@ -174,15 +176,18 @@ class Admission:
             return shared
         attached = req.served_from.get(TierKind.DEVICE, 0) // self.block_size
         current = self.resident.stored_in(req.keys[:attached], self.cache.generation)
+        if any(i >= current for i in req.partial_blocks):
+            return shared  # a partial block has no sliding layers to store: those stay unstored, never wrong
         return shared if current == attached else current
 
     def _attach_resident(self, req: Request, keys: list[BlockKey]) -> None:
         """Share the pool blocks of the longest confirmed prefix still resident (no copy at all)."""
         if self.resident is None or not keys:
             return
-        ids = self.resident.match(keys, req.blocks)
+        ids = self.resident.match(keys, req.blocks, self.window)
         self.pool.share(ids)
         req.table.block_ids = list(ids)
+        req.partial_blocks = {i for i, p in enumerate(self.resident.partial(keys[: len(ids)])) if p}
         if ids:
             req.served_from[TierKind.DEVICE] = len(ids) * self.block_size
 
@@ -206,8 +211,8 @@ class Admission:
             self.counters.deadline_missed += fetch.missed_deadline
             if handle.blocks:
                 fresh = self.pool.allocate(len(handle.blocks))
-                self.loads.append((handle, fresh))
-                req.table.block_ids.extend(fresh)
+                req.table.block_ids.extend(fresh)  # the last blocks admission gives it: the request resumes after
+                self.loads.append(LoadPart(handle, fresh, self._left_out(req, first, len(fresh))))
                 self._count_served(req, handle)
             else:
                 handle.release()
@@ -223,10 +228,24 @@ class Admission:
                 if not handle.blocks:
                     break  # evicted since the lookup, or a failed read: recompute from here
                 fresh = self.pool.allocate(len(handle.blocks))
-                LayerwiseLoad(self.pool, [(handle, fresh)]).finish()  # synchronous: the handle is reused
+                LayerwiseLoad(self.pool, [LoadPart(handle, fresh)]).finish()  # synchronous: the handle is reused
                 self._count_served(req, handle)
             req.table.block_ids.extend(fresh)
             at += len(fresh)
+
+    def _left_out(self, req: Request, first: int, count: int) -> int:
+        """How many of the loaded blocks ``first ..`` the sliding layers skip: those before the window.
+
+        Only the fetch taken whole leaves blocks out: its end is where the
+        request resumes. The chunked loads copy as they go, before knowing
+        where the last chunk ends, so they copy every layer.
+        """
+        if self.window is None or not self.window.layers:
+            return 0
+        needed = self.window.first_block(len(req.table.block_ids) * self.block_size, self.block_size)
+        skip = min(max(needed - first, 0), count)
+        req.partial_blocks.update(range(first, first + skip))
+        return skip
 
     def _sample_for_verify(self, req: Request, first: int) -> None:
         """Right after admission loaded blocks ``first ..`` from kvtier: mark the request if the hit is checked."""
@@ -246,6 +265,6 @@ class Admission:
             if req.fetch is not None:
                 req.fetch.cancel()
                 req.fetch = None
-        for handle, _ in self.loads:
-            handle.release()
+        for part in self.loads:
+            part.handle.release()
         self.loads = []

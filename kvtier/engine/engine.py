@@ -41,7 +41,7 @@ import torch
 from kvtier.engine.admit import Admission
 from kvtier.engine.drafts import Drafting
 from kvtier.engine.llama import LlamaModel, SeqInput
-from kvtier.engine.onboard import LayerwiseLoad
+from kvtier.engine.onboard import LayerwiseLoad, SlidingWindow
 from kvtier.engine.pool import KVPool
 from kvtier.engine.publish import Publisher
 from kvtier.engine.request import (
@@ -85,7 +85,10 @@ class Engine:
         max_step_tokens: int = 512,
         speculative: PromptLookup | None = None,
         cache_decoded: bool = True,
+        windowed_loads: bool = True,
     ) -> None:
+        """``windowed_loads``: a hit leaves out of a model's sliding-window layers the blocks their window never
+        reads (:mod:`kvtier.engine.onboard`); off, every hit loads every layer."""
         want = model.kv_layout(block_size)
         if cache is not None and cache.layout != want:
             raise ValueError(f"cache layout {cache.layout.descriptor} != the model's {want.descriptor}")
@@ -111,6 +114,7 @@ class Engine:
             block_size=block_size,
             context_length=context,
             prefetch=prefetch,
+            window=SlidingWindow.of(model.config) if windowed_loads else None,
         )
         self.stopping = Stopping(tokenizer, context)
         self.speculative = speculative  # None: one token per decoding request per step
@@ -120,6 +124,8 @@ class Engine:
         self._ids = itertools.count()
         self._finished: list[Request] = []
         self.prefill_tokens_computed = 0
+        self.onboarded_bytes = 0  # copied into the pool from kvtier's host slots
+        self.onboarded_full_bytes = 0  # what those loads would have copied with every layer
         # One thread copies fetched KV into the pool, layer by layer, while the forward computes.
         self._onboard = ThreadPoolExecutor(1, thread_name_prefix="kvtier-onboard") if layerwise else None
 
@@ -178,7 +184,8 @@ class Engine:
         work = self._plan(batch, drafts)
         seqs = [self._input(req, n, drafts.get(req, [])) for req, n in work]
         loads, self.admission.loads = self.admission.loads, []
-        onboarding = LayerwiseLoad(self.pool, loads, self._onboard) if loads else None
+        sliding = self.admission.window.layers if self.admission.window is not None else frozenset()
+        onboarding = LayerwiseLoad(self.pool, loads, self._onboard, sliding) if loads else None
         started = time.perf_counter()
         try:
             logits = self.model(seqs, self.pool, layer_ready=onboarding.wait if onboarding else None)
@@ -192,6 +199,8 @@ class Engine:
             self.cache.costs.observe_forward([(s.start, len(s.token_ids)) for s in seqs], now - started)
             if onboarding is not None:
                 self.cache.costs.observe_fetch(TierKind.HOST, onboarding.nbytes, onboarding.seconds)
+                self.onboarded_bytes += onboarding.nbytes
+                self.onboarded_full_bytes += onboarding.full_nbytes
         outputs = self._sample(work, drafts, logits, now)
         self._running = [r for r in batch if r.finish_reason is None]
         for req in batch:

@@ -22,6 +22,16 @@ link's per-transfer cost; the link is the slow part, device memory is not.
 
 Handles stay pinned until :meth:`LayerwiseLoad.finish`, after the forward:
 eviction cannot reuse a host slot that is still being read.
+
+A model with sliding-window layers (Gemma 3) needs, in those layers, only the
+positions inside the window before the point where the request resumes: a
+new token there never looks further back, and neither does any token after
+it. So a part may leave its first blocks out of those layers
+(:attr:`LoadPart.sliding_from`): those pool blocks then hold stale KV in the
+sliding layers, which the request never reads, and which
+:class:`~kvtier.engine.resident.ResidentBlocks` remembers as partial so no
+other request reads them either. The CUDA path copies every layer (the bytes
+cross the link whole either way).
 """
 
 from __future__ import annotations
@@ -30,33 +40,68 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtier.engine.pool import KVPool
 from kvtier.fetch import LoadHandle
+from kvtier.model.config import ModelConfig
+from kvtier.service.client import ClientLoad
 from kvtier.tiers import native
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """A model's sliding-window layers and how many positions each of their tokens sees (itself included)."""
+
+    size: int
+    layers: frozenset[int]
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> SlidingWindow | None:
+        if config.sliding_window is None or not any(config.sliding_layers):
+            return None
+        return cls(config.sliding_window, frozenset(i for i, s in enumerate(config.sliding_layers) if s))
+
+    def first_block(self, resume: int, block_size: int) -> int:
+        """The first block a sliding layer reads for tokens from position ``resume`` on."""
+        return max(0, resume - self.size + 1) // block_size
+
+
+@dataclass(frozen=True)
+class LoadPart:
+    """A pinned handle's blocks and the pool blocks they go to; sliding layers take blocks from ``sliding_from`` on."""
+
+    handle: LoadHandle | ClientLoad
+    block_ids: Sequence[int]
+    sliding_from: int = 0
 
 
 class LayerwiseLoad:
     """The copies of every fetched block of one forward, layer by layer.
 
-    ``parts`` pairs each pinned :class:`LoadHandle` with the pool blocks its
-    blocks go to. With an ``executor`` the copies run there (layer 0 first);
-    without one they all run before the constructor returns (no overlap).
+    With an ``executor`` the copies run there (layer 0 first); without one
+    they all run before the constructor returns (no overlap). ``sliding``:
+    the layers whose parts may leave blocks out (:attr:`LoadPart.sliding_from`).
     """
 
     def __init__(
         self,
         pool: KVPool,
-        parts: Sequence[tuple[LoadHandle, Sequence[int]]],
+        parts: Sequence[LoadPart],
         executor: ThreadPoolExecutor | None = None,
+        sliding: frozenset[int] = frozenset(),
     ) -> None:
         self.pool = pool
         self.parts = list(parts)
-        self.num_blocks = sum(len(ids) for _, ids in self.parts)
-        self.nbytes = self.num_blocks * pool.layout.block_bytes
+        self.sliding = sliding
+        self.num_blocks = sum(len(p.block_ids) for p in self.parts)
+        lay = pool.layout
+        self.full_nbytes = self.num_blocks * lay.block_bytes  # what a load of every layer moves
+        left_out = sum(p.sliding_from for p in self.parts) if pool.device.type != "cuda" else 0
+        self.nbytes = self.full_nbytes - left_out * len(sliding) * lay.layer_bytes  # what this one moves
         # CPU time the copies took on their thread: wall time would also count the
         # moments the thread waited for a core the forward was using, and teach the
         # cost model that a host fetch is slow when it was only descheduled.
@@ -89,19 +134,21 @@ class LayerwiseLoad:
 
     def _copy_host(self) -> None:
         lay = self.pool.layout
-        src = np.array([b.data_ptr() for handle, _ in self.parts for b in handle.blocks], dtype=np.int64)
-        ids = np.array([i for _, ids in self.parts for i in ids], dtype=np.int64)
+        src = np.array([b.data_ptr() for p in self.parts for b in p.handle.blocks], dtype=np.int64)
+        ids = np.array([i for p in self.parts for i in p.block_ids], dtype=np.int64)
+        windowed = np.array([k >= p.sliding_from for p in self.parts for k in range(len(p.block_ids))], dtype=bool)
         base = self.pool.kv.data_ptr()
         for layer in range(lay.num_layers):
+            take = windowed if layer in self.sliding else slice(None)
             # pool.kv is [layers, blocks, *layer_shape], contiguous: block b of layer l starts at (l*NB + b) slices
-            dst = base + (layer * self.pool.num_blocks + ids) * lay.layer_bytes
-            native.copy_regions(dst, src + lay.layer_offset(layer), lay.layer_bytes)
+            dst = base + (layer * self.pool.num_blocks + ids[take]) * lay.layer_bytes
+            native.copy_regions(dst, src[take] + lay.layer_offset(layer), lay.layer_bytes)
             self._ready[layer].set()
 
     def _copy_cuda(self) -> None:
         stream = self.pool.copy_stream
-        blocks = [b for handle, _ in self.parts for b in handle.blocks]
-        ids = [i for _, ids in self.parts for i in ids]
+        blocks = [b for p in self.parts for b in p.handle.blocks]
+        ids = [i for p in self.parts for i in p.block_ids]
         with torch.cuda.stream(stream):
             for layer in staged_layers(self.pool, blocks, ids):
                 event = torch.cuda.Event()
@@ -125,8 +172,8 @@ class LayerwiseLoad:
             if self._events:
                 self._events[-1].synchronize()
         finally:
-            for handle, _ in self.parts:
-                handle.release()
+            for part in self.parts:
+                part.handle.release()
 
 
 def contiguous_runs(blocks: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
@@ -181,4 +228,4 @@ def staged_layers(pool: KVPool, blocks: Sequence[torch.Tensor], ids: Sequence[in
         yield layer
 
 
-__all__ = ["LayerwiseLoad", "contiguous_runs", "staged_layers"]
+__all__ = ["LayerwiseLoad", "LoadPart", "SlidingWindow", "contiguous_runs", "staged_layers"]

@@ -64,7 +64,8 @@ class Publisher:
             return
         if self.resident is not None:
             ids = req.table.block_ids[first:full]
-            self.resident.keep(req.keys[first:full], ids, req.blocks[first:full], self.generation)
+            partial = frozenset(i - first for i in req.partial_blocks if first <= i < full)
+            self.resident.keep(req.keys[first:full], ids, req.blocks[first:full], self.generation, partial)
         self._unclaim(req, req.keys[first:full])
         req.shared_blocks = full
 
@@ -75,7 +76,9 @@ class Publisher:
         if self.resident is not None:
             full = self.cacheable_blocks(req)
             chain = req.keyed_through(full)
-            self.resident.keep(chain.keys[:full], req.table.block_ids[:full], chain.blocks[:full], self.generation)
+            partial = frozenset(i for i in req.partial_blocks if i < full)
+            ids = req.table.block_ids[:full]
+            self.resident.keep(chain.keys[:full], ids, chain.blocks[:full], self.generation, partial)
 
     @property
     def generation(self) -> int:
@@ -102,6 +105,7 @@ class Publisher:
         if cache is None or full <= req.stored_blocks:
             return
         first = req.stored_blocks
+        assert not any(first <= i < full for i in req.partial_blocks), "a partial block would be stored"
         ids = req.table.block_ids[first:full]
         self.pool.share(ids)
         read, chain = self.pool.payload_reader(ids), req.keyed_through(full)

@@ -49,6 +49,7 @@ class Request:
     error: str | None = None
     stored_blocks: int = 0  # leading blocks known to be in kvtier already
     shared_blocks: int = 0  # leading prompt blocks published in the pool for other requests to attach
+    partial_blocks: set[int] = field(default_factory=set)  # table blocks whose sliding-window layers never loaded
     last_chunk: int | None = None  # prompt tokens the previous step gave it (None: not planned yet)
     fetch: Fetch | ServiceFetch | None = None  # started on arrival, taken on admission
     fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival

@@ -16,6 +16,12 @@ restarted empty, or a clear, the blocks kept before are stored again by the
 next request that shares them; without that, a hot prefix resident here
 would never reach the new cache, and since keys chain, nothing after it
 would be found there by any other engine.
+
+A block loaded for a model with sliding-window layers may hold only its
+global layers (:mod:`kvtier.engine.onboard`): it is kept as *partial*, and
+:meth:`ResidentBlocks.match` shares it only with a request whose window
+starts after it, which never reads those layers there. A complete copy of
+the same block, kept later, takes its place.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvtier.engine.onboard import SlidingWindow
 from kvtier.engine.pool import KVPool
 from kvtier.events import BlockEventSink
 from kvtier.index import longest_prefix
@@ -37,6 +44,7 @@ class _Resident:
     block_id: int
     tokens: np.ndarray
     generation: int  # the cache's, when this block was kept (stored there)
+    partial: bool = False  # its sliding-window layers were never loaded
 
     def matches(self, tokens: np.ndarray) -> bool:
         """The confirmation every tier makes, here on the block's tokens themselves (the pool holds them anyway)."""
@@ -59,38 +67,65 @@ class ResidentBlocks:
     def record(self, key: BlockKey) -> _Resident | None:
         return self._blocks.get(key)
 
-    def match(self, keys: list[BlockKey], blocks: np.ndarray) -> list[int]:
+    def match(self, keys: list[BlockKey], blocks: np.ndarray, window: SlidingWindow | None = None) -> list[int]:
         """Pool block ids of the longest confirmed run of ``keys`` held here (they become most recent).
 
         A prefix's first block is made the most recent of all, its last the
         least: evicting from the end of a chain keeps the rest of it useful.
+        ``window``: the model's sliding layers, whose blocks inside the window
+        before the run's end must be complete.
         """
-        hits = keys[: self.peek(keys, blocks)]
+        hits = keys[: self.peek(keys, blocks, window)]
         for key in reversed(hits):
             self._blocks.move_to_end(key)
         return [self._blocks[key].block_id for key in hits]
 
-    def peek(self, keys: list[BlockKey], blocks: np.ndarray) -> int:
+    def peek(self, keys: list[BlockKey], blocks: np.ndarray, window: SlidingWindow | None = None) -> int:
         """How many leading ``keys`` :meth:`match` would share now, without touching recency."""
-        return len(longest_prefix(keys, blocks, [self]).tiers)
+        n = len(longest_prefix(keys, blocks, [self]).tiers)
+        while window is not None and n > 0:
+            inside = range(window.first_block(n * self._pool.layout.block_size, self._pool.layout.block_size), n)
+            partial = [i for i in inside if self._blocks[keys[i]].partial]
+            if not partial:
+                break
+            n = partial[0]  # end the run before it; the window moves back, check again
+        return n
 
-    def keep(self, keys: list[BlockKey], block_ids: list[int], blocks: np.ndarray, generation: int = 0) -> None:
+    def partial(self, keys: list[BlockKey]) -> list[bool]:
+        """Which of ``keys`` (all held) are partial."""
+        return [self._blocks[key].partial for key in keys]
+
+    def keep(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        blocks: np.ndarray,
+        generation: int = 0,
+        partial: frozenset[int] = frozenset(),
+    ) -> None:
         """Hold a reference to each full block of a finished request not already held.
 
         ``generation``: the cache's, in which these blocks are stored (those
         already held are stored there again, so they take it too).
+        ``partial``: indices into ``keys`` of blocks whose sliding layers were
+        never loaded; a complete block replaces a partial one held.
         """
         new: list[BlockKey] = []
-        for key, block_id, tokens in reversed(list(zip(keys, block_ids, blocks, strict=False))):
+        for i, key, block_id, tokens in reversed(list(zip(range(len(keys)), keys, block_ids, blocks, strict=False))):
             held = self._blocks.get(key)
-            if held is not None:
+            complete = i not in partial
+            upgrade = held is not None and held.partial and complete and held.block_id != block_id
+            if held is not None and not upgrade:
                 if held.generation != generation:
                     self._blocks[key] = replace(held, generation=generation)
                 self._blocks.move_to_end(key)
                 continue
+            if held is not None:  # a partial copy held, a complete one offered: hold that instead
+                self._pool.free([held.block_id])
             self._pool.share([block_id])
-            self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32), generation)
-            new.append(key)
+            self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32), generation, not complete)
+            if held is None:
+                new.append(key)
         if new and self.events is not None:
             self.events.stored(TierKind.DEVICE, new)
 

@@ -140,6 +140,7 @@ def make_engine(
         layerwise=config.transfer.layerwise,
         speculative=prompt_lookup(config),
         cache_decoded=cache_decoded(config),
+        windowed_loads=e.windowed_loads,
     )
     if cache is not None and config.verify.shadow_fraction > 0:
         engine.verifier = shadow_verifier(loaded.model, config)

@@ -35,11 +35,12 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.engine.llama import LlamaModel, SeqInput
+from kvtier.engine.onboard import SlidingWindow
 from kvtier.engine.pool import BlockTable, KVPool
 from kvtier.engine.request import Request
 from kvtier.keys import BlockKey
@@ -68,6 +69,7 @@ class Check:
     keys: list[BlockKey]  # of the checked blocks, in order
     served: torch.Tensor  # uint8 ``[len(keys), block_bytes]``, copied out of the engine pool
     tiers: tuple[TierKind, ...]  # where the hit came from (for the log)
+    unserved: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> layers never loaded (windowed)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,12 @@ class _Recompute:
             block = check.first_block + i
             self.pool.read_block_to_payload(self.table.block_ids[block], out)
             served = check.served[i].to(out.device)
-            error = _error(self.pool.layout.as_blocks(out).float(), self.pool.layout.as_blocks(served).float())
+            recomputed, given = self.pool.layout.as_blocks(out).float(), self.pool.layout.as_blocks(served).float()
+            skip = check.unserved.get(block, ())
+            if skip:  # compare the layers that were served
+                kept = [layer for layer in range(recomputed.shape[0]) if layer not in skip]
+                recomputed, given = recomputed[kept], given[kept]
+            error = _error(recomputed, given)
             verdict = Verdict.MATCH if error <= tolerance else Verdict.MISMATCH  # a nan compares False
             found.append(BlockVerdict(key, block, verdict, error))
         return found
@@ -251,4 +258,7 @@ def offer_served(verifier: ShadowVerifier, pool: KVPool, batch: list[Request]) -
             pool.read_block_to_payload(block_id, row)
         tiers = tuple(kind for kind in req.served_from if kind is not TierKind.DEVICE)
         tokens = req.prompt_ids[: end * bs]
-        verifier.offer(Check(req.namespace, tokens, first, req.keys[first:end], served, tiers))
+        window = SlidingWindow.of(verifier.model.config)
+        sliding = tuple(sorted(window.layers)) if window is not None else ()
+        unserved = {b: sliding for b in req.partial_blocks if first <= b < end}
+        verifier.offer(Check(req.namespace, tokens, first, req.keys[first:end], served, tiers, unserved))

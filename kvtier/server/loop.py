@@ -295,6 +295,7 @@ class EngineLoop:
     def _step(self) -> None:
         engine = self._engine
         computed, skipped = engine.prefill_tokens_computed, engine.prefill_tokens_skipped
+        onboarded, full = engine.onboarded_bytes, engine.onboarded_full_bytes
         started = time.perf_counter()
         try:
             outputs = engine.step()
@@ -315,6 +316,7 @@ class EngineLoop:
             prefill_tokens=engine.prefill_tokens_computed - computed,
             skipped_tokens=engine.prefill_tokens_skipped - skipped,
             batch=len(outputs),
+            onboarded=(engine.onboarded_bytes - onboarded, engine.onboarded_full_bytes - full),
         )
         for out in outputs:
             sub = self._subs.get(out.request_id)

@@ -92,6 +92,8 @@ class EngineMetrics:
         self._prefill_computed = 0
         self._prefill_skipped = 0
         self._prefill_seconds = 0.0
+        self._onboarded = 0
+        self._onboarded_full = 0
         self._device_hit = 0
         self._device_miss = 0
         self._in_flight = 0
@@ -100,10 +102,21 @@ class EngineMetrics:
         self._speculation = SpeculationCounters()
         self._verify = VerifyCounters()
 
-    def observe_step(self, *, seconds: float, prefill_tokens: int, skipped_tokens: int, batch: int) -> None:
+    def observe_step(
+        self,
+        *,
+        seconds: float,
+        prefill_tokens: int,
+        skipped_tokens: int,
+        batch: int,
+        onboarded: tuple[int, int] = (0, 0),
+    ) -> None:
+        """``onboarded``: bytes this step copied from host slots into the pool, and what every layer would be."""
         with self._lock:
             self._prefill_computed += prefill_tokens
             self._prefill_skipped += skipped_tokens
+            self._onboarded += onboarded[0]
+            self._onboarded_full += onboarded[1]
             if prefill_tokens:
                 self._prefill_seconds += seconds * prefill_tokens / (prefill_tokens + batch)
 
@@ -150,6 +163,8 @@ class EngineMetrics:
                 in_flight=self._in_flight,
                 prefill_tokens_computed=self._prefill_computed,
                 prefill_tokens_skipped=self._prefill_skipped,
+                onboarded_bytes=self._onboarded,
+                onboarded_full_bytes=self._onboarded_full,
                 ttft=latency_report(self._ttft.snapshot()),
                 prefill_seconds_per_token=per_token,
                 prefill_seconds_saved_estimate=(per_token or 0.0) * self._prefill_skipped,

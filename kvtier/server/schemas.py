@@ -379,6 +379,11 @@ class EngineReport(BaseModel):
     in_flight: int
     prefill_tokens_computed: int
     prefill_tokens_skipped: int
+    onboarded_bytes: int = Field(description="Bytes hits copied from kvtier's host slots into the engine's pool.")
+    onboarded_full_bytes: int = Field(
+        description="What those hits would have copied loading every layer: more where sliding-window layers "
+        "took only their window (engine.windowed_loads)."
+    )
     ttft: LatencyReport
     prefill_seconds_per_token: float | None = Field(
         description="Measured: step time spent on prefill (a token-proportional share) per prefilled token."

@@ -12,7 +12,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.engine.llama import SeqInput
-from kvtier.engine.onboard import LayerwiseLoad, contiguous_runs, staged_layers
+from kvtier.engine.onboard import LayerwiseLoad, LoadPart, SlidingWindow, contiguous_runs, staged_layers
 from kvtier.engine.pool import BlockTable, KVPool
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
 from kvtier.fetch import LoadHandle
@@ -31,6 +31,32 @@ def handle_of(blocks: list[torch.Tensor], released: list[bool]) -> LoadHandle:
         [TierKind.HOST] * len(blocks),
         lambda h: released.append(True),
     )
+
+
+def test_sliding_layers_leave_out_the_blocks_before_the_window() -> None:
+    """Layers 0 and 2 slide: each part's first ``sliding_from`` blocks skip them and leave those pool rows alone."""
+    layout = toy_layout()
+    assert layout.num_layers >= 3
+    pool = KVPool(layout, num_blocks=8)
+    blocks = [as_bytes(payload(layout, seed)).clone() for seed in range(5)]
+    targets, released = [6, 1, 3, 0, 7], []
+    parts = [
+        LoadPart(handle_of(blocks[:3], released), targets[:3], 2),
+        LoadPart(handle_of(blocks[3:], released), targets[3:], 1),
+    ]
+    load = LayerwiseLoad(pool, parts, sliding=frozenset({0, 2}))
+    load.finish()
+    left_out = {6, 1, 0}  # the first two of part one, the first of part two
+    for layer in range(layout.num_layers):
+        for block, target in zip(blocks, targets, strict=True):
+            want = layout.as_blocks(block)[layer]
+            if layer in (0, 2) and target in left_out:
+                want = torch.zeros_like(want)  # untouched: the pool starts zeroed
+            assert torch.equal(pool.layers[layer][target], want), (layer, target)
+    assert load.full_nbytes == 5 * layout.block_bytes
+    assert load.nbytes == load.full_nbytes - 3 * 2 * layout.layer_bytes
+    assert SlidingWindow(16, frozenset({0})).first_block(40, 8) == 3  # tokens from 40 on see positions 25 on
+    assert SlidingWindow(16, frozenset({0})).first_block(10, 8) == 0
 
 
 def test_staged_copy_crosses_once_per_run_of_adjacent_slots_and_lands_like_the_block_copy() -> None:
@@ -62,7 +88,10 @@ def test_layerwise_copy_puts_each_layer_in_place_before_wait_returns() -> None:
     with ThreadPoolExecutor(1) as executor:
         load = LayerwiseLoad(
             pool,
-            [(handle_of(blocks[:2], released), targets[:2]), (handle_of(blocks[2:], released), targets[2:])],
+            [
+                LoadPart(handle_of(blocks[:2], released), targets[:2]),
+                LoadPart(handle_of(blocks[2:], released), targets[2:]),
+            ],
             executor,
         )
         for layer in range(layout.num_layers):
@@ -177,7 +206,7 @@ def test_loads_into_one_gpu_pool_share_its_stream_and_land_exactly() -> None:
     for seed in (1, 2):
         blocks = [as_bytes(payload(layout, seed * 10 + i)).pin_memory() for i in range(3)]
         released: list[bool] = []
-        load = LayerwiseLoad(pool, [(handle_of(blocks, released), [4, 0, 6])])
+        load = LayerwiseLoad(pool, [LoadPart(handle_of(blocks, released), [4, 0, 6])])
         for layer in range(layout.num_layers):
             load.wait(layer)
         load.finish()
