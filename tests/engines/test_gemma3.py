@@ -7,7 +7,7 @@ Logits:
 Teacher-forced over text nobody here wrote (CPython's own ``json`` module
 source, docs and code, about 1,500 tokens: three times the 512-position
 sliding window): at every position the engine's most likely next token is
-compared with llama.cpp's (``tests/engines/runners/llamacpp_logits.py`` in
+compared with llama.cpp's (``bench/engines/llamacpp_logits.py`` in
 llama-cpp-python's venv, which also tokenizes). llama.cpp itself changes
 its choice at near ties under rounding alone (its K/V in float16 vs
 float32), so the bar is set by llama.cpp: the engine agrees with it at least
@@ -20,12 +20,12 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvtier.bench.llamacpp_oracle import corpus_texts, llamacpp_choices, llamacpp_tokens
 from kvtier.config import load_config
 from kvtier.engine import BlockTable, LlamaModel, SeqInput
 from kvtier.engine.runtime import load_model, make_engine, open_cache
@@ -34,14 +34,11 @@ from kvtier.model import load_gguf, load_tokenizer, read_gguf_metadata
 from kvtier.model.config import Architecture
 from kvtier.model.locate import gemma3_270m_path
 from kvtier.tiers.base import TierKind
-from tests.engines.corpus import corpus_texts, llamacpp_tokens
 
 pytestmark = pytest.mark.engines
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
-RUNNERS = ROOT / "tests" / "engines" / "runners"
-RUNNER = RUNNERS / "llamacpp_logits.py"
 CLEAR = 1.0  # a lead in logits no rounding of either engine overturns
 
 
@@ -72,10 +69,7 @@ def test_tokens_are_llama_cpps_on_text_from_this_machine(gguf: Path, llama_pytho
 def llamacpp(gguf: Path, llama_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     text = tmp_path_factory.mktemp("corpus") / "json.py.txt"
     text.write_text(inspect.getsource(json)[:5000], encoding="utf-8")
-    run = subprocess.run(
-        [str(llama_python), str(RUNNER), str(gguf), str(text), "2"], capture_output=True, text=True, check=True
-    )
-    return json.loads(run.stdout)
+    return llamacpp_choices(llama_python, gguf, text, 2)
 
 
 def test_next_token_agrees_with_llama_cpp_as_often_as_llama_cpp_with_itself(gguf: Path, llamacpp: dict) -> None:
