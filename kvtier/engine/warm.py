@@ -28,7 +28,8 @@ def warm(engine: Engine, transcript: KeyedTokens) -> int:
         return 0
     bs = engine.pool.block_size
     keys, blocks, n = transcript.keys, transcript.blocks, transcript.num_blocks
-    have = resident.peek(keys, blocks)
+    window = engine.admission.window  # partial blocks inside the next turn's window are loaded again, whole
+    have = resident.peek(keys, blocks, window)
     if have == n:
         return have * bs
     with cache.load(cache.lookup(transcript, first_block=have)) as handle:
@@ -44,4 +45,4 @@ def warm(engine: Engine, transcript: KeyedTokens) -> int:
             engine.pool.write_block_from_payload(block_id, payload)
         resident.keep(keys[have : have + take], pool_ids, blocks[have : have + take], cache.generation)
         engine.pool.free(pool_ids)  # the resident index holds its own reference now
-    return resident.peek(keys, blocks) * bs  # making room may have given up some of the leading run
+    return resident.peek(keys, blocks, window) * bs  # making room may have given up some of the leading run
