@@ -215,9 +215,9 @@ class ComputeDtype(enum.StrEnum):
 class DecodeWeights(enum.StrEnum):
     """What a decode step multiplies by.
 
-    ``gguf``: the file's own quantized blocks (Q4_1, Q8_0), read by a C kernel
-    (kvtier/engine/quant.py): the same weights in a fifth of the bytes, and a
-    decode step is bound by the bytes it reads. Used on the CPU (activations
+    ``gguf``: the file's own quantized blocks (Q4_0 to Q8_0 and the K-quants),
+    read by a C kernel (kvtier/engine/quant.py): the same weights in a quarter
+    to a seventh of float32's bytes, and a decode step is bound by the bytes it reads. Used on the CPU (activations
     in float32, whatever the engine's dtype) when the native extension is
     built and every matrix is in a supported format; otherwise, and always
     for prefills, ``dense``: matmuls of the dequantized weights.

@@ -9,6 +9,9 @@ is installed; any ``--model`` given), one run measures:
   ``N`` tokens are a host hit, against a full recompute, token for token;
 * ``hit_speedup``: TTFT of the full recompute / TTFT of that host hit
   (``kvtier bench ttft``'s measurement, medians of ``reps``);
+* ``decode_tok_s``: greedy decode speed after the ``N``-token prompt, with
+  decode steps on the file's quantized blocks (``engine.decode_weights:
+  gguf``) and on the dequantized matrices (``dense``), and their ratio;
 * ``swa_bytes_ratio``: bytes that hit copied into the pool / what loading
   every layer copies (null for a model without sliding-window layers);
 * with llama-cpp-python's venv (``--llamacpp-python``, by default
@@ -38,7 +41,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from kvtier.bench import llamacpp_oracle, results, ttft
-from kvtier.config import Config
+from kvtier.config import Config, DecodeWeights
 from kvtier.engine.llama import SeqInput
 from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
@@ -105,7 +108,28 @@ def measure(config: Config, spec: ModelsSpec, path: Path) -> dict[str, Any]:
     row["hit_speedup"] = round(timing["miss_s"] / timing["host_hit_s"], 2)
     row["ttft_s"] = {"recompute": timing["miss_s"], "host_hit": timing["host_hit_s"]}
     row |= against_llamacpp(loaded, path, spec)
+    blocks = decode_rate(loaded, cfg, spec)
+    del loaded  # one model in memory at a time
+    tree["engine"] = {**tree["engine"], "decode_weights": DecodeWeights.DENSE.value}
+    dense_cfg = Config.model_validate(tree)
+    dense = decode_rate(load_model(dense_cfg, progress=False), dense_cfg, spec)
+    row["decode_tok_s"] = {"blocks": blocks, "dense": dense, "ratio": round(blocks / dense, 2)}
     return row
+
+
+DECODE_STEPS = 32
+
+
+def decode_rate(loaded: LoadedModel, config: Config, spec: ModelsSpec) -> float:
+    """Tokens per second of greedy decode after an ``N``-token prompt (median of ``reps``; no cache)."""
+    prompt = ttft.text_tokens(loaded, spec.tokens)
+    engine = make_engine(loaded, config, cache=None, keep_resident=False)
+    params = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    rates = []
+    for _ in range(spec.reps):
+        (done,) = engine.generate([prompt], params)
+        rates.append(DECODE_STEPS / (done.total_s - done.ttft_s))
+    return round(statistics.median(rates), 1)
 
 
 def weight_types(path: Path) -> dict[str, int]:
@@ -208,7 +232,8 @@ def table(result: dict[str, Any]) -> str:
             f"  {name:14s} {m['arch']:7s} {m['tokenizer']:12s} hit {m['hit_speedup']:5.1f}x  same output "
             f"{m['same_output']}  swa bytes {swa}  tokens = llama.cpp {tokens}  next token {agree}"
         )
-        lines.append(f"  {'':14s} weights: {weights}")
+        d = m["decode_tok_s"]
+        lines.append(f"  {'':14s} weights: {weights}; decode {d['blocks']:.1f} tok/s on blocks, {d['dense']:.1f} dense")
     return "\n".join(lines)
 
 

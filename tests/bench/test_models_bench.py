@@ -21,6 +21,7 @@ def test_the_report_has_every_field_and_the_hit_is_exact(tmp_path: Path) -> None
     assert row["swa_bytes_ratio"] is None  # no sliding-window layers
     assert row["hit_speedup"] > 0 and row["ttft_s"]["recompute"] > 0
     assert row["tokenizer_match"] is row["next_token_agreement"] is None  # no llama.cpp given
+    assert row["decode_tok_s"]["blocks"] > 0 and row["decode_tok_s"]["dense"] > 0
     assert result["setup"]["tokens"] == 128 and result["setup"]["isa"] is not None
     path, _ = models.save(result, tmp_path / "out")
     assert json.loads(path.read_text())["models"]["smollm2-135m"]["same_output"] is True
