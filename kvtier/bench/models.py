@@ -42,7 +42,7 @@ from gguf import GGUFReader
 
 from kvtier.bench import llamacpp_oracle, results, ttft
 from kvtier.config import Config, DecodeWeights
-from kvtier.engine.llama import SeqInput
+from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
@@ -177,7 +177,7 @@ def against_llamacpp(loaded: LoadedModel, path: Path, spec: ModelsSpec) -> dict[
             encoding="utf-8",
         )
         choices = llamacpp_oracle.llamacpp_choices(python, path, text, spec.threads)
-    ours = teacher_forced_argmax(loaded, choices["ids"])
+    ours = teacher_forced_argmax(loaded.model, choices["ids"])
     f16, f32 = np.array(choices["f16"]["argmax"]), np.array(choices["f32"]["argmax"])
     return {
         "tokenizer_match": round(float(match), 4),
@@ -187,9 +187,8 @@ def against_llamacpp(loaded: LoadedModel, path: Path, spec: ModelsSpec) -> dict[
     }
 
 
-def teacher_forced_argmax(loaded: LoadedModel, ids: list[int]) -> np.ndarray:
+def teacher_forced_argmax(model: LlamaModel, ids: list[int]) -> np.ndarray:
     """The model's most likely next token after every prefix of ``ids``, in one prefill."""
-    model = loaded.model
     block = 16
     pool = model.make_pool(block, len(ids) // block + 1)
     table = BlockTable()
