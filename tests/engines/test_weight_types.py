@@ -8,8 +8,10 @@ fallbacks elsewhere. On each file:
 
 * teacher-forced over CPython's ``json`` source (about 1,500 positions), the
   engine's most likely next token agrees with llama.cpp's at least as often
-  as llama.cpp agrees with itself across float32 and float16 K/V, less 0.005,
-  and never differs where llama.cpp's choice leads by a clear margin;
+  as llama.cpp agrees with itself across float32 and float16 K/V (0.958 to
+  0.969 here), less 0.01: two standard errors of a rate near 3.5% over 1,500
+  positions, since a CPU of another ISA moves near ties of both engines;
+  and it never differs where llama.cpp's choice leads by a clear margin;
 * greedy decode on the file's blocks (:mod:`kvtier.engine.quant`) gives the
   tokens decode on the dequantized matrices gives.
 
@@ -38,6 +40,7 @@ pytestmark = pytest.mark.engines
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
 CLEAR = 1.0  # a lead in logits no rounding of either engine overturns
+NOISE = 0.01  # see the module docstring
 # llama.cpp file type -> block formats its file must hold
 TYPES = {
     "Q4_0": {"Q4_0"},
@@ -102,7 +105,7 @@ def test_each_type_agrees_with_llama_cpp_on_its_own_quantization(
     itself = float((f32 == f16).mean())
     for kv in ("f32", "f16"):
         same = ours == np.array(choices[kv]["argmax"])
-        assert float(same.mean()) >= itself - 0.005, (kind, kv, float(same.mean()), itself)
+        assert float(same.mean()) >= itself - NOISE, (kind, kv, float(same.mean()), itself)
         margin = np.array(choices[kv]["margin"])
         assert (margin[~same] < CLEAR).all(), f"{kind}: a clear choice of llama.cpp ({kv} K/V) differs"
 
