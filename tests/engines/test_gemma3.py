@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -37,21 +36,12 @@ from kvtier.tiers.base import TierKind
 
 pytestmark = pytest.mark.engines
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
 CLEAR = 1.0  # a lead in logits no rounding of either engine overturns
 
 
 @pytest.fixture(scope="module")
 def gguf() -> Path:
     return gemma3_270m_path()
-
-
-@pytest.fixture(scope="module")
-def llama_python() -> Path:
-    if not LLAMA_PYTHON.exists():
-        pytest.skip(f"no llama-cpp-python venv at {LLAMA_PYTHON} (make .venv-peer-llamacpp/.kvtier builds it)")
-    return LLAMA_PYTHON
 
 
 def test_tokens_are_llama_cpps_on_text_from_this_machine(gguf: Path, llama_python: Path, tmp_path: Path) -> None:

@@ -29,7 +29,6 @@ from kvtier.service import CacheService
 pytestmark = pytest.mark.engines
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
 PROMPT_TOKENS = 4000  # 250 blocks of 16
 SHORT = 600  # a prompt for the checks that need no long one
 MAX_TOKENS = 8
@@ -71,13 +70,6 @@ class Service:
             assert self.thread is not None
             self.thread.join(timeout=60)
             self.svc = None
-
-
-@pytest.fixture(scope="module")
-def llama_python() -> Path:
-    if not LLAMA_PYTHON.exists():
-        pytest.skip(f"no llama-cpp-python venv at {LLAMA_PYTHON} (make .venv-peer-llamacpp/.kvtier builds it)")
-    return LLAMA_PYTHON
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ checked on Gemma 3's file (``test_gemma3.py``). Runs under ``--engines``.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,6 @@ from tests.engines.corpus import corpus_texts, llamacpp_tokens, write_vocab_gguf
 
 pytestmark = pytest.mark.engines
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
 HEADERS = {
     "smollm": {},
     "llama-bpe": {"tokenizer.ggml.add_bos_token": None},
@@ -31,14 +28,12 @@ HEADERS = {
 
 
 @pytest.mark.parametrize("pre", sorted(HEADERS))
-def test_ids_are_llama_cpps(pre: str, tmp_path: Path) -> None:
-    if not LLAMA_PYTHON.exists():
-        pytest.skip(f"no llama-cpp-python venv at {LLAMA_PYTHON} (make .venv-peer-llamacpp/.kvtier builds it)")
+def test_ids_are_llama_cpps(pre: str, llama_python: Path, tmp_path: Path) -> None:
     gguf = write_vocab_gguf(
         default_gguf_path(), tmp_path / f"{pre}.gguf", **{"tokenizer.ggml.pre": pre}, **HEADERS[pre]
     )
     texts = corpus_texts(tmp_path)
-    theirs = llamacpp_tokens(LLAMA_PYTHON, gguf, texts)
+    theirs = llamacpp_tokens(llama_python, gguf, texts)
     tokenizer = load_tokenizer(read_gguf_metadata(gguf))
     differ = [p.name for p, text in texts.items() if tokenizer.encode_text(text) != theirs[p]]
     assert not differ, f"{len(differ)} of {len(texts)} texts tokenized otherwise than llama.cpp: {differ}"

@@ -20,7 +20,6 @@ Runs under ``--engines``: llama.cpp lives in llama-cpp-python's venv.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -37,8 +36,6 @@ from tests.engines.corpus import write_dense_gguf
 
 pytestmark = pytest.mark.engines
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA_PYTHON = Path(os.environ.get("ENGINES_LLAMACPP_PYTHON", ROOT / ".venv-peer-llamacpp" / "bin" / "python"))
 CLEAR = 1.0  # a lead in logits no rounding of either engine overturns
 NOISE = 0.01  # see the module docstring
 # llama.cpp file type -> block formats its file must hold
@@ -52,13 +49,6 @@ TYPES = {
     "Q5_K_M": {"Q5_K", "Q6_K"},
     "Q6_K": {"Q6_K"},
 }
-
-
-@pytest.fixture(scope="module")
-def llama_python() -> Path:
-    if not LLAMA_PYTHON.exists():
-        pytest.skip(f"no llama-cpp-python venv at {LLAMA_PYTHON} (make .venv-peer-llamacpp/.kvtier builds it)")
-    return LLAMA_PYTHON
 
 
 @pytest.fixture(scope="module")
