@@ -33,9 +33,6 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K
 
-QK = 32  # weights per block of the kernel's forms (Q8_16 has two scales per block)
-SUPER = 256  # weights per K-quant super-block
-
 
 class QuantKind(enum.IntEnum):
     """The block forms the decode kernel reads (the value is the C kernel's ``kind``)."""
@@ -70,22 +67,32 @@ class QuantBlocks(NamedTuple):
         return int(self.q.shape[1]) * (2 if self.kind is QuantKind.Q4_1 else 1)
 
 
-class _Unpacked(NamedTuple):
-    """Blocks of one row set as integers and float32 scales: ``w = d[s] * q + m[s]`` over sub-blocks ``s``."""
+class _Form(NamedTuple):
+    """One format's blocks in the kernel's form, a row of arrays per GGML block: ``w = d[s] * q + m[s]``."""
 
-    q: np.ndarray  # [n, sub-blocks, sub] integers
-    d: np.ndarray  # [n, sub-blocks] float32
-    m: np.ndarray | None  # [n, sub-blocks] float32
+    q: np.ndarray  # [n, quant bytes per block] uint8: packed nibbles (Q4_1) or int8 as uint8
+    d: np.ndarray  # [n, scales per block] float32
+    m: np.ndarray | None  # [n, scales per block] float32
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    """Little-endian float16 fields ``[n, 2]`` (bytes) as float32 ``[n]``."""
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+    """Little-endian float16 fields ``[n, 2]`` (bytes) as float32 ``[n, 1]``."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """``[n, k, 16]`` bytes of GGML's 32-weight nibble order to ``[n, k, 32]`` values 0..15."""
+    """``[..., 16]`` bytes of GGML's 32-weight nibble order to ``[..., 32]`` values 0..15."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _packed(values: np.ndarray) -> np.ndarray:
+    """``[n, k, 32]`` values 0..15 into GGML's nibble order, ``[n, k * 16]`` bytes (inverse of :func:`_nibbles`)."""
+    return (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8).reshape(len(values), -1)
+
+
+def _int8(values: np.ndarray) -> np.ndarray:
+    """Signed quants of any shape ``[n, ...]`` as the kernel's int8 bytes ``[n, weights]``."""
+    return values.astype(np.int8).view(np.uint8).reshape(len(values), -1)
 
 
 def _high_bits(qh: np.ndarray) -> np.ndarray:
@@ -94,33 +101,34 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint8) << 4
 
 
-def _q4_0(b: np.ndarray) -> _Unpacked:
+# Q4_0, Q4_1 and Q8_0 already hold their quants as the kernel reads them: only the scales change form.
+def _q4_0(b: np.ndarray) -> _Form:
     d = _f16(b[:, 0:2])
-    return _Unpacked(_nibbles(b[:, None, 2:18]), d[:, None], (-8.0 * d)[:, None])
+    return _Form(b[:, 2:18], d, -8.0 * d)
 
 
-def _q4_1(b: np.ndarray) -> _Unpacked:
-    return _Unpacked(_nibbles(b[:, None, 4:20]), _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None])
+def _q4_1(b: np.ndarray) -> _Form:
+    return _Form(b[:, 4:20], _f16(b[:, 0:2]), _f16(b[:, 2:4]))
 
 
-def _q5_0(b: np.ndarray) -> _Unpacked:
-    q = _nibbles(b[:, None, 6:22])[:, 0] | _high_bits(b[:, 2:6])
-    return _Unpacked((q.astype(np.int8) - 16)[:, None], _f16(b[:, 0:2])[:, None], None)
+def _q8_0(b: np.ndarray) -> _Form:
+    return _Form(b[:, 2:34], _f16(b[:, 0:2]), None)
 
 
-def _q5_1(b: np.ndarray) -> _Unpacked:
-    q = _nibbles(b[:, None, 8:24])[:, 0] | _high_bits(b[:, 4:8])
-    return _Unpacked(q[:, None], _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None])
+def _q5_0(b: np.ndarray) -> _Form:
+    q = _nibbles(b[:, 6:22]) | _high_bits(b[:, 2:6])
+    return _Form(_int8(q.astype(np.int8) - 16), _f16(b[:, 0:2]), None)
 
 
-def _q8_0(b: np.ndarray) -> _Unpacked:
-    return _Unpacked(np.ascontiguousarray(b[:, None, 2:34]).view(np.int8), _f16(b[:, 0:2])[:, None], None)
+def _q5_1(b: np.ndarray) -> _Form:
+    q = _nibbles(b[:, 8:24]) | _high_bits(b[:, 4:8])
+    return _Form(_int8(q), _f16(b[:, 0:2]), _f16(b[:, 2:4]))
 
 
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K: the eight sub-blocks' scales and minimums as float32, ``d * sc`` and ``-dmin * m`` (exact)."""
     sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    return _f16(b[:, 0:2])[:, None] * sc.astype(np.float32), -(_f16(b[:, 2:4])[:, None] * mn.astype(np.float32))
+    return _f16(b[:, 0:2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * mn.astype(np.float32))
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -129,38 +137,36 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([pairs & 0x0F, pairs >> 4], axis=2).reshape(len(qs), 8, 32)
 
 
-def _q4_k(b: np.ndarray) -> _Unpacked:
+def _q4_k(b: np.ndarray) -> _Form:
     d, m = _k_scales(b)
-    return _Unpacked(_k_nibbles(b[:, 16:144]), d, m)
+    return _Form(_packed(_k_nibbles(b[:, 16:144])), d, m)
 
 
-def _q5_k(b: np.ndarray) -> _Unpacked:
+def _q5_k(b: np.ndarray) -> _Form:
     d, m = _k_scales(b)
     high = np.unpackbits(np.ascontiguousarray(b[:, 16:48])[:, :, None], axis=-1, bitorder="little")  # [n, 32, 8]
-    q = _k_nibbles(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)
-    return _Unpacked(q, d, m)
+    return _Form(_int8(_k_nibbles(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)), d, m)
 
 
-def _q6_k(b: np.ndarray) -> _Unpacked:
+def _q6_k(b: np.ndarray) -> _Form:
     n = len(b)
     ql, qh = b[:, 0:128].reshape(n, 2, 1, 64), b[:, 128:192].reshape(n, 2, 1, 32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(n, 2, 4, 32)  # 128 weights: l, l+32, l+64, l+96
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    q = (low | (high << 4)).astype(np.int8) - 32
     scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    return _Unpacked(q.reshape(n, 16, 16), _f16(b[:, 208:210])[:, None] * scales, None)
+    return _Form(_int8((low | (high << 4)).astype(np.int8) - 32), _f16(b[:, 208:210]) * scales, None)
 
 
-# GGML format -> (bytes per block, weights per block, unpacker, the kernel form it repacks into)
-_FORMATS: dict[GGMLQuantizationType, tuple[int, int, Callable[[np.ndarray], _Unpacked], QuantKind]] = {
-    GGMLQuantizationType.Q4_0: (18, QK, _q4_0, QuantKind.Q4_1),
-    GGMLQuantizationType.Q4_1: (20, QK, _q4_1, QuantKind.Q4_1),
-    GGMLQuantizationType.Q5_0: (22, QK, _q5_0, QuantKind.Q8_0),
-    GGMLQuantizationType.Q5_1: (24, QK, _q5_1, QuantKind.Q8_0),
-    GGMLQuantizationType.Q8_0: (34, QK, _q8_0, QuantKind.Q8_0),
-    GGMLQuantizationType.Q4_K: (144, SUPER, _q4_k, QuantKind.Q4_1),
-    GGMLQuantizationType.Q5_K: (176, SUPER, _q5_k, QuantKind.Q8_0),
-    GGMLQuantizationType.Q6_K: (210, SUPER, _q6_k, QuantKind.Q8_16),
+# GGML format -> (bytes per block, its blocks in the kernel's form, the form)
+_FORMATS: dict[GGMLQuantizationType, tuple[int, Callable[[np.ndarray], _Form], QuantKind]] = {
+    GGMLQuantizationType.Q4_0: (18, _q4_0, QuantKind.Q4_1),
+    GGMLQuantizationType.Q4_1: (20, _q4_1, QuantKind.Q4_1),
+    GGMLQuantizationType.Q5_0: (22, _q5_0, QuantKind.Q8_0),
+    GGMLQuantizationType.Q5_1: (24, _q5_1, QuantKind.Q8_0),
+    GGMLQuantizationType.Q8_0: (34, _q8_0, QuantKind.Q8_0),
+    GGMLQuantizationType.Q4_K: (144, _q4_k, QuantKind.Q4_1),
+    GGMLQuantizationType.Q5_K: (176, _q5_k, QuantKind.Q8_0),
+    GGMLQuantizationType.Q6_K: (210, _q6_k, QuantKind.Q8_16),
 }
 BLOCK_FORMATS = frozenset(_FORMATS)
 """The GGML formats decode reads as blocks; a matrix in any other (F32, F16, BF16...) decodes dense."""
@@ -168,31 +174,24 @@ BLOCK_FORMATS = frozenset(_FORMATS)
 
 def repack(raw: np.ndarray, fmt: GGMLQuantizationType, rows: int) -> QuantBlocks:
     """A matrix's raw GGUF bytes (``rows`` rows) in its kernel form."""
-    block_bytes, per_block, unpack, kind = _FORMATS[fmt]
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
-    if fmt in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):  # already the form: slice, don't unpack
-        q = np.ascontiguousarray(blocks[:, 4:] if fmt is GGMLQuantizationType.Q4_1 else blocks[:, 2:])
-        m = _f16(blocks[:, 2:4]).reshape(rows, -1) if fmt is GGMLQuantizationType.Q4_1 else None
-        return QuantBlocks(kind, q.reshape(rows, -1), _f16(blocks[:, 0:2]).reshape(rows, -1), m, fmt)
-    u = unpack(blocks)
-    cols = len(blocks) * per_block // rows
-    q = u.q.reshape(rows, cols)
+    block_bytes, form, kind = _FORMATS[fmt]
+    f = form(np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes))
+
+    def per_row(a: np.ndarray, dtype: type) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(rows, -1), dtype=dtype)
+
+    m = None if f.m is None else per_row(f.m, np.float32)
+    return QuantBlocks(kind, per_row(f.q, np.uint8), per_row(f.d, np.float32), m, fmt)
+
+
+def weights_of(kind: QuantKind, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """The float32 matrix arrays in a kernel form stand for, ``d * q + m`` weight by weight (what tests compare)."""
+    rows = len(q)
     if kind is QuantKind.Q4_1:
-        q = q.reshape(rows, -1, 2, 16)
-        q = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8)
-    d = np.ascontiguousarray(u.d.reshape(rows, -1), dtype=np.float32)
-    m = None if u.m is None else np.ascontiguousarray(u.m.reshape(rows, -1), dtype=np.float32)
-    return QuantBlocks(kind, np.ascontiguousarray(q.reshape(rows, -1)).view(np.uint8), d, m, fmt)
-
-
-def weights_of(blocks: QuantBlocks) -> np.ndarray:
-    """The float32 matrix the blocks stand for, ``d * q + m`` weight by weight (what tests compare)."""
-    rows = blocks.rows
-    if blocks.kind is QuantKind.Q4_1:
-        q = _nibbles(blocks.q.reshape(rows, -1, 16)).astype(np.float32)
+        values = _nibbles(q.reshape(rows, -1, 16)).astype(np.float32)
     else:
-        q = blocks.q.view(np.int8).reshape(rows, blocks.d.shape[1], -1).astype(np.float32)
-    w = q * blocks.d[..., None]
-    if blocks.m is not None:
-        w = w + blocks.m[..., None]
-    return w.reshape(rows, blocks.cols)
+        values = q.view(np.int8).reshape(rows, d.shape[1], -1).astype(np.float32)
+    w = values * d[..., None]
+    if m is not None:
+        w = w + m[..., None]
+    return w.reshape(rows, -1)

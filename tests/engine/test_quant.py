@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -14,7 +13,7 @@ from kvtier.engine.llama import LlamaModel
 from kvtier.engine.quant import QuantMatrix, QuantStack, fuse
 from kvtier.engine.runtime import LoadedModel
 from kvtier.model import QuantKind, load_gguf_with_blocks
-from kvtier.model.blocks import BLOCK_FORMATS, repack
+from kvtier.model.blocks import BLOCK_FORMATS, repack, weights_of
 from kvtier.model.config import Architecture
 from tests.model.hf_gguf import VOCAB, random_model, write_gguf
 from tests.model.random_blocks import random_raw
@@ -26,14 +25,8 @@ def dequantized(m: QuantMatrix | QuantStack) -> torch.Tensor:
     """The float32 matrix a :class:`QuantMatrix` (or a stack of them) stands for, computed the plain way."""
     if isinstance(m, QuantStack):
         return torch.cat([dequantized(p) for p in m.parts])
-    d = m.d.numpy()[..., None]
-    if m.kind is QuantKind.Q4_1:
-        q = m.q.numpy().reshape(m.rows, -1, 16)
-        values = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32)
-    else:
-        values = m.q.numpy().view(np.int8).reshape(m.rows, d.shape[1], -1).astype(np.float32)
-    w = values * d + (0 if m.m is None else m.m.numpy()[..., None])
-    return torch.from_numpy(w.reshape(m.rows, m.cols))
+    minimums = None if m.m is None else m.m.numpy()
+    return torch.from_numpy(weights_of(m.kind, m.q.numpy(), m.d.numpy(), minimums))
 
 
 def test_the_native_decode_path_is_the_one_in_use(loaded_model: LoadedModel) -> None:

@@ -29,7 +29,7 @@ def test_repacked_blocks_are_the_dequantized_weights_bit_for_bit(fmt: GGMLQuanti
     blocks = repack(raw, fmt, rows)
     assert (blocks.kind, blocks.source, blocks.rows, blocks.cols) == (FORMS[fmt], fmt, rows, cols)
     expected = dequantize(raw.reshape(-1), fmt).reshape(rows, cols).astype(np.float32)
-    assert np.array_equal(weights_of(blocks), expected)
+    assert np.array_equal(weights_of(blocks.kind, blocks.q, blocks.d, blocks.m), expected)
     scales_per_row = cols // (16 if blocks.kind is QuantKind.Q8_16 else 32)
     assert blocks.d.shape == (rows, scales_per_row) and blocks.d.dtype == np.float32
     bytes_per_weight = blocks.q.nbytes / (rows * cols)
