@@ -201,9 +201,10 @@ def _bench_ttft(args: argparse.Namespace) -> int:
 
 def _bench_models(args: argparse.Namespace) -> int:
     from kvtier.bench import models
+    from kvtier.bench.engines import LLAMACPP_PYTHON
 
     config = load_config(args.config)
-    python = Path(args.llamacpp_python) if args.llamacpp_python else models.DEFAULT_LLAMACPP_PYTHON
+    python = Path(args.llamacpp_python) if args.llamacpp_python else LLAMACPP_PYTHON
     spec = models.ModelsSpec(tokens=args.tokens, reps=args.reps, llamacpp_python=python if python.exists() else None)
     result = models.run(config, spec, models.available([Path(m) for m in args.model]))
     path, png = models.save(result, Path(args.out))

@@ -43,17 +43,16 @@ from gguf import GGUFReader
 from kvtier.bench import llamacpp_oracle, results, ttft
 from kvtier.config import Config, DecodeWeights
 from kvtier.engine.llama import LlamaModel, SeqInput
+from kvtier.engine.onboard import SlidingWindow
 from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
 from kvtier.engine.sampling import SamplingParams
 from kvtier.hardware import compute_dtype, cpu_isa
-from kvtier.model import ModelNotFoundError, default_gguf_path, load_tokenizer, read_gguf_metadata
+from kvtier.model import ModelNotFoundError, default_gguf_path, read_gguf_metadata
 from kvtier.model.locate import gemma3_270m_path
 from kvtier.tiers.base import TierKind
 
 GREEDY = SamplingParams(max_tokens=16)
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_LLAMACPP_PYTHON = REPO / ".venv-peer-llamacpp" / "bin" / "python"
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ def reuse(loaded: LoadedModel, config: Config, spec: ModelsSpec) -> dict[str, An
             engine.generate([prefix], SamplingParams(max_tokens=1))
             engine.drain_stores()
             (hit,) = engine.generate([prompts[0]], GREEDY)
-    sliding = bool(loaded.model.config.sliding_layers and any(loaded.model.config.sliding_layers))
+    sliding = SlidingWindow.of(loaded.model.config) is not None
     ratio = engine.onboarded_bytes / engine.onboarded_full_bytes if engine.onboarded_full_bytes else None
     return {
         "same_output": hit.token_ids == cold.token_ids,
@@ -165,7 +164,7 @@ def against_llamacpp(loaded: LoadedModel, path: Path, spec: ModelsSpec) -> dict[
     python = spec.llamacpp_python
     if python is None or not python.exists():
         return {"tokenizer_match": None, "next_token_agreement": None, "llamacpp_self_agreement": None}
-    tokenizer = load_tokenizer(read_gguf_metadata(path))
+    tokenizer = loaded.tokenizer
     with tempfile.TemporaryDirectory(prefix="bench-models-text-") as tmp:
         folder = Path(tmp)
         texts = llamacpp_oracle.corpus_texts(folder)
@@ -236,4 +235,4 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DEFAULT_LLAMACPP_PYTHON", "ModelsSpec", "available", "measure", "run", "save", "table"]
+__all__ = ["ModelsSpec", "available", "measure", "run", "save", "table"]

@@ -52,6 +52,7 @@ class Admission:
         self.counters = PrefetchCounters()
         self.verifier: ShadowVerifier | None = None  # shadow verification of hits (set by make_engine)
         self.window = window  # the model's sliding-window layers: loads leave out what their window never reads
+        self.sliding_layers = window.layers if window is not None else frozenset()
         self.loads: list[LoadPart] = []  # fetched, copied in the next forward
         self.tokens_skipped = 0  # prompt tokens whose KV came from the pool or kvtier
 
@@ -240,7 +241,7 @@ class Admission:
         request resumes. The chunked loads copy as they go, before knowing
         where the last chunk ends, so they copy every layer.
         """
-        if self.window is None or not self.window.layers:
+        if self.window is None:
             return 0
         needed = self.window.first_block(len(req.table.block_ids) * self.block_size, self.block_size)
         skip = min(max(needed - first, 0), count)

@@ -184,8 +184,7 @@ class Engine:
         work = self._plan(batch, drafts)
         seqs = [self._input(req, n, drafts.get(req, [])) for req, n in work]
         loads, self.admission.loads = self.admission.loads, []
-        sliding = self.admission.window.layers if self.admission.window is not None else frozenset()
-        onboarding = LayerwiseLoad(self.pool, loads, self._onboard, sliding) if loads else None
+        onboarding = LayerwiseLoad(self.pool, loads, self._onboard, self.admission.sliding_layers) if loads else None
         started = time.perf_counter()
         try:
             logits = self.model(seqs, self.pool, layer_ready=onboarding.wait if onboarding else None)

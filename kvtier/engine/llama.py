@@ -244,7 +244,7 @@ class LlamaModel:
         if not all(n in blocks for n in names):
             return  # some matrix dense in the file (F16, BF16...): decode keeps the dense matmuls throughout
 
-        def cat(p: str, *parts: str) -> QuantMatrix | QuantStack:
+        def fused(p: str, *parts: str) -> QuantMatrix | QuantStack:
             return fuse([blocks[f"{p}{part}.weight"] for part in parts])
 
         layers = []
@@ -252,9 +252,9 @@ class LlamaModel:
             p = f"model.layers.{i}."
             layers.append(
                 _QuantLayer(
-                    wqkv=cat(p, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                    wqkv=fused(p, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                     wo=QuantMatrix.of(blocks[f"{p}self_attn.o_proj.weight"]),
-                    w_gate_up=cat(p, "mlp.gate_proj", "mlp.up_proj"),
+                    w_gate_up=fused(p, "mlp.gate_proj", "mlp.up_proj"),
                     w_down=QuantMatrix.of(blocks[f"{p}mlp.down_proj.weight"]),
                 )
             )

@@ -111,7 +111,7 @@ class ResidentBlocks:
         never loaded; a complete block replaces a partial one held.
         """
         new: list[BlockKey] = []
-        for i, key, block_id, tokens in reversed(list(zip(range(len(keys)), keys, block_ids, blocks, strict=False))):
+        for i, (key, block_id, tokens) in reversed(list(enumerate(zip(keys, block_ids, blocks, strict=False)))):
             held = self._blocks.get(key)
             complete = i not in partial
             upgrade = held is not None and held.partial and complete and held.block_id != block_id

@@ -150,6 +150,8 @@ class ShadowVerifier:
 
     def __init__(self, model: LlamaModel, block_size: int, settings: VerifySettings, chunk_tokens: int) -> None:
         self.model = model
+        window = SlidingWindow.of(model.config)
+        self.sliding_layers = tuple(sorted(window.layers)) if window is not None else ()  # what a windowed hit skips
         self.block_size = block_size
         self.settings = settings
         self.chunk_tokens = max(chunk_tokens, block_size)
@@ -258,7 +260,5 @@ def offer_served(verifier: ShadowVerifier, pool: KVPool, batch: list[Request]) -
             pool.read_block_to_payload(block_id, row)
         tiers = tuple(kind for kind in req.served_from if kind is not TierKind.DEVICE)
         tokens = req.prompt_ids[: end * bs]
-        window = SlidingWindow.of(verifier.model.config)
-        sliding = tuple(sorted(window.layers)) if window is not None else ()
-        unserved = {b: sliding for b in req.partial_blocks if first <= b < end}
+        unserved = {b: verifier.sliding_layers for b in req.partial_blocks if first <= b < end}
         verifier.offer(Check(req.namespace, tokens, first, req.keys[first:end], served, tiers, unserved))
