@@ -38,6 +38,9 @@ class LookupResult:
     tiers: tuple[TierKind, ...]  # tier serving each cached block from ``first_block`` on
     miss_reason: MissReason
     first_block: int = 0  # blocks before it were held by the caller and not probed
+    # The tokens' digests the run was confirmed against: a fetch confirms each block again when it pins it,
+    # since a colliding key may hold another prompt's block by then (None: results that are never fetched).
+    digests: Digests | None = None
 
     @property
     def cached_blocks(self) -> int:

@@ -49,19 +49,20 @@ class Lookups:
         if probe.mismatched is TierKind.REMOTE:
             self.tiers.stats(TierKind.REMOTE).add(foreign_tokens=1)
         ns, n = prompt.namespace, len(prompt)
-        return LookupResult(ns, bs, n, tuple(keys), tuple(probe.tiers), probe.reason, first_block)
+        return LookupResult(ns, bs, n, tuple(keys), tuple(probe.tiers), probe.reason, first_block, prompt.digests)
 
     def probe(self, prompt: KeyedTokens, first_block: int = 0) -> LookupResult:
         """What :meth:`lookup` would answer, without touching policies or stats."""
         found = self.run(prompt.keys, prompt.digests, first_block)
         keys, tiers = tuple(prompt.keys), tuple(found.tiers)
-        return LookupResult(prompt.namespace, self.block_size, len(prompt), keys, tiers, found.reason, first_block)
+        ns, bs, n = prompt.namespace, self.block_size, len(prompt)
+        return LookupResult(ns, bs, n, keys, tiers, found.reason, first_block, prompt.digests)
 
     def named(self, keys: list[BlockKey], digests: Digests, namespace: str) -> LookupResult:
         """A named run, counted like a lookup for the policies (each name is a block; no token count)."""
         probe = self.run(keys, digests)
         self._accessed(keys, probe)
-        return LookupResult(namespace, self.block_size, 0, tuple(keys), tuple(probe.tiers), probe.reason)
+        return LookupResult(namespace, self.block_size, 0, tuple(keys), tuple(probe.tiers), probe.reason, 0, digests)
 
     def run(self, keys: list[BlockKey], digests: Digests, first_block: int = 0) -> Probe:
         """The confirmed run from ``first_block``: local tiers under the lock, then the remote's headers without it.

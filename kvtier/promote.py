@@ -20,7 +20,7 @@ from kvtier.breakeven import BreakEvenModel
 from kvtier.evict import Eviction
 from kvtier.fetch import Fetch, LoadHandle
 from kvtier.index import LookupResult
-from kvtier.keys import BlockKey
+from kvtier.keys import BlockDigest, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.pins import Pins
 from kvtier.tiers.base import BlockRecord, Tier, TierKind
@@ -68,16 +68,17 @@ class Promoter:
         first = result.first_block if start is None else start
         stop = result.cached_blocks if max_blocks is None else min(result.cached_blocks, first + max_blocks)
         keys = list(result.keys[first:stop])
+        digests = [None if result.digests is None else result.digests[i] for i in range(first, stop)]
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         fetch = Fetch(result.namespace, result.block_size, first, len(keys), deadline, self.release)
-        landed = self._pin_host_run(keys, fetch)
-        rest = keys[landed:]
+        landed = self._pin_host_run(keys, digests, fetch)
+        rest, wanted = keys[landed:], digests[landed:]
         if not rest or not self.tiers.below_host:
             fetch.finish()
         elif inline:
-            self._promote_into(fetch, rest)
+            self._promote_into(fetch, rest, wanted)
         else:
-            self.worker.spawn(lambda: self._promote_into(fetch, rest), "promoting lower-tier blocks to host")
+            self.worker.spawn(lambda: self._promote_into(fetch, rest, wanted), "promoting lower-tier blocks to host")
         return fetch
 
     def release(self, handle: LoadHandle) -> None:
@@ -88,14 +89,14 @@ class Promoter:
         with self.tiers.lock:
             self.pins.unpin(handle.keys)
 
-    def _pin_host_run(self, keys: list[BlockKey], fetch: Fetch) -> int:
+    def _pin_host_run(self, keys: list[BlockKey], digests: list[BlockDigest | None], fetch: Fetch) -> int:
         """Pin the leading run of ``keys`` that host already holds, at once; how many."""
         started = time.perf_counter()
         host = self.tiers.host
         views: list[torch.Tensor] = []
         with self.tiers.lock:
-            for key in keys:
-                view = host.view(key)
+            for key, digest in zip(keys, digests, strict=True):
+                view = host.view(key) if _confirmed(host.record(key), digest) else None
                 if view is None:
                     break
                 self.pins.pin((key,))
@@ -106,14 +107,14 @@ class Promoter:
             host.stats.observe_load(time.perf_counter() - started)
         return len(views)
 
-    def _promote_into(self, fetch: Fetch, keys: list[BlockKey]) -> None:
+    def _promote_into(self, fetch: Fetch, keys: list[BlockKey], digests: list[BlockDigest | None]) -> None:
         """Promote ``keys`` in order, a batch at a time, until one fails or nobody waits any more."""
         try:
             for at in range(0, len(keys), PROMOTE_BATCH):
                 if fetch.stopped:
                     break
                 batch = keys[at : at + PROMOTE_BATCH]
-                views, kinds = self._promote_many(batch)
+                views, kinds = self._promote_many(batch, digests[at : at + PROMOTE_BATCH])
                 if not fetch.land(batch[: len(views)], views, kinds):
                     with self.tiers.lock:
                         self.pins.unpin(batch[: len(views)])  # taken meanwhile: too late to be used
@@ -123,15 +124,23 @@ class Promoter:
         finally:
             fetch.finish()
 
-    def _promote_many(self, keys: list[BlockKey]) -> tuple[list[torch.Tensor], list[TierKind]]:
+    def _promote_many(
+        self, keys: list[BlockKey], digests: list[BlockDigest | None]
+    ) -> tuple[list[torch.Tensor], list[TierKind]]:
         """Pin the leading ``keys`` that can be served, copying lower-tier blocks to host in one batch per tier."""
-        views, kinds, reads = self._reserve(keys)
+        views, kinds, reads = self._reserve(keys, digests)
         if not reads:
             return views, kinds
         good = self._read_below(reads, views)
+        host = self.tiers.host
+        with self.tiers.lock:
+            # A tier read by key outside the lock: if another prompt's block took the key meanwhile (keys
+            # collide; confirmation tells them apart), the bytes read may be that block's, checksums and all.
+            # Ours cannot come back under the key while we hold its host reservation, so this check is exact.
+            for i, key, record, tier in reads:
+                good[i] = good[i] and _confirmed(tier.record(key), record.digest)
         bad = next((i for i, _, _, _ in reads if not good[i]), len(views))
         self._count_served(reads, good, bad)
-        host = self.tiers.host
         with self.tiers.lock:
             for i, key, record, tier in reads:
                 if i >= bad or not good[i]:
@@ -147,24 +156,34 @@ class Promoter:
             )
         return views[:bad], kinds[:bad]
 
-    def _reserve(self, keys: list[BlockKey]) -> tuple[list[torch.Tensor], list[TierKind], list[_Read]]:
-        """Under the lock: pin the host blocks, reserve a host slot for each lower one, up to the first gap."""
+    def _reserve(
+        self, keys: list[BlockKey], digests: list[BlockDigest | None]
+    ) -> tuple[list[torch.Tensor], list[TierKind], list[_Read]]:
+        """Under the lock: pin the host blocks, reserve a host slot for each lower one, up to the first gap.
+
+        Every block is confirmed against the digest the lookup confirmed: since
+        then, the key may have gone to another prompt's block (keys collide),
+        in host or below it. That is a gap, never a hit.
+        """
         host = self.tiers.host
         views: list[torch.Tensor] = []
         kinds: list[TierKind] = []
         reads: list[_Read] = []
         with self.tiers.lock:
             self.eviction.make_room(host, sum(not host.contains(k) for k in keys))
-            for key in keys:
-                view = host.view(key)  # stored or promoted by someone else since the lookup
-                if view is not None:
+            for key, digest in zip(keys, digests, strict=True):
+                held = host.record(key)
+                if held is not None:  # stored or promoted by someone else since the lookup
+                    view = host.view(key)
+                    if not _confirmed(held, digest) or view is None:
+                        break
                     self.pins.pin((key,))
                     views.append(view)
                     kinds.append(TierKind.HOST)
                     continue
                 found = self.tiers.holder_below_host(key)
-                if found is None:
-                    break  # gone since the lookup
+                if found is None or not _confirmed(found[1], digest):
+                    break  # gone since the lookup, or another prompt's block under the key now
                 tier, record = found
                 slot = host.reserve(key, record)
                 if slot is None and self.eviction.make_room(host, 1):  # an eviction above made this one a miss
@@ -201,3 +220,8 @@ class Promoter:
             served = sum(i < bad and good[i] for i in mine)
             failed = sum(not good[i] for i in mine)
             tier.stats.add(hit_tokens=served * bs, miss_tokens=failed * bs)
+
+
+def _confirmed(record: BlockRecord | None, digest: BlockDigest | None) -> bool:
+    """Whether ``record`` is the block of the tokens with ``digest`` (None: nothing to confirm against)."""
+    return record is not None and (digest is None or record.matches(digest))

@@ -22,6 +22,7 @@ from kvtier.config import WriteMode
 from kvtier.keys import KeyHasher, truncated_xxh3_128
 from kvtier.manager import CacheManager
 from kvtier.service import CacheClient, CacheService
+from kvtier.tiers.base import TierKind
 from tests.helpers import BLOCK, as_bytes, make_config, make_hasher, toy_layout
 
 PROMPTS = 10_000
@@ -136,3 +137,29 @@ def test_colliding_prompts_through_the_cache_service_serve_no_foreign_byte(colli
     assert tally.foreign == 0
     assert tally.served_blocks > 100
     assert stats["host"]["confirm_mismatch"] + stats["disk"]["confirm_mismatch"] > 100
+
+
+@pytest.mark.parametrize("replaced", [TierKind.HOST, TierKind.DISK])
+def test_a_key_that_changes_hands_between_lookup_and_fetch_is_a_miss(tmp_path: Path, replaced: TierKind) -> None:
+    """Prompt A's block 0 is confirmed on disk; before the fetch pins it, the key goes to prompt B's block
+    (in host, or on disk). The fetch must stop there: B's bytes are never served as A's.
+
+    The race the service test above found under load (a host eviction inside the fetch freed the key).
+    """
+    cfg = make_config(tmp_path, cache={"write_mode": WriteMode.WRITE_THROUGH})
+    with CacheManager(cfg, toy_layout(), model_fingerprint="toy-model", hasher=colliding(tmp_path)) as m:
+        rows = prompts(64, seed=4)
+        first_key = [bytes(m.keyed(r).keys[0]) for r in rows]
+        a, b = next((i, j) for i in range(64) for j in range(i + 1, 64) if first_key[i] == first_key[j])
+        prompt_a, prompt_b = m.keyed(rows[a]), m.keyed(rows[b])
+        assert m.store(prompt_a, own_kv(a)) == BLOCKS
+        m.clear(TierKind.HOST)
+        result = m.lookup(prompt_a)
+        assert result.cached_blocks == BLOCKS and set(result.tiers) == {TierKind.DISK}
+        m.clear(TierKind.DISK)
+        assert m.store(prompt_b, own_kv(b)) >= 1  # B's block 0 now holds the key, written through to disk
+        if replaced is TierKind.DISK:
+            m.clear(TierKind.HOST)
+        with m.fetch(result).take() as handle:
+            assert foreign_bytes(a, [bl.clone() for bl in handle.blocks]) == 0
+            assert len(handle.blocks) == 0  # block 0 is B's now: nothing of A's run is left to serve
