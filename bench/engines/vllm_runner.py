@@ -73,6 +73,7 @@ def main() -> int:
         {
             "ready": True,
             "vllm": vllm.__version__,
+            "architectures": list(llm.llm_engine.vllm_config.model_config.architectures),
             "load_s": round(time.perf_counter() - start, 3),
             "setting": {
                 "dtype": args.dtype,

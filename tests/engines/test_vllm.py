@@ -10,7 +10,6 @@ seconds on two cores) serves several checks.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -25,21 +24,9 @@ from kvtier.service.client import CacheClient
 
 pytestmark = pytest.mark.engines
 
-VLLM_PYTHON = Path(os.environ.get("ENGINES_VLLM_PYTHON", engines.VLLM_PYTHON))
 BLOCK = 128  # vLLM-CPU's block size, and the service's here
 PROMPT_TOKENS = 4000
 LOADABLE = (PROMPT_TOKENS // BLOCK) * BLOCK  # 31 whole blocks of the prompt: 3,968 tokens
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (make test-engines builds it)")
-    from kvtier.bench.peer.runners import ensure_hf_dir
-    from kvtier.model import default_gguf_path
-
-    ensure_hf_dir(default_gguf_path(), engines.HF_DIR)
-    return VLLM_PYTHON
 
 
 @pytest.fixture(scope="module")
