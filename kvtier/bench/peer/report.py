@@ -281,6 +281,9 @@ def table(result: Mapping[str, Any]) -> str:
         f"kvtier bench peer: {s['date']}, {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; "
         f"{s['threads']} threads per engine; medians of {s['reps']} (traces: {s['trace_reps']})",
     ]
+    model = s.get("model")
+    if model is not None:
+        lines.append(f"  model {model['file']} ({model['arch']})" + (f": {model['note']}" if model.get("note") else ""))
     for name, e in result["engines"].items():
         share = (e.get("contention") or {}).get("others_cpu_share")
         busy = "" if share is None else f"; other work used {share:.0%} of the CPUs meanwhile"

@@ -173,7 +173,8 @@ def ensure_hf_dir(gguf: Path, hf_dir: Path) -> Path:
     incomplete copy (made by hand, or by an older exporter) is the bench's
     own directory: it is removed, since the export never replaces one.
     """
-    if (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors").exists():
+    weights = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
+    if (hf_dir / "config.json").exists() and any((hf_dir / w).exists() for w in weights):
         return hf_dir
     shutil.rmtree(hf_dir, ignore_errors=True)
     export = [sys.executable, "-m", "kvtier.cli", "export-hf", str(hf_dir), "--model", str(gguf)]

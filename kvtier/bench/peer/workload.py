@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import ttft
-from kvtier.demo.session import load_session, user_message
+from kvtier.demo.session import load_session, transcript_ids, user_message
 from kvtier.engine.runtime import LoadedModel
 
 WORKLOAD_SCHEMA = "kvtier-peer-workload/1"
@@ -97,12 +97,15 @@ def ttft_prompts(loaded: LoadedModel, tokens: int, reps: int) -> TTFTPrompts:
 
 
 def trace_prompts(loaded: LoadedModel, session: dict[str, Any]) -> list[list[int]]:
-    """Each turn's prompt ids; the transcript grows by the turn's user message and its fixed reply."""
+    """Each turn's prompt ids; the transcript grows by the turn's user message and its fixed reply.
+
+    As the demo renders it: in the chat template, or as plain text for a base model.
+    """
     messages = [{"role": "system", "content": session["system"]}]
     turns = []
     for turn in session["turns"]:
         messages.append({"role": "user", "content": user_message(turn)})
-        turns.append(loaded.chat_ids(messages))
+        turns.append(transcript_ids(loaded, messages))
         messages.append({"role": "assistant", "content": turn.get("assistant", FIXED_REPLY)})
     return turns
 
