@@ -6,7 +6,7 @@ never pickle.
 
 Workload (written by kvtier's orchestrator, ``kvtier/bench/peer/workload.py``)::
 
-    {"schema": "kvtier-peer-workload/1", "gguf": PATH, "hf_dir": PATH,
+    {"schema": "kvtier-peer-workload/1", "gguf": PATH, "gguf_weight_types": {TYPE: COUNT}, "hf_dir": PATH,
      "threads": 2, "n_ctx": 8192, "reps": 3, "trace_reps": 3,
      "ttft": [{"tokens": N, "new_tokens": 64, "prefix": [ids], "tails": [[ids], ...]}],
      "decode": {"prompt": [ids], "max_tokens": 64},

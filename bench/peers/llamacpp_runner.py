@@ -113,6 +113,12 @@ def probe(w: dict[str, Any], threads: int) -> float:
     return common.probe_time(once)
 
 
+def stored_types(w: dict[str, Any]) -> str:
+    """The file's weight types as the orchestrator read them (``Q4_K x168, Q6_K x29``)."""
+    types = w.get("gguf_weight_types") or {}
+    return ", ".join(f"{k} x{n}" for k, n in types.items()) or "types not given"
+
+
 def main() -> int:
     args = common.parse_args(__doc__.splitlines()[0])
     w = common.read_workload(args.workload)
@@ -146,7 +152,7 @@ def main() -> int:
         version=llama_cpp.__version__,
         setup={
             "weights": Path(w["gguf"]).name,
-            "compute": "GGUF weights as stored (Q4_1), f16 KV cache",
+            "compute": f"GGUF weights as stored ({stored_types(w)}), f16 KV cache",
             "n_ctx": w["n_ctx"],
             "n_threads": threads,
             "n_threads_batch": threads,

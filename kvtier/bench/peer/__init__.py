@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvtier.bench import results, shapes, ttft
+from kvtier.bench.models import weight_types
 from kvtier.bench.peer import limits, machine, measure, report
 from kvtier.bench.peer.runners import Peer, PeerRun, Status, ensure_hf_dir, run_peer
 from kvtier.bench.peer.workload import PeerSpec, Workload, build
@@ -64,6 +65,7 @@ def model_entry(loaded: LoadedModel) -> dict[str, Any]:
         "file": loaded.path.name,
         "arch": loaded.model.config.architecture.value,
         "name": metadata.get("general.name"),
+        "weights": weight_types(loaded.path),
         "random_weights": shapes.random_weights(metadata),
     }
     if entry["random_weights"]:
@@ -89,7 +91,8 @@ def run(
     workload = build(loaded, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "peer-workload.json"
-    path.write_text(json.dumps(workload.to_json(gguf=loaded.path, hf_dir=hf_dir.resolve())))
+    types = weight_types(loaded.path)
+    path.write_text(json.dumps(workload.to_json(gguf=loaded.path, hf_dir=hf_dir.resolve(), weight_types=types)))
     contention: dict[str, dict[str, Any]] = {}
     quiet = machine.wait_for_quiet(quiet_wait_s) if quiet_wait_s else None
     print("bench peer: measuring kvtier ...", flush=True)

@@ -70,12 +70,13 @@ class Workload:
     decode_prompt: list[int]
     traces: list[Trace]
 
-    def to_json(self, *, gguf: Path, hf_dir: Path) -> dict[str, Any]:
-        """The runners' input (contract in ``bench/peers/common.py``)."""
+    def to_json(self, *, gguf: Path, hf_dir: Path, weight_types: dict[str, int] | None = None) -> dict[str, Any]:
+        """The runners' input (contract in ``bench/peers/common.py``); ``weight_types``: the GGUF's, for the record."""
         s = self.spec
         return {
             "schema": WORKLOAD_SCHEMA,
             "gguf": str(gguf),
+            "gguf_weight_types": weight_types or {},
             "hf_dir": str(hf_dir),
             "threads": s.threads,
             "n_ctx": s.n_ctx,
