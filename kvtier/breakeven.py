@@ -105,10 +105,6 @@ class FetchPlan:
     recompute_s: float  # predicted time to prefill those blocks' tokens instead
     deadline_s: float  # seconds from now: after this, the rest is recomputed
 
-    @property
-    def saves_s(self) -> float:
-        return self.recompute_s - self.fetch_s
-
 
 class BreakEvenModel:
     """Per-tier fetch costs and the engine's prefill cost, refitted from measurements (thread-safe)."""

@@ -12,9 +12,8 @@ from kvtier.engine.llama import LlamaModel
 from kvtier.engine.speculate import PromptLookup
 from kvtier.engine.verify import ShadowVerifier, VerifySettings
 from kvtier.hardware import compute_dtype, cpu_isa, engine_device
-from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher
-from kvtier.layout import KVLayout, dtype_from_name
+from kvtier.layout import dtype_from_name
 from kvtier.manager import CacheManager
 from kvtier.model import (
     ChatTemplate,
@@ -96,16 +95,6 @@ def open_cache(loaded: LoadedModel, config: Config) -> CacheManager | ServiceCac
         return CacheManager(config, layout, model_fingerprint=loaded.fingerprint)
 
     return ServiceCache(socket_path, config, layout, model_fingerprint=loaded.fingerprint)
-
-
-def kv_identity(config: Config) -> tuple[KVLayout, str]:
-    """The KV layout and model fingerprint a cache of this config's model binds, from the GGUF header alone.
-
-    The cache service needs them to check its clients, not the weights.
-    """
-    path = config.engine.model_path or default_gguf_path()
-    dtype = dtype_from_name(compute_dtype(config).value)
-    return kv_identity_for(path, dtype, config.cache.block_size, config.data_dir)
 
 
 def make_engine(

@@ -66,10 +66,6 @@ def default_slab_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-def peer_uid(conn: socket.socket) -> int:
-    return peer_cred(conn)[0]
-
-
 def peer_cred(conn: socket.socket) -> tuple[int, int]:
     """The connecting process's (uid, gid), as the kernel saw them at ``connect``."""
     _, uid, gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))

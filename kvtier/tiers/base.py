@@ -71,8 +71,6 @@ class Tier(Protocol):
 
     def contains(self, key: BlockKey) -> bool: ...
 
-    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
-
     def record(self, key: BlockKey) -> BlockRecord | None: ...
 
     def get(self, key: BlockKey, out: torch.Tensor) -> bool:
@@ -80,10 +78,6 @@ class Tier(Protocol):
         ...
 
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]: ...
-
-    def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
-        """Copy one layer's K and V (``layout.layer_bytes``) into ``out``."""
-        ...
 
     def put(self, key: BlockKey, payload: torch.Tensor, record: BlockRecord) -> bool:
         """Store a block; False when full, failed, or the key holds other tokens.

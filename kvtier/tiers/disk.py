@@ -191,10 +191,6 @@ class DiskTier:
     def contains(self, key: BlockKey) -> bool:
         return key in self._index.mirror
 
-    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        mirror = self._index.mirror
-        return [k in mirror for k in keys]
-
     def record(self, key: BlockKey) -> BlockRecord | None:
         entry = self._index.mirror.get(key)
         return None if entry is None else entry.record
@@ -203,31 +199,10 @@ class DiskTier:
     def get(self, key: BlockKey, out: torch.Tensor) -> bool:
         return self.get_many([key], [out])[0]
 
-    def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
-        entry = self._index.mirror.get(key)
-        if entry is None:
-            return False
-        first = self.layout.layer_offset(layer)
-        ok = self._read([key], [entry], [out], nbytes=self.layout.layer_bytes, first=first, first_layer=layer)
-        return ok[0]
-
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """All present blocks in one batched native read, whose threads also take each layer's CRC-32C."""
         entries = [self._index.mirror.get(k) for k in keys]
-        return self._read(keys, entries, outs, nbytes=self.layout.block_bytes, first=0, first_layer=0)
-
-    def _read(
-        self,
-        keys: Sequence[BlockKey],
-        entries: list[IndexEntry | None],
-        outs: Sequence[torch.Tensor],
-        *,
-        nbytes: int,
-        first: int,
-        first_layer: int,
-    ) -> list[bool]:
-        """Read ``nbytes`` at byte ``first`` (layer ``first_layer``) of each entry's slot; forget the unreadable."""
-        results, bad = self._slab_io.read(keys, entries, outs, nbytes=nbytes, first=first, first_layer=first_layer)
+        results, bad = self._slab_io.read(keys, entries, outs, nbytes=self.layout.block_bytes, first=0, first_layer=0)
         for r in bad:
             self._drop_unreadable(r)
         return results

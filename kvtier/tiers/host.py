@@ -132,9 +132,6 @@ class HostTier:
     def contains(self, key: BlockKey) -> bool:
         return key in self._slot_of
 
-    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return [k in self._slot_of for k in keys]
-
     def record(self, key: BlockKey) -> BlockRecord | None:
         slot = self._slot_of.get(key)
         return None if slot is None else self._records[slot]
@@ -183,15 +180,6 @@ class HostTier:
             _copy_all(work)
         self.stats.add(bytes_read=len(work) * bb)
         return [s is not None for s in slots]
-
-    def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
-        src = self.view(key)
-        if src is None:
-            return False
-        off = self.layout.layer_offset(layer)
-        copy_bytes(out, src[off : off + self.layout.layer_bytes])
-        self.stats.add(bytes_read=self.layout.layer_bytes)
-        return True
 
     # -- two-phase store -----------------------------------------------------
     def reserve(self, key: BlockKey, record: BlockRecord) -> torch.Tensor | None:

@@ -107,10 +107,6 @@ class RemoteTier:
         with self._seen_lock:
             return key in self._seen
 
-    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        with self._seen_lock:
-            return [k in self._seen for k in keys]
-
     def record(self, key: BlockKey) -> BlockRecord | None:
         """The authentic header a probe saw for ``key`` (a hint: the value may have expired since)."""
         with self._seen_lock:
@@ -211,15 +207,6 @@ class RemoteTier:
         if hits:
             self._writer.touch(hits)
         return ok
-
-    def get_layer(self, key: BlockKey, layer: int, out: torch.Tensor) -> bool:
-        """One layer of a block: the whole value is read (one key per block), then the layer is copied out."""
-        whole = torch.empty(self.layout.block_bytes, dtype=torch.uint8)
-        if not self.get(key, whole):
-            return False
-        off = self.layout.layer_offset(layer)
-        out.copy_(whole[off : off + self.layout.layer_bytes])
-        return True
 
     # -- writes (behind the request) -------------------------------------------------------
     def put(self, key: BlockKey, payload: torch.Tensor, record: BlockRecord) -> bool:

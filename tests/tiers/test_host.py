@@ -28,9 +28,6 @@ def test_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
         assert tier.get(key(i), out)
         assert torch.equal(out, as_bytes(block))
         assert torch.equal(layout.as_blocks(out), block)
-        layer = torch.empty(layout.layer_bytes, dtype=torch.uint8)
-        assert tier.get_layer(key(i), 1, layer)
-        assert torch.equal(layer.view(dtype).view(layout.layer_shape), block[1])
 
 
 def test_capacity_is_never_exceeded() -> None:
