@@ -43,9 +43,11 @@ from kvtier.index import LookupResult, MissReason
 from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import Promotion
+from kvtier.policy.base import PolicyName
 from kvtier.service import protocol as p
 from kvtier.service.client import CacheClient, ClientLoad
 from kvtier.service.link import ServiceLink
+from kvtier.service.protocol import to_wire
 from kvtier.store import Payloads
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobId, JobStatus, TransferWorker
@@ -83,6 +85,11 @@ class ServiceFetch:
     def cancel(self) -> None:
         """Nobody will copy these blocks: release them now, or as soon as the service answers."""
         self._future.add_done_callback(lambda f: f.result().release())
+
+
+def _lookup_of(r: p.LookupReply | p.Explained) -> tuple[tuple[TierKind, ...], MissReason]:
+    """A reply's tiers and miss reason as the core's enums."""
+    return tuple(p.all_to(TierKind, r.tiers)), to_wire(MissReason, r.miss_reason)
 
 
 def _nothing(first_block: int) -> ClientLoad:
@@ -167,18 +174,19 @@ class ServiceCache:
     def lookup(self, prompt: KeyedTokens, *, first_block: int = 0) -> ServiceLookup:
         c = self._client()
         r = (
-            p.LookupReply(first_block, [], MissReason.ABSENT)
+            p.LookupReply(first_block, [], p.Miss.ABSENT)
             if c is None
             else c.lookup(prompt.tokens, prompt.namespace, first_block=first_block)
         )
         bs, ns = self.layout.block_size, prompt.namespace
-        return ServiceLookup(ns, bs, len(prompt), (), tuple(r.tiers), r.miss_reason, first_block, prompt=prompt)
+        tiers, miss = _lookup_of(r)
+        return ServiceLookup(ns, bs, len(prompt), (), tiers, miss, first_block, prompt=prompt)
 
     def probe(self, prompt: KeyedTokens) -> LookupResult:
         c = self._client()
-        r = p.LookupReply(0, [], MissReason.ABSENT) if c is None else c.probe(prompt.tokens, prompt.namespace)
+        r = p.LookupReply(0, [], p.Miss.ABSENT) if c is None else c.probe(prompt.tokens, prompt.namespace)
         bs, ns = self.layout.block_size, prompt.namespace
-        return LookupResult(ns, bs, len(prompt), (), tuple(r.tiers), r.miss_reason)
+        return LookupResult(ns, bs, len(prompt), (), *_lookup_of(r))
 
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> ClientLoad:
         assert isinstance(result, ServiceLookup) and result.prompt is not None
@@ -241,7 +249,7 @@ class ServiceCache:
         if c is None:
             return Promotion({}, 0)
         reply = c.session_prefetch(namespace, session_id, tokens)
-        return Promotion(dict(reply.promoted), reply.host_blocks)
+        return Promotion({to_wire(TierKind, k): n for k, n in reply.promoted.items()}, reply.host_blocks)
 
     def explain(
         self, prompt: KeyedTokens, *, own_namespaces: Sequence[str] = (), diverged_at: int | None = None
@@ -252,17 +260,19 @@ class ServiceCache:
         r = None if c is None else c.explain(prompt.tokens, ns, own_namespaces=own_namespaces, diverged_at=diverged_at)
         if r is None:
             return None
-        result = LookupResult(ns, self.layout.block_size, len(prompt), (), tuple(r.tiers), r.miss_reason)
+        result = LookupResult(ns, self.layout.block_size, len(prompt), (), *_lookup_of(r))
         evicted = None
         if r.eviction_tier is not None and r.eviction_policy is not None:
-            evicted = Eviction(r.eviction_tier, r.eviction_policy, at=0.0)  # the service's clock: the age says when
+            tier, policy = to_wire(TierKind, r.eviction_tier), to_wire(PolicyName, r.eviction_policy)
+            evicted = Eviction(tier, policy, at=0.0)  # the service's clock: the age says when
+        reason = to_wire(ExplainReason, r.reason)
         return Explanation(
             result,
-            r.reason,
+            reason,
             r.first_miss_token,
             evicted,
             r.other_namespace,
-            diverged_at if r.reason in (ExplainReason.SESSION_DIVERGED, ExplainReason.EVICTED) else None,
+            diverged_at if reason in (ExplainReason.SESSION_DIVERGED, ExplainReason.EVICTED) else None,
             r.eviction_age_s,
         )
 

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from kvtier.errors import KVTierError, warn_once
-from kvtier.index import MissReason
 from kvtier.layout import KVLayout
 from kvtier.service import protocol as p
 from kvtier.tiers import native
@@ -167,7 +166,8 @@ class CacheClient:
             finally:
                 self._unhold()
 
-        return ClientLoad(first_block, [self._view(o) for o in reply.offsets], list(reply.served_from), release)
+        served = p.all_to(TierKind, reply.served_from)
+        return ClientLoad(first_block, [self._view(o) for o in reply.offsets], served, release)
 
     def alive(self) -> bool:
         """False once the service closed this connection (it died or restarted), seen without a round trip.
@@ -191,7 +191,7 @@ class CacheClient:
     def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str, *, first_block: int = 0) -> p.LookupReply:
         reply = self._ask(p.Lookup(_raw(tokens), namespace, first_block))
         if not isinstance(reply, p.LookupReply):
-            return p.LookupReply(first_block, [], MissReason.ABSENT)
+            return p.LookupReply(first_block, [], p.Miss.ABSENT)
         return reply
 
     def load(
@@ -291,14 +291,14 @@ class CacheClient:
 
     def probe(self, tokens: Sequence[int] | np.ndarray, namespace: str) -> p.LookupReply:
         reply = self._ask(p.Probe(_raw(tokens), namespace))
-        return reply if isinstance(reply, p.LookupReply) else p.LookupReply(0, [], MissReason.ABSENT)
+        return reply if isinstance(reply, p.LookupReply) else p.LookupReply(0, [], p.Miss.ABSENT)
 
     def pin(self, tokens: Sequence[int] | np.ndarray, namespace: str, ttl_s: float) -> int:
         reply = self._ask(p.Pin(_raw(tokens), namespace, ttl_s))
         return reply.n if isinstance(reply, p.Count) else 0
 
     def clear(self, tier: TierKind | None = None) -> int:
-        reply = self._ask(p.Clear(tier))
+        reply = self._ask(p.Clear(None if tier is None else p.to_wire(p.Tier, tier)))
         return reply.n if isinstance(reply, p.Count) else 0
 
     def session_turn(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> None:

@@ -32,6 +32,17 @@ break them is refused with a :class:`Failure` and the connection goes on
 came without a version bump too: no value an honest client sends changed
 meaning.
 
+Enumerated values are the protocol's own (:class:`Tier`, :class:`Miss`,
+:class:`Why`, :class:`Policy`), not the core's: a new tier kind or eviction
+policy inside kvtier must not change what crosses the socket unnoticed. The
+rule for adding a value: a peer that does not know it refuses the whole
+message (the client then counts a miss), so a value an older peer could
+receive bumps :data:`PROTOCOL_VERSION`; one only a newer peer can be sent
+(behind a message it alone sends) extends the enum without a bump, as the
+named blocks did. Each side converts at the edge, by value
+(:func:`to_wire`); ``tests/service/test_protocol_enums.py`` fails when a
+core enum and its wire twin disagree.
+
 Frame: ``uint32 little-endian length`` then that many bytes of msgpack, one
 tagged struct. The first exchange is :class:`Hello` / :class:`Welcome` (or
 :class:`Refused`, naming both sides of whatever did not match).
@@ -39,16 +50,13 @@ tagged struct. The first exchange is :class:`Hello` / :class:`Welcome` (or
 
 from __future__ import annotations
 
+import enum
 import socket
 import struct
-from typing import Annotated, Any
+from collections.abc import Iterable
+from typing import Annotated, Any, TypeVar
 
 import msgspec
-
-from kvtier.explain import ExplainReason
-from kvtier.index import MissReason
-from kvtier.policy.base import PolicyName
-from kvtier.tiers.base import TierKind
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024**2  # a prompt's tokens at most; anything larger is a broken or hostile peer
@@ -61,6 +69,54 @@ Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
 
 class _Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, frozen=True):
     pass
+
+
+# -- the values on the wire (see "Enumerated values" above) --------------------------------------
+class Tier(enum.StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
+class Miss(enum.StrEnum):
+    """Why a lookup stopped where it did."""
+
+    NONE = "none"
+    ABSENT = "absent"
+    CONFIRM_MISMATCH = "confirm_mismatch"
+
+
+class Why(enum.StrEnum):
+    """Explain's answer: why a prefix would not be served."""
+
+    ALL_CACHED = "all_cached"
+    PARTIAL_TAIL = "partial_tail"
+    NEVER_STORED = "never_stored"
+    EVICTED = "evicted"
+    OTHER_NAMESPACE = "other_namespace"
+    OTHER_MODEL = "other_model"
+    HASH_COLLISION = "hash_collision"
+    SESSION_DIVERGED = "session_diverged"
+
+
+class Policy(enum.StrEnum):
+    LRU = "lru"
+    LFU = "lfu"
+    S3FIFO = "s3fifo"
+    PREFIX_LRU = "prefix_lru"
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def to_wire(kind: type[E], value: enum.StrEnum) -> E:
+    """``value`` (a core enum, or a wire one on the way back) as ``kind``, by value."""
+    return kind(value.value)
+
+
+def all_to(kind: type[E], values: Iterable[enum.StrEnum]) -> list[E]:
+    return [kind(v.value) for v in values]
 
 
 # -- client -> service ---------------------------------------------------------------------------
@@ -131,7 +187,7 @@ class Pin(_Msg):
 class Clear(_Msg):
     """Drop every unpinned block of one tier (None: all)."""
 
-    tier: TierKind | None = None
+    tier: Tier | None = None
 
 
 class Stats(_Msg):
@@ -214,15 +270,15 @@ class Busy(_Msg):
 
 class LookupReply(_Msg):
     cached_blocks: int
-    tiers: list[TierKind]  # from first_block on
-    miss_reason: MissReason
+    tiers: list[Tier]  # from first_block on
+    miss_reason: Miss
 
 
 class Loaded(_Msg):
     lease: int
     first_block: int
     offsets: list[int]  # byte offset of each pinned block's payload in the slab
-    served_from: list[TierKind]
+    served_from: list[Tier]
 
 
 class Reserved(_Msg):
@@ -250,18 +306,18 @@ class Present(_Msg):
 
 
 class Prefetched(_Msg):
-    promoted: dict[TierKind, int]  # tokens moved up to host, by the tier they left
+    promoted: dict[Tier, int]  # tokens moved up to host, by the tier they left
     host_blocks: int  # leading blocks of the transcript in host memory afterwards
 
 
 class Explained(_Msg):
     cached_blocks: int
-    tiers: list[TierKind]
-    miss_reason: MissReason
-    reason: ExplainReason
+    tiers: list[Tier]
+    miss_reason: Miss
+    reason: Why
     first_miss_token: int | None
-    eviction_tier: TierKind | None = None
-    eviction_policy: PolicyName | None = None
+    eviction_tier: Tier | None = None
+    eviction_policy: Policy | None = None
     eviction_age_s: float | None = None
     other_namespace: str | None = None  # one of ``own_namespaces``, never another tenant's
 

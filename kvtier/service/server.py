@@ -46,13 +46,16 @@ import numpy as np
 from kvtier.config import Config
 from kvtier.errors import KVTierError, warn_once
 from kvtier.fetch import LoadHandle
+from kvtier.index import LookupResult
 from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager, StorePlan
 from kvtier.service import protocol as p
 from kvtier.service import slabs
+from kvtier.service.protocol import to_wire
 from kvtier.sessions import SessionRegistry
 from kvtier.tiers import native
+from kvtier.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +163,7 @@ class _Session:
             case p.Lookup():
                 prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
                 r = m.lookup(prompt, first_block=_within(msg.first_block, prompt))
-                return p.LookupReply(r.cached_blocks, list(r.tiers), r.miss_reason)
+                return _lookup_reply(r)
             case p.Load():
                 return self._load(msg)
             case p.Release():
@@ -181,11 +184,11 @@ class _Session:
                 return p.Committed(m.complete_store(plan, msg.success))
             case p.Probe():
                 r = m.probe(m.keyed(_tokens(msg.tokens), msg.namespace))
-                return p.LookupReply(r.cached_blocks, list(r.tiers), r.miss_reason)
+                return _lookup_reply(r)
             case p.Pin():
                 return p.Count(len(m.pin_for(m.keyed(_tokens(msg.tokens), msg.namespace), msg.ttl_s)))
             case p.Clear():
-                return p.Count(m.clear(msg.tier))
+                return p.Count(m.clear(None if msg.tier is None else to_wire(TierKind, msg.tier)))
             case p.Stats():
                 return p.StatsReply({**m.stats(), "ttl_pinned_blocks": m.ttl_pinned()})
             case p.NamedExists():
@@ -210,12 +213,12 @@ class _Session:
         r, evicted = why.result, why.eviction
         return p.Explained(
             r.cached_blocks,
-            list(r.tiers),
-            r.miss_reason,
-            why.reason,
+            p.all_to(p.Tier, r.tiers),
+            to_wire(p.Miss, r.miss_reason),
+            to_wire(p.Why, why.reason),
             why.first_miss_token,
-            None if evicted is None else evicted.tier,
-            None if evicted is None else evicted.policy,
+            None if evicted is None else to_wire(p.Tier, evicted.tier),
+            None if evicted is None else to_wire(p.Policy, evicted.policy),
             why.eviction_age_s,
             why.other_namespace,
         )
@@ -233,7 +236,7 @@ class _Session:
         lease = self.service.lease()
         self.loads[lease] = handle
         offsets = [self.service.manager.host.offset(b) for b in handle.blocks]
-        return p.Loaded(lease, first_block, offsets, list(handle.served_from))
+        return p.Loaded(lease, first_block, offsets, p.all_to(p.Tier, handle.served_from))
 
     def _reserve(self, msg: p.Reserve) -> p.Reply:
         m = self.service.manager
@@ -285,6 +288,10 @@ def _answers(path: Path) -> bool:
         except OSError:
             return False
     return True
+
+
+def _lookup_reply(r: LookupResult) -> p.LookupReply:
+    return p.LookupReply(r.cached_blocks, p.all_to(p.Tier, r.tiers), to_wire(p.Miss, r.miss_reason))
 
 
 def _tokens(raw: bytes) -> np.ndarray:
@@ -423,7 +430,7 @@ class CacheService:
         if self.agent_sessions is not None and self.agent_sessions.touch(namespace, session_id) is None:
             self._turn(transcript, session_id)  # expired here, or this service restarted since
         done = self.manager.prefetch(transcript)
-        return p.Prefetched(done.promoted, done.host_blocks)
+        return p.Prefetched({to_wire(p.Tier, k): n for k, n in done.promoted.items()}, done.host_blocks)
 
     def expire_reservations(self) -> int:
         """Give back every reservation left uncommitted past ``reservation_ttl_s``; how many."""

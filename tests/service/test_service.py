@@ -227,7 +227,7 @@ def test_a_session_turn_protects_its_transcript_in_the_services_host_tier(servic
         c.session_turn("default", "agent-1", agent)
         for s in range(2, 7):
             c.store(prompt(4 * BLOCK, seed=s), blocks(4, seed=s), "default")
-        assert c.probe(agent, "default").tiers == [TierKind.HOST] * 4
+        assert c.probe(agent, "default").tiers == [protocol.Tier.HOST] * 4
         assert c.probe(agent, "other-tenant").cached_blocks == 0  # its namespace is part of what was protected
     assert service.agent_sessions is not None and service.agent_sessions.protected_blocks == 4
 
@@ -238,10 +238,10 @@ def test_session_prefetch_promotes_the_transcript_from_disk_and_says_how_much(se
         c.store(agent, blocks(3, seed=1), "default")
         for s in range(2, 7):  # no session yet: plain LRU sends the transcript down to disk
             c.store(prompt(4 * BLOCK, seed=s), blocks(4, seed=s), "default")
-        assert c.probe(agent, "default").tiers == [TierKind.DISK] * 3
+        assert c.probe(agent, "default").tiers == [protocol.Tier.DISK] * 3
         reply = c.session_prefetch("default", "agent-1", agent)
-        assert reply.promoted == {TierKind.DISK: 3 * BLOCK} and reply.host_blocks == 3
-        assert c.probe(agent, "default").tiers == [TierKind.HOST] * 3
+        assert reply.promoted == {protocol.Tier.DISK: 3 * BLOCK} and reply.host_blocks == 3
+        assert c.probe(agent, "default").tiers == [protocol.Tier.HOST] * 3
         with c.load(agent, "default") as load:  # the promoted bytes are the stored ones
             assert [int(b.sum()) for b in load.blocks] == [int(as_bytes(b).sum()) for b in blocks(3, seed=1)]
     assert service.agent_sessions is not None and service.agent_sessions.get("default", "agent-1") is not None
@@ -262,7 +262,7 @@ def test_explain_is_answered_from_the_services_eviction_log(tmp_path: Path) -> N
         c.store(prompt(8 * BLOCK, seed=2), blocks(8, seed=2), "default")  # a whole tier: the agent's go
         why = c.explain(agent, "default", diverged_at=3)
         assert why is not None and why.reason == "evicted" and why.first_miss_token == 0
-        assert (why.eviction_tier, why.eviction_policy) == (TierKind.HOST, "lru")
+        assert (why.eviction_tier, why.eviction_policy) == (protocol.Tier.HOST, protocol.Policy.LRU)
         assert why.eviction_age_s is not None and why.eviction_age_s >= 0
         never = c.explain(prompt(BLOCK, seed=9), "default")
         assert never is not None and never.reason == "never_stored"
