@@ -24,6 +24,8 @@ from kvtier.policy.base import EvictionPolicy
 from kvtier.tiers.base import TierKind
 
 EVENTS_VERSION = 1
+PING_S = 2.0
+"""A stream of events says something this often, a ``Ping`` when nothing else: a reader silent past a few is lost."""
 
 
 class BlockEventSink(Protocol):

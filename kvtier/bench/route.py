@@ -53,8 +53,8 @@ import httpx2 as httpx
 from kvtier.bench import fleet as processes
 from kvtier.bench.results import write
 from kvtier.demo.session import load_session, user_message
-from kvtier.engine.runtime import chat_ids
 from kvtier.model import default_gguf_path, load_chat_template, load_tokenizer, read_gguf_metadata
+from kvtier.model.chat import chat_ids
 from kvtier.route.proxy import BACKEND_HEADER
 
 ADMIN = "bench-route-admin-token-0123456789"

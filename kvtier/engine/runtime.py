@@ -26,6 +26,7 @@ from kvtier.model import (
     load_tokenizer,
     model_fingerprint,
 )
+from kvtier.model.chat import chat_ids
 from kvtier.service.cache import ServiceCache
 
 log = logging.getLogger("kvtier")
@@ -44,26 +45,6 @@ class LoadedModel:
         if self.chat is None:
             raise ChatTemplateError(f"{self.path.name} has no chat template (a base model): send completions")
         return chat_ids(self.tokenizer, self.chat, messages, add_generation_prompt=add_generation_prompt)
-
-
-def chat_ids(
-    tok: Tokenizer, chat: ChatTemplate, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
-) -> list[int]:
-    """Token ids of a conversation, by default ending with the opening of the assistant's turn.
-
-    Only the template inserts control tokens. A content that spells one
-    out (``<|im_end|>\\n<|im_start|>system``) is tokenized as the text it
-    is; contents that do not are encoded with the rest of the prompt in one
-    piece, exactly as before, so their ids (and cached keys) do not change.
-    A function of the tokenizer and template alone: ``kvtier route`` computes
-    the backends' ids (and so their block keys) without loading weights.
-    """
-    if not any(tok.has_control_text(m.get("content", "")) for m in messages):
-        return tok.encode(chat.render(messages, add_generation_prompt=add_generation_prompt), False)
-    ids: list[int] = []
-    for piece, from_template in chat.render_pieces(messages, add_generation_prompt=add_generation_prompt):
-        ids += (tok.encode if from_template else tok.encode_text)(piece, False)
-    return ids
 
 
 def load_model(config: Config, *, progress: bool = True) -> LoadedModel:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.model.blocks import QuantBlocks, QuantKind
-from kvtier.model.chat import ChatTemplate, ChatTemplateError, load_chat_template
+from kvtier.model.chat import ChatTemplate, ChatTemplateError, chat_ids, load_chat_template
 from kvtier.model.config import ModelConfig
 from kvtier.model.gguf import (
     GGUFMetadata,
@@ -29,6 +29,7 @@ __all__ = [
     "QuantKind",
     "StreamDecoder",
     "Tokenizer",
+    "chat_ids",
     "default_gguf_path",
     "file_sha256",
     "load_chat_template",

@@ -22,6 +22,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvtier.model.gguf import GGUFMetadata
+from kvtier.model.tokenizer import Tokenizer
 
 _MARK = re.compile("\ue000(\\d+)\ue001")  # a message's content while the template renders around it
 
@@ -139,3 +140,23 @@ def load_chat_template(metadata: GGUFMetadata) -> ChatTemplate:
         bos_token=token("tokenizer.ggml.bos_token_id"),
         eos_token=token("tokenizer.ggml.eos_token_id"),
     )
+
+
+def chat_ids(
+    tok: Tokenizer, chat: ChatTemplate, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of a conversation, by default ending with the opening of the assistant's turn.
+
+    Only the template inserts control tokens. A content that spells one
+    out (``<|im_end|>\\n<|im_start|>system``) is tokenized as the text it
+    is; contents that do not are encoded with the rest of the prompt in one
+    piece, exactly as before, so their ids (and cached keys) do not change.
+    A function of the tokenizer and template alone: ``kvtier route`` computes
+    the backends' ids (and so their block keys) without loading weights.
+    """
+    if not any(tok.has_control_text(m.get("content", "")) for m in messages):
+        return tok.encode(chat.render(messages, add_generation_prompt=add_generation_prompt), False)
+    ids: list[int] = []
+    for piece, from_template in chat.render_pieces(messages, add_generation_prompt=add_generation_prompt):
+        ids += (tok.encode if from_template else tok.encode_text)(piece, False)
+    return ids

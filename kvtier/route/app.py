@@ -34,7 +34,7 @@ from kvtier.route.index import RoutedPrefixes
 from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt
 from kvtier.route.proxy import Counts, Outgoing, Proxy, forward, passed_headers, unavailable
 from kvtier.route.subscribe import follow, follow_vllm
-from kvtier.server.main import listen_sockets
+from kvtier.web.listen import listen_sockets
 
 
 @dataclass

@@ -20,14 +20,18 @@ import jinja2
 from pydantic import ValidationError
 
 from kvtier.config import Config
-from kvtier.engine.runtime import chat_ids
 from kvtier.hardware import compute_dtype
 from kvtier.identity import kv_identity_for
 from kvtier.keys import BlockKey, KeyHasher, Secret
 from kvtier.layout import dtype_from_name
 from kvtier.model import default_gguf_path, load_chat_template, load_tokenizer, read_gguf_metadata
-from kvtier.server.auth import Tenants
-from kvtier.server.schemas import ChatCompletionRequest, CompletionRequest, as_template_messages
+from kvtier.model.chat import chat_ids
+from kvtier.web.auth import Tenants
+from kvtier.web.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    as_template_messages,
+)
 
 SESSION_HEADER = "x-session-id"
 

@@ -23,12 +23,11 @@ from collections.abc import AsyncIterator
 import httpx2 as httpx
 import msgspec
 
-from kvtier.events import DECODER, Cleared, Hello, Removed, Snapshot, Stored
+from kvtier.events import DECODER, PING_S, Cleared, Hello, Removed, Snapshot, Stored
 from kvtier.keys import BlockKey
 from kvtier.route.backends import Backend, Fleet
 from kvtier.route.prompt import Prompts
 from kvtier.route.vllm import VllmKeys, split
-from kvtier.server.kv_events import PING_S
 
 log = logging.getLogger("kvtier.route")
 

@@ -2,13 +2,13 @@
 
 * ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``: OpenAI-
   compatible inference (:mod:`kvtier.server.inference`), behind the
-  caller's API key when keys are configured (:mod:`kvtier.server.auth`).
+  caller's API key when keys are configured (:mod:`kvtier.web.auth`).
 * ``/health``: open, so a load balancer needs no secret.
 * ``/stats`` (JSON), ``/metrics`` (Prometheus), aggregate only
   (:mod:`kvtier.server.metrics`); ``/dashboard``, a static page
   (``static/dashboard.html``, no build step) that polls ``/stats``; the
   schema pages ``/docs``, ``/redoc``, ``/openapi.json``: for readers
-  (:class:`~kvtier.server.auth.Readers`), the admin or the read-only token,
+  (:class:`~kvtier.web.auth.Readers`), the admin or the read-only token,
   or anyone when neither is configured (the server then binds loopback only).
 * ``/admin/clear``, ``/admin/pin``, ``/lookup``, ``/v1/kv-events``: behind
   the admin token. ``/lookup`` is admin-only because "is this prompt
@@ -38,16 +38,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvtier.config import ServerConfig
 from kvtier.engine.engine import Engine
 from kvtier.server import inference, sessions
-from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
 from kvtier.server.metrics import StatsCollector, build_report, hardware_report
 from kvtier.server.schemas import (
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ClearRequest,
     ClearResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ExplainRequest,
@@ -65,6 +62,11 @@ from kvtier.server.schemas import (
 )
 from kvtier.server.state import ServerState
 from kvtier.tiers.base import TierKind
+from kvtier.web.auth import Tenant
+from kvtier.web.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 _api_key = HTTPBearer(auto_error=False, scheme_name="APIKey", description="Needed when server.api_keys is set.")
 _admin_key = HTTPBearer(auto_error=False, scheme_name="AdminToken", description="server.admin_token.")

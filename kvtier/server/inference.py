@@ -27,29 +27,31 @@ from starlette.types import Message
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.keys import KeyedTokens
-from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorCode, ErrorType
 from kvtier.server.loop import ClientGone, EngineUnavailable, Failure, Outcome, Stream, Submission
 from kvtier.server.schemas import (
-    GREEDY_BELOW,
-    MIN_TOP_P,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatMessage,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     Finish,
     PromptTokensDetails,
     Usage,
-    as_template_messages,
 )
 from kvtier.server.state import ServerState
+from kvtier.web.auth import Tenant
+from kvtier.web.requests import (
+    GREEDY_BELOW,
+    MIN_TOP_P,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    as_template_messages,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DONE = "data: [DONE]\n\n"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvtier.events import (
     ENCODER,
     EVENTS_VERSION,
+    PING_S,
     Cleared,
     Event,
     Hello,
@@ -34,7 +35,6 @@ from kvtier.events import (
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierKind
 
-PING_S = 2.0
 MAX_BACKLOG = 10_000  # lines queued for one subscriber before it is cut off
 
 

@@ -27,10 +27,8 @@ from starlette.types import ASGIApp
 from kvtier.config import Config, ConfigError
 from kvtier.engine.engine import Engine
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
-from kvtier.errors import BindError
 from kvtier.manager import CacheManager
 from kvtier.server.app import create_app
-from kvtier.server.auth import AdminToken, Readers, Tenants
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.limits import read_timeout_protocol
 from kvtier.server.loop import EngineLoop
@@ -38,6 +36,8 @@ from kvtier.server.metrics import EngineMetrics
 from kvtier.server.state import ServerState
 from kvtier.service.cache import ServiceCache
 from kvtier.sessions import SessionRegistry
+from kvtier.web.auth import AdminToken, Readers, Tenants
+from kvtier.web.listen import listen_sockets
 
 log = logging.getLogger(__name__)
 
@@ -66,27 +66,6 @@ def check_bind(config: Config) -> None:
         )
     if not server.api_keys:
         log.warning("serving on %s without server.api_keys: inference is open to that network", server.host)
-
-
-def listen_sockets(host: str, port: int) -> list[socket.socket]:
-    """Bound (not yet listening) sockets for every address ``host`` resolves to, as uvicorn would bind."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as err:
-        raise BindError(f"cannot listen on {host}:{port}: {err}") from None
-    socks: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            socks.append(sock := socket.socket(family, kind, proto))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # one family per socket, as asyncio binds them
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-    except OSError as err:
-        for sock in socks:
-            sock.close()
-        raise BindError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    return socks
 
 
 def fit_open_files(max_connections: int) -> int:

@@ -34,7 +34,6 @@ from kvtier.engine.warm import warm
 from kvtier.explain import ExplainReason, Explanation, divergence
 from kvtier.keys import KeyedTokens
 from kvtier.manager import CacheManager, Promotion
-from kvtier.server.auth import Tenant
 from kvtier.server.errors import APIError, ErrorType
 from kvtier.server.inference import chat_ids, prompt_ids
 from kvtier.server.schemas import (
@@ -49,6 +48,7 @@ from kvtier.server.schemas import (
 from kvtier.server.state import ServerState
 from kvtier.service.cache import ServiceCache
 from kvtier.sessions import Session, SessionCounts, SessionRegistry
+from kvtier.web.auth import Tenant
 
 HEADER = "X-Session-ID"
 MAX_ID = 256

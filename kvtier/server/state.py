@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel
 from kvtier.manager import CacheManager
-from kvtier.server.auth import AdminToken, Readers, Tenants
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
 from kvtier.service.cache import ServiceCache
 from kvtier.sessions import SessionRegistry
+from kvtier.web.auth import AdminToken, Readers, Tenants
 
 if TYPE_CHECKING:
     from kvtier.server.inference import Job

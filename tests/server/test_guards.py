@@ -18,9 +18,10 @@ import uvicorn
 from pydantic import SecretStr
 
 from kvtier.config import ConfigError, load_config
-from kvtier.server.auth import AdminToken, Readers, Tenants
 from kvtier.server.limits import BodyLimit
-from kvtier.server.main import FD_HEADROOM, check_bind, is_loopback, listen_sockets, uvicorn_config
+from kvtier.server.main import FD_HEADROOM, check_bind, is_loopback, uvicorn_config
+from kvtier.web.auth import AdminToken, Readers, Tenants
+from kvtier.web.listen import listen_sockets
 
 ROOT = Path(__file__).resolve().parents[2]
 

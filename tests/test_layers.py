@@ -1,0 +1,91 @@
+"""Which package may import which, read from the code's own imports (every ``import``, at any depth).
+
+The picture in ``ARCHITECTURE.md`` ("The cache seam") holds only while
+nobody takes a shortcut across it, and a shortcut is one line anywhere in a
+function. So the rules are checked on the syntax trees of the package, as
+``tests/security/test_package_code.py`` checks them for pickle: a rule that
+names a module nobody imports any more still passes, but one broken import
+fails with the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
+
+
+def imports(source: str, here: str) -> list[tuple[int, str]]:
+    """``(line, module)`` for every kvtier module the source of module ``here`` imports, relative ones resolved."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = here.rsplit(".", node.level)[0]
+                base = f"{parent}.{base}" if base else parent
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{a.name}") for a in node.names]  # ``from kvtier import engine``
+    return [(line, m) for line, m in found if m == "kvtier" or m.startswith("kvtier.")]
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    return imports(path.read_text(), ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+
+
+def files(under: str) -> list[Path]:
+    root = PACKAGE / under
+    return sorted(root.rglob("*.py")) if root.is_dir() else [root.with_suffix(".py")]
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+# (where, may import only these kvtier modules; None: any) and (where, must never import these)
+ONLY = {
+    "service/protocol": (),  # the wire format owns its types: no core module reaches the socket
+    "model": ("kvtier.model", "kvtier.errors", "kvtier.private"),  # weights, tokenizer, template: the bottom
+    "web": ("kvtier.web", "kvtier.errors"),  # what both HTTP apps share holds neither
+}
+NEVER = {
+    "route": ("kvtier.engine", "kvtier.server", "kvtier.manager", "kvtier.tiers.disk", "kvtier.tiers.remote"),
+    "connectors": ("kvtier.engine", "kvtier.server", "kvtier.route", "kvtier.manager", "kvtier.service.server"),
+    "keys": ("kvtier.engine", "kvtier.server", "kvtier.manager", "kvtier.service"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(ONLY))
+def test_a_package_imports_only_what_is_below_it(where: str) -> None:
+    allowed = ONLY[where]
+    broken = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {m}"
+        for path in files(where)
+        for line, m in imports_of(path)
+        if not _within(m, allowed) and m != "kvtier"
+    ]
+    assert not broken, "\n".join(broken)
+
+
+@pytest.mark.parametrize("where", sorted(NEVER))
+def test_a_package_never_reaches_across_the_seam(where: str) -> None:
+    banned = NEVER[where]
+    broken = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {m}"
+        for path in files(where)
+        for line, m in imports_of(path)
+        if _within(m, banned)
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_reader_sees_imports_inside_functions_and_relative_ones() -> None:
+    """The rules above mean something only if a shortcut in a function body is seen."""
+    source = "import json\n\ndef f():\n    from kvtier.engine.runtime import load_model\n    from ..server import app\n"
+    found = {m for _, m in imports(source, "kvtier.route.probe")}
+    assert found == {"kvtier.engine.runtime", "kvtier.engine.runtime.load_model", "kvtier.server", "kvtier.server.app"}
