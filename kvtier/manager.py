@@ -33,13 +33,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvtier.breakeven import BreakEvenModel
+from kvtier.cache import Promotion
 from kvtier.config import Config
 from kvtier.events import BlockEventSink
 from kvtier.evict import Eviction
@@ -57,15 +57,6 @@ from kvtier.store import Fill, Payloads, StorePlan, Stores
 from kvtier.tiers.base import Tier, TierKind
 from kvtier.tierset import open_tiers
 from kvtier.transfer import JobId, JobStatus, TransferWorker
-
-
-@dataclass(frozen=True)
-class Promotion:
-    """What a prefetch did: tokens moved up to host, by the tier they left, and the leading blocks in host now."""
-
-    promoted: dict[TierKind, int]
-    host_blocks: int
-
 
 log = logging.getLogger("kvtier")
 
@@ -116,14 +107,13 @@ class CacheManager:
         self._closed = False
         self.generation = 0  # bumped by clear(): what an engine kept resident is no longer known stored here
 
-    @property
-    def protect(self) -> Callable[[int], Protection] | None:
-        """Host capacity -> the keys to keep (live agent sessions); None: nothing protected."""
-        return self.eviction.protect
-
-    @protect.setter
     def protect(self, protection: Callable[[int], Protection] | None) -> None:
+        """Host capacity -> the keys to keep (live agent sessions); None: nothing protected."""
         self.eviction.protect = protection
+
+    def session_turn(self, prompt: KeyedTokens, session_id: str) -> list[BlockKey]:
+        """The keys the session registry protects in this process's host tier: the transcript's own."""
+        return self._own(prompt).keys
 
     # -- ① keys, once per request -------------------------------------------------------------------
     def keyed(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> KeyedTokens:
@@ -171,13 +161,15 @@ class CacheManager:
         result = self.probe(prompt)
         return diagnose(result, self.eviction.log, others=others, diverged_at=diverged_at, now=self._clock())
 
-    def prefetch(self, prompt: KeyedTokens) -> Promotion:
+    def prefetch(self, prompt: KeyedTokens, *, session_id: str | None = None) -> Promotion:
         """Promote the cached blocks of ``prompt`` to host memory now.
 
         For a session about to speak again (its tool call is returning): the
         reads happen during the pause instead of in its next turn's TTFT.
         Nothing stays pinned; every block the load pinned was in host when it
-        ended, so that run is ``host_blocks``, with no second lookup.
+        ended, so that run is ``host_blocks``, with no second lookup. The
+        session (``session_id``) is this process's registry's business, made
+        live before this call.
         """
         with self.load(self.lookup(prompt)) as handle:
             moved: dict[TierKind, int] = {}
@@ -221,8 +213,8 @@ class CacheManager:
         with self._lock:
             return self._pins.count(key)
 
-    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> list[BlockKey]:
-        """Keep the full blocks of ``prompt`` out of host eviction for ``ttl_s`` seconds (0: unpin); their keys.
+    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> int:
+        """Keep the full blocks of ``prompt`` out of host eviction for ``ttl_s`` seconds (0: unpin); how many.
 
         Cached or not yet (see :mod:`kvtier.pins`); :meth:`clear` ignores
         them: an explicit clear means clear.
@@ -230,7 +222,7 @@ class CacheManager:
         keys = self._own(prompt).keys
         with self._lock:
             self._pins.keep(keys, ttl_s)
-        return keys
+        return len(keys)
 
     def ttl_pinned(self) -> int:
         """Keys under a live TTL pin (cached or not)."""
@@ -327,10 +319,11 @@ class CacheManager:
         return self.stores.store_named(*self._named(names, namespace), fill)
 
     # -- operators -------------------------------------------------------------------
-    def observe(self, sink: BlockEventSink) -> None:
+    def observe(self, sink: BlockEventSink) -> bool:
         """Tell ``sink`` of every key that enters or leaves a tier from now on (see :meth:`Eviction.observe`)."""
         with self._lock:
             self.eviction.observe(sink)
+        return True
 
     def clear(self, kind: TierKind | None = None) -> int:
         """Drop every unpinned block of one tier (or all); returns how many."""

@@ -53,7 +53,12 @@ ONLY = {
     "model": ("kvtier.model", "kvtier.errors", "kvtier.private"),  # weights, tokenizer, template: the bottom
     "web": ("kvtier.web", "kvtier.errors"),  # what both HTTP apps share holds neither
 }
+CACHE_INSIDE = ("kvtier.manager", "kvtier.service", "kvtier.fetch", "kvtier.promote", "kvtier.tierset")
+"""The cache's implementations: above the seam only :mod:`kvtier.cache` is named."""
+
 NEVER = {
+    "engine": (*CACHE_INSIDE, "kvtier.server", "kvtier.route"),
+    "server": (*CACHE_INSIDE, "kvtier.route"),
     "route": ("kvtier.engine", "kvtier.server", "kvtier.manager", "kvtier.tiers.disk", "kvtier.tiers.remote"),
     "connectors": ("kvtier.engine", "kvtier.server", "kvtier.route", "kvtier.manager", "kvtier.service.server"),
     "keys": ("kvtier.engine", "kvtier.server", "kvtier.manager", "kvtier.service"),

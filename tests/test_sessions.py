@@ -6,9 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.cache import Promotion
 from kvtier.config import SessionConfig, WriteMode
 from kvtier.explain import ExplainReason, divergence
-from kvtier.manager import CacheManager, Promotion
+from kvtier.manager import CacheManager
 from kvtier.policy import PolicyName
 from kvtier.sessions import SessionRegistry
 from kvtier.tiers.base import TierKind
@@ -28,7 +29,7 @@ class Clock:
 
 def with_sessions(m: CacheManager, clock: Clock, **cfg) -> SessionRegistry:
     registry = SessionRegistry(SessionConfig(**{"ttl_s": 60.0, **cfg}), BLOCK, clock)
-    m.protect = registry.protection
+    m.protect(registry.protection)
     return registry
 
 

@@ -15,17 +15,14 @@ from collections import deque
 
 import numpy as np
 
+from kvtier.cache import Cache, Loaded
 from kvtier.engine.onboard import LayerwiseLoad, LoadPart, SlidingWindow
 from kvtier.engine.pool import KVPool, blocks_for
 from kvtier.engine.publish import Publisher
 from kvtier.engine.request import PrefetchCounters, Request
 from kvtier.engine.resident import ResidentBlocks
 from kvtier.engine.verify import ShadowVerifier
-from kvtier.fetch import LoadHandle
 from kvtier.keys import BlockKey
-from kvtier.manager import CacheManager
-from kvtier.service.cache import ServiceCache
-from kvtier.service.client import ClientLoad
 from kvtier.tiers.base import TierKind
 
 
@@ -33,7 +30,7 @@ class Admission:
     def __init__(
         self,
         pool: KVPool,
-        cache: CacheManager | ServiceCache | None,
+        cache: Cache | None,
         resident: ResidentBlocks | None,
         publisher: Publisher,
         *,
@@ -256,7 +253,7 @@ class Admission:
             return
         req.verify_span = (first, min(end, verifier.max_blocks))
 
-    def _count_served(self, req: Request, handle: LoadHandle | ClientLoad) -> None:
+    def _count_served(self, req: Request, handle: Loaded) -> None:
         for kind in handle.served_from:
             req.served_from[kind] = req.served_from.get(kind, 0) + self.block_size
 

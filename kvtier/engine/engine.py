@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from kvtier.cache import Cache
 from kvtier.engine.admit import Admission
 from kvtier.engine.drafts import Drafting
 from kvtier.engine.llama import LlamaModel, SeqInput
@@ -59,9 +60,7 @@ from kvtier.engine.speculate import PromptLookup
 from kvtier.engine.stopping import Stopping
 from kvtier.engine.verify import BlockVerdict, ShadowVerifier, offer_served
 from kvtier.keys import KeyedTokens, KeyHasher
-from kvtier.manager import CacheManager
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.service.cache import ServiceCache
 from kvtier.tiers.base import TierKind
 
 __all__ = ["Completion", "Engine", "FinishReason", "Request", "StepOutput"]
@@ -75,7 +74,7 @@ class Engine:
         *,
         pool_blocks: int,
         block_size: int,
-        cache: CacheManager | ServiceCache | None = None,
+        cache: Cache | None = None,
         hasher: KeyHasher | None = None,
         keep_resident: bool = True,
         max_batch: int = 16,

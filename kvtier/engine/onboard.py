@@ -45,10 +45,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.cache import Loaded
 from kvtier.engine.pool import KVPool
-from kvtier.fetch import LoadHandle
 from kvtier.model.config import ModelConfig
-from kvtier.service.client import ClientLoad
 from kvtier.tiers import native
 
 
@@ -74,7 +73,7 @@ class SlidingWindow:
 class LoadPart:
     """A pinned handle's blocks and the pool blocks they go to; sliding layers take blocks from ``sliding_from`` on."""
 
-    handle: LoadHandle | ClientLoad
+    handle: Loaded
     block_ids: Sequence[int]
     sliding_from: int = 0
 

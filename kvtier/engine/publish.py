@@ -15,12 +15,11 @@ import logging
 
 import torch
 
+from kvtier.cache import Cache
 from kvtier.engine.pool import KVPool
 from kvtier.engine.request import Request
 from kvtier.engine.resident import ResidentBlocks
 from kvtier.keys import BlockKey
-from kvtier.manager import CacheManager
-from kvtier.service.cache import ServiceCache
 from kvtier.transfer import JobId, JobStatus
 
 log = logging.getLogger("kvtier.engine.engine")
@@ -30,7 +29,7 @@ class Publisher:
     def __init__(
         self,
         pool: KVPool,
-        cache: CacheManager | ServiceCache | None,
+        cache: Cache | None,
         resident: ResidentBlocks | None,
         *,
         block_size: int,

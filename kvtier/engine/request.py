@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.breakeven import FetchPlan
+from kvtier.cache import Fetching
 from kvtier.engine.pool import BlockTable
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.fetch import Fetch
 from kvtier.keys import BlockKey, KeyedTokens
 from kvtier.model.tokenizer import StreamDecoder
-from kvtier.service.cache import ServiceFetch
 from kvtier.tiers.base import TierKind
 
 
@@ -51,7 +50,7 @@ class Request:
     shared_blocks: int = 0  # leading prompt blocks published in the pool for other requests to attach
     partial_blocks: set[int] = field(default_factory=set)  # table blocks whose sliding-window layers never loaded
     last_chunk: int | None = None  # prompt tokens the previous step gave it (None: not planned yet)
-    fetch: Fetch | ServiceFetch | None = None  # started on arrival, taken on admission
+    fetch: Fetching | None = None  # started on arrival, taken on admission
     fetch_plan: FetchPlan | None = None  # what the break-even model decided on arrival
     draft_width: int | None = None  # drafts its next step may carry (prompt lookup; None: not drafted for yet)
     verify_span: tuple[int, int] | None = None  # blocks loaded from kvtier that shadow verification checks

@@ -11,7 +11,7 @@ every other tier.
 A resident block was stored in kvtier when it was computed, so a request
 that shares it need not store it again, as long as the cache is the one it
 was stored in. Each block remembers the cache's generation when it was kept
-(:attr:`kvtier.manager.CacheManager.generation`): after a cache service
+(:attr:`kvtier.cache.Cache.generation`): after a cache service
 restarted empty, or a clear, the blocks kept before are stored again by the
 next request that shares them; without that, a hot prefix resident here
 would never reach the new cache, and since keys chain, nothing after it

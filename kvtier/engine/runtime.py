@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier import cache as seam
+from kvtier.cache import Cache
 from kvtier.config import ComputeDtype, Config, DecodedKV, DecodeWeights
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
@@ -14,7 +16,6 @@ from kvtier.engine.verify import ShadowVerifier, VerifySettings
 from kvtier.hardware import compute_dtype, cpu_isa, engine_device
 from kvtier.keys import KeyHasher
 from kvtier.layout import dtype_from_name
-from kvtier.manager import CacheManager
 from kvtier.model import (
     ChatTemplate,
     ChatTemplateError,
@@ -27,7 +28,6 @@ from kvtier.model import (
     model_fingerprint,
 )
 from kvtier.model.chat import chat_ids
-from kvtier.service.cache import ServiceCache
 
 log = logging.getLogger("kvtier")
 
@@ -68,21 +68,17 @@ def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
     )
 
 
-def open_cache(loaded: LoadedModel, config: Config) -> CacheManager | ServiceCache:
-    """The tiers in this process, or a client of the node's cache service (``cache.service``)."""
+def open_cache(loaded: LoadedModel, config: Config) -> Cache:
+    """The tiers in this process, or a client of the node's cache service (:func:`kvtier.cache.open_cache`)."""
     layout = loaded.model.kv_layout(config.cache.block_size)
-    socket_path = config.cache.service_socket
-    if socket_path is None:
-        return CacheManager(config, layout, model_fingerprint=loaded.fingerprint)
-
-    return ServiceCache(socket_path, config, layout, model_fingerprint=loaded.fingerprint)
+    return seam.open_cache(config, layout, model_fingerprint=loaded.fingerprint)
 
 
 def make_engine(
     loaded: LoadedModel,
     config: Config,
     *,
-    cache: CacheManager | ServiceCache | None,
+    cache: Cache | None,
     keep_resident: bool | None = None,
     hasher: KeyHasher | None = None,
 ) -> Engine:

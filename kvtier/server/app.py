@@ -366,13 +366,13 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
     tenant = _tenant(state, body.tenant)
     ids = await _ids(state, body, add_generation_prompt=False)
     prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
-    keys = await asyncio.to_thread(state.cache.pin_for, prompt, body.ttl_s)
+    pinned = await asyncio.to_thread(state.cache.pin_for, prompt, body.ttl_s)
     probe = await asyncio.to_thread(state.cache.probe, prompt)
     bs = state.cache.layout.block_size
     return PinResponse(
         tenant=tenant.name,
-        pinned_blocks=len(keys),
-        pinned_tokens=len(keys) * bs,
+        pinned_blocks=pinned,
+        pinned_tokens=pinned * bs,
         cached_tokens=probe.cached_tokens,
         ttl_s=body.ttl_s,
     )

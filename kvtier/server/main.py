@@ -24,17 +24,16 @@ import time
 import uvicorn
 from starlette.types import ASGIApp
 
+from kvtier.cache import Cache
 from kvtier.config import Config, ConfigError
 from kvtier.engine.engine import Engine
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
-from kvtier.manager import CacheManager
 from kvtier.server.app import create_app
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.limits import read_timeout_protocol
 from kvtier.server.loop import EngineLoop
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.state import ServerState
-from kvtier.service.cache import ServiceCache
 from kvtier.sessions import SessionRegistry
 from kvtier.web.auth import AdminToken, Readers, Tenants
 from kvtier.web.listen import listen_sockets
@@ -105,29 +104,25 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
     )
 
 
-def _event_feed(cache: CacheManager | ServiceCache, config: Config) -> EventFeed | None:
+def _event_feed(cache: Cache, config: Config) -> EventFeed | None:
     """Block events of the tiers in this process; a cache service's tiers are shared, not this instance's."""
-    if not isinstance(cache, CacheManager):
-        return None
     feed = EventFeed(config.cache.block_size, cache.hasher.root(config.cache.namespace))
-    cache.observe(feed)
-    return feed
+    return feed if cache.observe(feed) else None
 
 
-def _engine(loaded: LoadedModel, config: Config, cache: CacheManager | ServiceCache, feed: EventFeed | None) -> Engine:
+def _engine(loaded: LoadedModel, config: Config, cache: Cache, feed: EventFeed | None) -> Engine:
     engine = make_engine(loaded, config, cache=cache)
     if engine.resident is not None:
         engine.resident.events = feed
     return engine
 
 
-def _sessions(cache: CacheManager | ServiceCache, config: Config) -> SessionRegistry | None:
+def _sessions(cache: Cache, config: Config) -> SessionRegistry | None:
     """Live sessions; this process's host eviction protects their blocks (a cache service's protects them there)."""
     if not config.session.enabled:
         return None
     registry = SessionRegistry(config.session, config.cache.block_size)
-    if isinstance(cache, CacheManager):
-        cache.protect = registry.protection
+    cache.protect(registry.protection)
     return registry
 
 

@@ -30,10 +30,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvtier import openmp
+from kvtier.cache import Cache
 from kvtier.engine.request import FinishReason, PrefetchCounters, Request, SpeculationCounters
 from kvtier.engine.verify import VerifyCounters
 from kvtier.hardware import cpu_isa, gpu_facts
-from kvtier.manager import CacheManager
 from kvtier.server.schemas import (
     BreakEvenReport,
     EngineReport,
@@ -48,7 +48,6 @@ from kvtier.server.schemas import (
     TierReport,
     VerifyReport,
 )
-from kvtier.service.cache import ServiceCache
 from kvtier.stats import LATENCY_BUCKETS_S, Histogram
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.breaker import BreakerState
@@ -199,7 +198,7 @@ class EngineMetrics:
 
 
 def tier_report(snap: dict[str, Any]) -> TierReport:
-    """One tier of :meth:`CacheManager.stats` as a report."""
+    """One tier of :meth:`kvtier.cache.Cache.stats` as a report."""
     hit, miss = snap["hit_tokens"], snap["miss_tokens"]
     return TierReport(
         capacity_bytes=snap["capacity_bytes"],
@@ -255,7 +254,7 @@ def remote_report(snap: dict[str, Any]) -> RemoteReport:
 
 def build_report(
     model: str,
-    cache: CacheManager | ServiceCache,
+    cache: Cache,
     metrics: EngineMetrics,
     hardware: HardwareReport | None = None,
 ) -> StatsReport:

@@ -16,8 +16,9 @@ guessed id. Neither ever shows token text.
 With the tiers in a node's cache service (``service.connect``) the host
 tier a session's protection steers, the lower tiers prefetch promotes from
 and the eviction log explain reads are all the service's: each turn is
-forwarded there (:meth:`ServiceCache.session_turn`), and prefetch and
-explain are answered there. This process still keeps the transcripts (for
+forwarded there (:meth:`kvtier.cache.Cache.session_turn` says so, by
+returning no keys for this process to protect), and prefetch and explain
+are answered there. This process still keeps the transcripts (for
 the divergence window and ``/v1/sessions``) and warms its own engine pool.
 """
 
@@ -33,7 +34,6 @@ from fastapi import Request
 from kvtier.engine.warm import warm
 from kvtier.explain import ExplainReason, Explanation, divergence
 from kvtier.keys import KeyedTokens
-from kvtier.manager import CacheManager, Promotion
 from kvtier.server.errors import APIError, ErrorType
 from kvtier.server.inference import chat_ids, prompt_ids
 from kvtier.server.schemas import (
@@ -46,7 +46,6 @@ from kvtier.server.schemas import (
     SessionsReport,
 )
 from kvtier.server.state import ServerState
-from kvtier.service.cache import ServiceCache
 from kvtier.sessions import Session, SessionCounts, SessionRegistry
 from kvtier.web.auth import Tenant
 
@@ -76,18 +75,8 @@ async def begin_turn(state: ServerState, session: str | None, prompt: KeyedToken
     """Make the session live with this transcript before the engine stores it, so its blocks land protected."""
     if session is None or state.sessions is None:
         return
-    ns, ids = prompt.namespace, prompt.tokens
-    if isinstance(state.cache, ServiceCache):  # the service keys the transcript and protects it in its host tier
-        state.sessions.turn(ns, session, ids, ())
-        await asyncio.to_thread(state.cache.session_turn, ns, session, ids)
-        return
-    state.sessions.turn(ns, session, ids, prompt.keys)
-
-
-def _promote(cache: CacheManager | ServiceCache, transcript: KeyedTokens, session: Session) -> Promotion:
-    if isinstance(cache, ServiceCache):  # the service also makes the session live again there
-        return cache.session_prefetch(transcript.namespace, session.session_id, transcript.tokens)
-    return cache.prefetch(transcript)
+    keys = await asyncio.to_thread(state.cache.session_turn, prompt, session)
+    state.sessions.turn(prompt.namespace, session, prompt.tokens, keys)
 
 
 async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> SessionPrefetchResponse:
@@ -96,7 +85,7 @@ async def prefetch(state: ServerState, tenant: Tenant, session_id: str) -> Sessi
     if session is None:
         raise APIError(404, "no live session by that id", type=ErrorType.NOT_FOUND, param="session_id")
     transcript = await asyncio.to_thread(state.cache.keyed, session.tokens, tenant.namespace)
-    done = await asyncio.to_thread(_promote, state.cache, transcript, session)
+    done = await asyncio.to_thread(state.cache.prefetch, transcript, session_id=session.session_id)
     pool = await asyncio.wrap_future(state.loop.call(lambda engine: warm(engine, transcript)))
     return SessionPrefetchResponse(
         session=session_id,

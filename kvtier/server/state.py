@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.cache import Cache
 from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel
-from kvtier.manager import CacheManager
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
-from kvtier.service.cache import ServiceCache
 from kvtier.sessions import SessionRegistry
 from kvtier.web.auth import AdminToken, Readers, Tenants
 
@@ -24,7 +23,7 @@ class ServerState:
     config: Config
     model_name: str
     loaded: LoadedModel  # the tokenizer and chat template; the weights are the engine thread's
-    cache: CacheManager | ServiceCache
+    cache: Cache
     loop: EngineLoop
     tenants: Tenants
     admin: AdminToken

@@ -1,10 +1,9 @@
 """The built-in engine's cache when it lives in the node's cache service (``cache.service: unix:///path``).
 
-The engine and the server call the same methods on a :class:`ServiceCache`
-as on an embedded :class:`~kvtier.manager.CacheManager` (lookup, load,
-store, poll / wait, stats, and the admin probe / pin / clear), so two
-``kvtier serve`` instances on one machine share one cache: turn 2 of a
-session sent to the second instance finds the blocks the first one stored.
+One of the two implementations of :class:`kvtier.cache.Cache` (the other is
+the embedded :class:`~kvtier.manager.CacheManager`), so two ``kvtier
+serve`` instances on one machine share one cache: turn 2 of a session sent
+to the second instance finds the blocks the first one stored.
 
 What differs, and why:
 
@@ -37,13 +36,14 @@ from typing import Any
 import numpy as np
 
 from kvtier.breakeven import BreakEvenModel
+from kvtier.cache import Promotion
 from kvtier.config import Config
+from kvtier.events import BlockEventSink
 from kvtier.explain import Eviction, ExplainReason, Explanation
 from kvtier.index import LookupResult, MissReason
 from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
-from kvtier.manager import Promotion
-from kvtier.policy.base import PolicyName
+from kvtier.policy.base import PolicyName, Protection
 from kvtier.service import protocol as p
 from kvtier.service.client import CacheClient, ClientLoad
 from kvtier.service.link import ServiceLink
@@ -237,18 +237,32 @@ class ServiceCache:
         return self.worker.wait(job)
 
     # -- agent sessions and explain: the service's tiers, the service's evidence -----------------------
-    def session_turn(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> None:
-        """The session spoke: the service protects its transcript in the host tier it runs."""
+    def session_turn(self, prompt: KeyedTokens, session_id: str) -> tuple[()]:
+        """The session spoke: the service keys its transcript and protects it in the host tier it runs.
+
+        So this process's registry protects nothing itself (no keys back).
+        """
         c = self._client()
         if c is not None:
-            c.session_turn(namespace, session_id, tokens)
+            c.session_turn(prompt.namespace, session_id, prompt.tokens)
+        return ()
 
-    def session_prefetch(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> Promotion:
-        """:meth:`CacheManager.prefetch` at the service, which also makes the session live there again."""
+    def protect(self, protection: Callable[[int], Protection] | None) -> None:
+        """Nothing to steer here: the service's host tier is steered by its own session registry."""
+
+    def prefetch(self, prompt: KeyedTokens, *, session_id: str | None = None) -> Promotion:
+        """:meth:`CacheManager.prefetch` at the service; with ``session_id`` it also makes the session live there."""
         c = self._client()
         if c is None:
             return Promotion({}, 0)
-        reply = c.session_prefetch(namespace, session_id, tokens)
+        if session_id is None:
+            with self.load(self.lookup(prompt)) as handle:
+                moved: dict[TierKind, int] = {}
+                for kind in handle.served_from:
+                    if kind is not TierKind.HOST:
+                        moved[kind] = moved.get(kind, 0) + self.layout.block_size
+                return Promotion(moved, len(handle.blocks))
+        reply = c.session_prefetch(prompt.namespace, session_id, prompt.tokens)
         return Promotion({to_wire(TierKind, k): n for k, n in reply.promoted.items()}, reply.host_blocks)
 
     def explain(
@@ -298,10 +312,13 @@ class ServiceCache:
     def ttl_pinned(self) -> int:
         return int(self._last_stats.get("ttl_pinned_blocks", 0))
 
-    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> list[int]:
-        """The indices of the blocks pinned (the keys are the service's)."""
+    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> int:
         c = self._client()
-        return [] if c is None else list(range(c.pin(prompt.tokens, prompt.namespace, ttl_s)))
+        return 0 if c is None else c.pin(prompt.tokens, prompt.namespace, ttl_s)
+
+    def observe(self, sink: BlockEventSink) -> bool:
+        """The tiers are the service's, shared by every client: this process has no events of its own to tell."""
+        return False
 
     def clear(self, kind: TierKind | None = None) -> int:
         c = self._client()

@@ -186,7 +186,7 @@ class _Session:
                 r = m.probe(m.keyed(_tokens(msg.tokens), msg.namespace))
                 return _lookup_reply(r)
             case p.Pin():
-                return p.Count(len(m.pin_for(m.keyed(_tokens(msg.tokens), msg.namespace), msg.ttl_s)))
+                return p.Count(m.pin_for(m.keyed(_tokens(msg.tokens), msg.namespace), msg.ttl_s))
             case p.Clear():
                 return p.Count(m.clear(None if msg.tier is None else to_wire(TierKind, msg.tier)))
             case p.Stats():
@@ -363,7 +363,7 @@ class CacheService:
         self.agent_sessions: SessionRegistry | None = None
         if config.session.enabled:
             self.agent_sessions = SessionRegistry(config.session, layout.block_size)
-            self.manager.protect = self.agent_sessions.protection
+            self.manager.protect(self.agent_sessions.protection)
         self._ids = itertools.count(1)
         self._sessions: set[_Session] = set()
         self._lock = threading.Lock()
