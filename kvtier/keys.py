@@ -23,6 +23,7 @@ from typing import NewType
 import numpy as np
 import xxhash
 
+from kvtier import extension
 from kvtier.errors import KVTierError, warn_once
 from kvtier.private import make_private, private_dir, sync_dir
 
@@ -70,24 +71,8 @@ def truncated_xxh3_128(bits: int) -> Hash128:
     return hash128
 
 
-def _native_chain() -> Callable[[bytes, memoryview, int, int], list[bytes]] | None:
-    """The C loop over blocks (``kvtier._native_kernels``), calling the xxhash library's own xxh3-128.
-
-    None where the extension was not built or the xxhash build exports no
-    symbol; :meth:`KeyHasher.keys` then runs the same chain in Python.
-    """
-    try:
-        import xxhash._xxhash as lib
-
-        from kvtier import _native_kernels
-
-        _native_kernels.bind_xxh3(lib.__file__)
-    except (ImportError, OSError, AttributeError):
-        return None
-    return _native_kernels.xxh3_128_chain
-
-
-_CHAIN = _native_chain()
+_CHAIN: Callable[[bytes, memoryview, int, int], list[bytes]] = extension.kernels.xxh3_128_chain
+"""The C loop over blocks, calling the xxhash library's own xxh3-128 (the Python chain serves other hashes)."""
 
 
 @dataclass(frozen=True)
@@ -312,7 +297,7 @@ class KeyHasher:
         view = memoryview(body).cast("B")
         stride = 4 * self.block_size
         prev = self.root(namespace) if parent is None else parent
-        if _CHAIN is not None and self._hash is xxh3_128:
+        if self._hash is xxh3_128:
             return _CHAIN(prev, view, stride, self._seed)  # type: ignore[return-value]
         buf = bytearray(KEY_BYTES + stride)
         hash128, seed = self._hash, self._seed

@@ -123,9 +123,9 @@ def test_no_key_for_short_input(secret: Secret) -> None:
 
 
 def test_the_native_key_chain_is_the_one_in_use() -> None:
-    from kvtier import keys
+    from kvtier import _native_kernels, keys
 
-    assert keys._CHAIN is not None, "kvtier._native_kernels did not build, or did not bind XXH3_128bits_withSeed"
+    assert keys._CHAIN is _native_kernels.xxh3_128_chain
 
 
 @settings(max_examples=40)

@@ -94,3 +94,17 @@ def test_the_reader_sees_imports_inside_functions_and_relative_ones() -> None:
     source = "import json\n\ndef f():\n    from kvtier.engine.runtime import load_model\n    from ..server import app\n"
     found = {m for _, m in imports(source, "kvtier.route.probe")}
     assert found == {"kvtier.engine.runtime", "kvtier.engine.runtime.load_model", "kvtier.server", "kvtier.server.app"}
+
+
+def test_the_c_extensions_are_loaded_in_one_place() -> None:
+    """``kvtier.extension`` alone imports them, so a missing build fails once, in one line, everywhere."""
+    loaders = {
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, m in imports_of(path)
+        if m.startswith(("kvtier._native_kernels", "kvtier._native_io"))
+    }
+    assert {where.split(":")[0] for where in loaders} <= {"kvtier/extension.py"}, loaders
+    assert 'importlib.import_module("kvtier._native' not in "".join(
+        p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "extension.py"
+    )

@@ -39,30 +39,21 @@ kernel, which needs no gather and is as fast there.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
 
+from kvtier import extension
 from kvtier.engine.pool import BlockTable, Gather, KVPool, blocks_for
 
-try:
-    _native = importlib.import_module("kvtier._native_kernels")
-except ImportError:  # not built: the torch path serves
-    _native = None
+_native = extension.kernels
 
-NATIVE: bool = hasattr(_native, "paged_decode_attention")
-"""Whether the extension has the C kernel (an older build, or none at all, has not)."""
-
-IMPLS: tuple[str, ...] = _native.paged_decode_attention_impls() if NATIVE else ()
+IMPLS: tuple[str, ...] = _native.paged_decode_attention_impls()
 """The C kernel's builds this CPU runs, best first (``avx512``, ``avx2``, ``base``): the first is the one used."""
 
-NATIVE_PREFILL: bool = hasattr(_native, "paged_prefill_attention")
-"""Whether the extension has the prefill kernel."""
-
-PREFILL_IMPLS: tuple[str, ...] = _native.paged_prefill_attention_impls() if NATIVE_PREFILL else ()
+PREFILL_IMPLS: tuple[str, ...] = _native.paged_prefill_attention_impls()
 """The prefill kernel's builds this CPU runs, best first (``avx2``, ``base``)."""
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -102,8 +93,7 @@ def native_fits(layer_kv: torch.Tensor, num_heads: int) -> bool:
     """Whether the C kernel can attend over this pool layer (``[blocks, 2, kv_heads, block, dim]``)."""
     _, _, kv_heads, block, dim = layer_kv.shape
     return (
-        NATIVE
-        and layer_kv.device.type == "cpu"
+        layer_kv.device.type == "cpu"
         and layer_kv.dtype in NATIVE_DTYPES
         and layer_kv.stride(-1) == 1
         and layer_kv.stride(-2) == dim
@@ -255,7 +245,7 @@ class NativePrefill:
     ) -> None:
         first = layers[0]
         self._window = window or 0
-        if not (NATIVE_PREFILL and native_fits(first, num_heads)):
+        if not native_fits(first, num_heads):
             raise ValueError(
                 f"the prefill kernel does not take a {first.dtype} pool {tuple(first.shape)} on {first.device}"
             )
@@ -303,7 +293,7 @@ def plan_prefill(
     """
     if start == 0 and pool.layers[0].dtype != torch.bfloat16:
         return None
-    if NATIVE_PREFILL and native_fits(pool.layers[0], num_heads):
+    if native_fits(pool.layers[0], num_heads):
         return NativePrefill(pool.layers, table, start, tokens, num_heads, window=window)
     return None
 

@@ -203,7 +203,7 @@ class LlamaModel:
         self.decode_layers: list[_QuantLayer] | None = None
         self.lm_head_blocks: QuantMatrix | None = None
         dense_ok = dtype in (torch.float32, torch.bfloat16)
-        if blocks is not None and dense_ok and self.device.type == "cpu" and quant.NATIVE:
+        if blocks is not None and dense_ok and self.device.type == "cpu":
             self._load_decode_blocks(blocks)
         cos, sin = rope_table(config.head_dim, config.rope_theta, config.context_length)
         self.cos = cos.to(device=self.device, dtype=dtype)

@@ -26,7 +26,6 @@ reuse stays exact.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
@@ -34,16 +33,13 @@ from itertools import groupby
 import numpy as np
 import torch
 
+from kvtier import extension
 from kvtier.model import QuantBlocks, QuantKind
 
-try:
-    _native = importlib.import_module("kvtier._native_kernels")
-except ImportError:  # not built: the engine keeps the dense matmuls
-    _native = None
+_native = extension.kernels
 
-NATIVE: bool = hasattr(_native, "quant_matvec")
-IMPL: str | None = getattr(_native, "QUANT_IMPL", None)  # the build used on this CPU: "avx2" or "base"
-BF16: bool = bool(getattr(_native, "QUANT_BF16", 0))
+IMPL: str = _native.QUANT_IMPL  # the build used on this CPU: "avx2" or "base"
+BF16: bool = bool(_native.QUANT_BF16)
 """Whether Q4_1 times bfloat16 rows runs on AVX-512 BF16 here (``avx512bf16``): a bfloat16 engine's decode."""
 MAX_ROWS = 64  # activation rows per call (the C kernel's limit): a decode batch
 
@@ -110,7 +106,6 @@ class QuantMatrix:
             raise ValueError(f"{n} rows; the kernel takes 1..{MAX_ROWS}")
         x = x.contiguous()
         out = torch.empty(n, self.rows, dtype=torch.float32)
-        assert _native is not None, "quant_matvec needs the native extension"
         _native.quant_matvec(
             int(self.kind),
             self.q.data_ptr(),
@@ -156,4 +151,4 @@ def fuse(parts: Sequence[QuantBlocks]) -> QuantMatrix | QuantStack:
     return runs[0] if len(runs) == 1 else QuantStack(tuple(runs))
 
 
-__all__ = ["BF16", "IMPL", "MAX_ROWS", "NATIVE", "QuantMatrix", "QuantStack", "fuse"]
+__all__ = ["BF16", "IMPL", "MAX_ROWS", "QuantMatrix", "QuantStack", "fuse"]

@@ -24,22 +24,15 @@ prefills write the same bytes.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
+from kvtier import extension
 from kvtier.engine.pool import KVPool, Slots
 
-try:
-    _native = importlib.import_module("kvtier._native_kernels")
-except ImportError:  # not built: the torch formulas serve
-    _native = None
+_native = extension.kernels
 
-NATIVE: bool = hasattr(_native, "rms_norm")
-"""Whether the extension has the row kernels."""
-
-IMPLS: tuple[str, ...] = _native.rowwise_impls() if NATIVE else ()
+IMPLS: tuple[str, ...] = _native.rowwise_impls()
 """Their builds this CPU runs, best first (``avx512``, ``avx2``, ``base``): the first is the one used."""
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -72,8 +65,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def _native_fits(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     return (
-        NATIVE
-        and first.device.type == "cpu"
+        first.device.type == "cpu"
         and first.dtype in NATIVE_DTYPES
         and all(t.dtype == first.dtype and t.device == first.device and t.is_contiguous() for t in tensors)
     )

@@ -133,12 +133,6 @@ class DiskTier:
 
     # -- opening -------------------------------------------------------------
     def _open(self, io_mode: IOMode | None, on_mismatch: OnMismatch, on_corrupt: OnCorrupt) -> None:
-        if not self._io.native:
-            warn_once(
-                "disk-python-io",
-                "kvtier._native is not built (%s); the disk tier uses pure-Python I/O and CRC-32C (slow)",
-                native.NATIVE_IMPORT_ERROR or "not selected",
-            )
         self._io_mode = choose_io_mode(self.path, io_mode, self._io)
         self._slab_io = SlabIO(
             self._slabs, self.layout, self.stats, backend=self._io, io_mode=self._io_mode, fsync=self.fsync

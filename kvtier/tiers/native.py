@@ -1,4 +1,4 @@
-"""The disk tier's I/O primitives: the C extension ``kvtier._native_io``, or the same functions in pure Python.
+"""The disk tier's I/O primitives: the C extension ``kvtier._native_io``, and the same functions in pure Python.
 
 The extension (``native/iopool.c``, ``native/crc32c.c`` and
 ``native/aligned.c``, compiled by the package's own build) runs batched
@@ -8,9 +8,8 @@ and CRC-32C with the SSE4.2 instruction; ``copy_regions`` comes from
 :data:`PYTHON` does the same things with ``os.preadv``/``os.pwritev`` loops
 and a table-driven CRC-32C: identical results, one request at a time, and a
 checksum taken a byte at a time in Python. It is the reference the tests
-compare the extension with, and what runs if an import fails (a build for
-another Python), far slower than the disk reads.
-:data:`NATIVE` says which one :data:`BACKEND` is.
+compare the extension with; :data:`BACKEND` is always the extension
+(loaded by :mod:`kvtier.extension`, which refuses to run without it).
 
 The functions, in both backends:
 
@@ -52,7 +51,6 @@ The functions, in both backends:
 from __future__ import annotations
 
 import ctypes
-import importlib
 import mmap
 import os
 from collections.abc import Callable, Sequence
@@ -61,6 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvtier import extension
 
 Buffer = Any  # any object with the buffer protocol (bytes, memoryview, numpy arrays, AlignedBuffer)
 FdArg = int | Sequence[int]
@@ -295,13 +295,9 @@ def address_of(buffer: Buffer) -> int:
 
 
 # -- the extension -------------------------------------------------------------
-def _load_native() -> tuple[IOBackend | None, str | None]:
-    try:
-        io = importlib.import_module("kvtier._native_io")
-        kernels = importlib.import_module("kvtier._native_kernels")  # copy_regions: a copy, not I/O
-    except ImportError as err:  # not built, or built for another Python
-        return None, str(err)
-    backend = IOBackend(
+def _native_backend() -> IOBackend:
+    io, kernels = extension.io, extension.kernels  # copy_regions is the kernels': a copy, not I/O
+    return IOBackend(
         name="native",
         preadv_batch=io.preadv_batch,
         pwritev_batch=io.pwritev_batch,
@@ -313,12 +309,10 @@ def _load_native() -> tuple[IOBackend | None, str | None]:
         copy_regions=kernels.copy_regions,
         crc32c_impl=io.CRC32C_IMPL,
     )
-    return backend, None
 
 
-NATIVE_BACKEND, NATIVE_IMPORT_ERROR = _load_native()
-NATIVE: bool = NATIVE_BACKEND is not None
-BACKEND: IOBackend = NATIVE_BACKEND if NATIVE_BACKEND is not None else PYTHON
+NATIVE_BACKEND: IOBackend = _native_backend()
+BACKEND: IOBackend = NATIVE_BACKEND
 
 preadv_batch = BACKEND.preadv_batch
 pwritev_batch = BACKEND.pwritev_batch
@@ -362,8 +356,7 @@ def probe_direct(directory: Path, backend: IOBackend = BACKEND) -> str | None:
 
 __all__ = [
     "BACKEND",
-    "NATIVE",
-    "NATIVE_IMPORT_ERROR",
+    "NATIVE_BACKEND",
     "PYTHON",
     "IOBackend",
     "address_of",

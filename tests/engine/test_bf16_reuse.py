@@ -18,17 +18,13 @@ import pytest
 import torch
 
 from kvtier.config import load_config
-from kvtier.engine import kernels
 from kvtier.engine.llama import SeqInput
 from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
 from tests.engine.test_engine import config, converse
 from tests.helpers import shared_full_blocks
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not kernels.NATIVE_PREFILL, reason="needs kvtier._native_kernels' prefill attention"),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from kvtier.engine.kernels import (
 from kvtier.layout import KVLayout
 from kvtier.model.config import ModelConfig
 
-needs_native = pytest.mark.skipif(not kernels.NATIVE, reason="kvtier._native_kernels has no paged_decode_attention")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LENGTHS = [5, 16, 17, 130, 300]  # shorter than a block, exactly one, one past, longer
 
@@ -66,15 +65,12 @@ def queries(n: int, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- the kernel ----------------------------------------------------------------------
-@needs_native
 def test_the_native_kernel_is_the_one_in_use_on_cpu() -> None:
-    assert kernels.NATIVE
     assert kernels.IMPLS and kernels.IMPLS[-1] == "base"
     pool = random_pool(torch.float32)
     assert isinstance(plan_decode(pool, shuffled_tables(pool, [20]), [20], num_heads=9), NativeDecode)
 
 
-@needs_native
 @pytest.mark.parametrize("impl", kernels.IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_matches_the_float64_reference(impl: str, dtype: torch.dtype) -> None:
@@ -88,7 +84,6 @@ def test_native_matches_the_float64_reference(impl: str, dtype: torch.dtype) -> 
         assert (got.double() - reference(pool, layer, tables, LENGTHS, q)).abs().max().item() < TOL[dtype]
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_matches_the_torch_path(dtype: torch.dtype) -> None:
     pool = random_pool(dtype)
@@ -106,7 +101,6 @@ def mask_of(lengths: list[int], block: int) -> torch.Tensor:
     return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).view(len(lengths), 1, 1, width)
 
 
-@needs_native
 @pytest.mark.parametrize("impl", kernels.IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
@@ -136,7 +130,6 @@ def test_native_handles_other_shapes(
     assert (got.double() - reference(pool, 0, tables, lengths, q)).abs().max().item() < TOL[dtype]
 
 
-@needs_native
 def test_the_result_does_not_depend_on_the_thread_count() -> None:
     """Work is cut by the lengths alone, so reuse stays exact whatever torch.get_num_threads() says."""
     pool = random_pool(torch.float32)
@@ -148,7 +141,6 @@ def test_the_result_does_not_depend_on_the_thread_count() -> None:
         assert torch.equal(paged_attention(pool.layers[0], blocks, q, threads=threads), one)
 
 
-@needs_native
 def test_callers_on_several_threads_at_once_each_get_their_own_result() -> None:
     """One call at a time has the worker team; one that finds it busy runs alone, with the same result."""
     pool = random_pool(torch.float32)
@@ -162,7 +154,6 @@ def test_callers_on_several_threads_at_once_each_get_their_own_result() -> None:
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-@needs_native
 def test_bad_block_tables_are_refused_before_reading_the_pool() -> None:
     pool = random_pool(torch.float32)
     q = queries(1, 9, 64, torch.float32)
@@ -190,9 +181,6 @@ def test_pools_the_kernel_does_not_take_get_the_torch_path() -> None:
 
 
 # -- the prefill kernel --------------------------------------------------------------
-needs_prefill = pytest.mark.skipif(
-    not kernels.NATIVE_PREFILL, reason="kvtier._native_kernels has no paged_prefill_attention"
-)
 
 
 def prefill_reference(
@@ -231,7 +219,6 @@ def prefill(
     return plan, table, q
 
 
-@needs_prefill
 def test_the_prefill_kernel_is_the_one_in_use_on_cpu() -> None:
     assert kernels.PREFILL_IMPLS and kernels.PREFILL_IMPLS[-1] == "base"
     pool = random_pool(torch.float32)
@@ -241,7 +228,6 @@ def test_the_prefill_kernel_is_the_one_in_use_on_cpu() -> None:
     assert plan_prefill(random_pool(torch.float16), table, 36, 64, num_heads=9) is None
 
 
-@needs_prefill
 @pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
@@ -259,7 +245,6 @@ def test_prefill_matches_the_float64_reference(impl: str, dtype: torch.dtype, st
         assert (got.double() - prefill_reference(pool, layer, table, start, q)).abs().max().item() < TOL[dtype]
 
 
-@needs_prefill
 @pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
 @pytest.mark.parametrize(
     ("kv_heads", "heads", "head_dim", "block"),
@@ -275,7 +260,6 @@ def test_prefill_handles_other_shapes(impl: str, kv_heads: int, heads: int, head
     assert (got.double() - prefill_reference(pool, 0, table, 23, q)).abs().max().item() < TOL[torch.float32]
 
 
-@needs_prefill
 @pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
@@ -294,7 +278,6 @@ def test_a_windowed_prefill_matches_the_float64_reference(
     assert (got.double() - want).abs().max().item() < TOL[dtype]
 
 
-@needs_prefill
 @pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_windowed_token_is_the_same_bits_however_the_prompt_was_cut(impl: str, dtype: torch.dtype) -> None:
@@ -309,7 +292,6 @@ def test_a_windowed_token_is_the_same_bits_however_the_prompt_was_cut(impl: str,
         assert torch.equal(part, whole[start:stop]), (start, stop)
 
 
-@needs_prefill
 def test_prefill_results_do_not_depend_on_the_thread_count() -> None:
     """Each query row is computed alone, in one order of tiles, whichever thread takes its unit."""
     pool = random_pool(torch.float32)
@@ -320,7 +302,6 @@ def test_prefill_results_do_not_depend_on_the_thread_count() -> None:
         assert torch.equal(plan.attend(1, q), want)
 
 
-@needs_prefill
 def test_prefill_refuses_bad_tables_and_queries() -> None:
     pool = random_pool(torch.float32)
     q = queries(10, 9, 64, torch.float32)
@@ -381,7 +362,6 @@ def decode_logits(model: LlamaModel, prompts: list[list[int]]) -> torch.Tensor:
     return model.forward([SeqInput([7], t.num_tokens, t) for t in tables], pool)
 
 
-@needs_native
 def test_the_engine_decodes_through_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     model = toy_model()
     prompts = [list(range(1, 40)), [3, 1, 4, 1, 5]]
@@ -401,7 +381,6 @@ def test_the_engine_decodes_through_the_native_kernel(monkeypatch: pytest.Monkey
     assert (native - via_torch).abs().max().item() < 1e-4
 
 
-@needs_prefill
 def test_the_engine_prefills_on_cached_positions_through_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's tail on top of its cached head: one kernel call per layer, logits as the torch path's."""
     model = toy_model()

@@ -84,7 +84,7 @@ def test_layerwise_copy_puts_each_layer_in_place_before_wait_returns() -> None:
     blocks = [as_bytes(payload(layout, seed)).clone() for seed in range(5)]
     released: list[bool] = []
     targets = [6, 1, 3, 0, 7]
-    assert native.NATIVE  # the copy under test is the C one
+    assert native.BACKEND is native.NATIVE_BACKEND  # the copy under test is the C one
     with ThreadPoolExecutor(1) as executor:
         load = LayerwiseLoad(
             pool,

@@ -18,8 +18,6 @@ from kvtier.model.config import Architecture
 from tests.model.hf_gguf import VOCAB, random_model, write_gguf
 from tests.model.random_blocks import random_raw
 
-pytestmark = pytest.mark.skipif(not quant.NATIVE, reason="the native extension is not built")
-
 
 def dequantized(m: QuantMatrix | QuantStack) -> torch.Tensor:
     """The float32 matrix a :class:`QuantMatrix` (or a stack of them) stands for, computed the plain way."""

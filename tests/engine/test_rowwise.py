@@ -17,10 +17,9 @@ import torch.nn.functional as F
 
 from kvtier.engine import KVPool
 from kvtier.engine.pool import BlockTable
-from kvtier.engine.rowwise import IMPLS, NATIVE, Rope, add_rms_norm, apply_rope, rms_norm, rope_table, silu_mul
+from kvtier.engine.rowwise import IMPLS, Rope, add_rms_norm, apply_rope, rms_norm, rope_table, silu_mul
 from kvtier.layout import KVLayout
 
-pytestmark = pytest.mark.skipif(not NATIVE, reason="kvtier._native_kernels has no row kernels")
 DTYPES = [torch.float32, torch.bfloat16]
 ULP = {torch.float32: 2e-6, torch.bfloat16: 8e-3}  # relative: a few float32 ulps; one bfloat16 ulp
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kvtier.config import Config, load_config
-from kvtier.engine import quant
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.onboard import SlidingWindow
 from kvtier.engine.runtime import LoadedModel, make_engine, open_cache
@@ -36,7 +35,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     folder = tmp_path_factory.mktemp("gemma3")
     path = write_gguf(random_model(Architecture.GEMMA3), Architecture.GEMMA3, folder / "gemma3.gguf")
     (config, weights, _), blocks = load_gguf_with_blocks(path, progress=False)
-    model = LlamaModel(config, weights, blocks=blocks if quant.NATIVE else None)
+    model = LlamaModel(config, weights, blocks=blocks)
     tokenizer = load_tokenizer(read_gguf_metadata(default_gguf_path()))
     return LoadedModel(path, model, tokenizer, None, model_fingerprint(path, torch.float32, folder))
 
