@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.config import RemoteWriteOn, WriteMode
 from kvtier.events import BlockEventSink, ObservedPolicy
 from kvtier.explain import EvictionLog
 from kvtier.keys import BlockKey
@@ -20,6 +19,7 @@ from kvtier.policy import EvictionPolicy
 from kvtier.policy.base import NO_PROTECTION, Protection
 from kvtier.tiers.base import BlockRecord, Tier, TierKind
 from kvtier.tierset import TierSet
+from kvtier.writes import Moment, WritePolicy
 
 
 class Eviction:
@@ -29,14 +29,14 @@ class Eviction:
         policies: dict[TierKind, EvictionPolicy],
         pins: Pins,
         log: EvictionLog,
-        write_mode: WriteMode,
+        writes: WritePolicy,
         clock: Callable[[], float],
     ) -> None:
         self.tiers = tiers
         self.policies = policies
         self.pins = pins
         self.log = log  # what explain says was evicted
-        self.write_mode = write_mode
+        self.writes = writes
         self.protect: Callable[[int], Protection] | None = None  # host capacity -> keys to keep (sessions)
         self._clock = clock
         for tier in tiers.local:
@@ -87,10 +87,10 @@ class Eviction:
         remote gets copies on its queue, never a network call here.
         """
         host, disk, remote = self.tiers.host, self.tiers.disk, self.tiers.remote
-        if remote is not None and remote.write_on is RemoteWriteOn.HOST_EVICTION and victims:
+        if remote is not None and self.writes.to_remote(Moment.EVICTED) and victims:
             out = [(k, r) for k in victims if (r := host.record(k)) is not None]
             remote.put_many([k for k, _ in out], [host.view(k) for k, _ in out], [r for _, r in out])  # type: ignore[misc]
-        if disk is None or self.write_mode is not WriteMode.WRITE_BACK:
+        if disk is None or not self.writes.to_disk(Moment.EVICTED):
             return
         down = [(k, r) for k in victims if not disk.contains(k) and (r := host.record(k)) is not None]
         if not down:

@@ -19,8 +19,11 @@ Invariants:
   lock. Payload copies in and out of host slots run outside it; a slot being
   read is pinned (ref-counted) so eviction cannot free it, and a slot being
   filled is reserved and invisible until committed.
-* The tier list is ordered fastest first, so an engine's own pool (the device
-  tier) can be put in front of host without changing any of this.
+* Host is the tier every block passes through: a fetch pins blocks there
+  for the engine to copy into its own pool (the device tier, which the
+  engine indexes itself), and a store commits there before anything below
+  gets a copy. Which tiers below get one, and when, is
+  :class:`~kvtier.writes.WritePolicy`'s to say.
 * The remote tier (``self.remote``, shared with other nodes) is consulted
   last, only for the blocks after the local run, and never holds the lock
   while it talks to the network. It has no policy of ours: Redis expires its
@@ -57,6 +60,7 @@ from kvtier.store import Fill, Payloads, StorePlan, Stores
 from kvtier.tiers.base import Tier, TierKind
 from kvtier.tierset import open_tiers
 from kvtier.transfer import JobId, JobStatus, TransferWorker
+from kvtier.writes import WritePolicy
 
 log = logging.getLogger("kvtier")
 
@@ -93,9 +97,10 @@ class CacheManager:
         self._clock = clock
         self._pins = Pins(clock)
         policies = {TierKind.HOST: make_policy(config.host.policy), TierKind.DISK: make_policy(config.disk.policy)}
-        self.write_mode = config.cache.write_mode
+        remote_on = None if self.remote is None else self.remote.write_on
+        self.writes = WritePolicy(config.cache.write_mode, self.disk is not None, remote_on)
         self.eviction = Eviction(
-            self._tiers, policies, self._pins, EvictionLog(config.session.eviction_log), self.write_mode, clock
+            self._tiers, policies, self._pins, EvictionLog(config.session.eviction_log), self.writes, clock
         )
         self.worker = TransferWorker(config.transfer.workers)
         self.costs = BreakEvenModel(
@@ -103,7 +108,7 @@ class CacheManager:
         )
         self.lookups = Lookups(self._tiers, self.eviction, layout.block_size)
         self.promoter = Promoter(self._tiers, self.eviction, self._pins, self.worker, self.costs, layout)
-        self.stores = Stores(self._tiers, self.eviction, self._pins, layout, self.write_mode)
+        self.stores = Stores(self._tiers, self.eviction, self._pins, layout, self.writes)
         self._closed = False
         self.generation = 0  # bumped by clear(): what an engine kept resident is no longer known stored here
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.config import RemoteWriteOn, WriteMode
 from kvtier.evict import Eviction
 from kvtier.keys import BlockKey, Digests, KeyedTokens
 from kvtier.layout import KVLayout
 from kvtier.pins import Pins
 from kvtier.tiers.base import BlockRecord, TierKind
 from kvtier.tierset import TierSet
+from kvtier.writes import Moment, WritePolicy
 
 Fill = Callable[[int, torch.Tensor], object]
 """``fill(i, out)`` writes block ``i``'s payload into its reserved host slot ``out`` (uint8, ``block_bytes``)."""
@@ -53,12 +53,12 @@ class StorePlan:
 
 
 class Stores:
-    def __init__(self, tiers: TierSet, eviction: Eviction, pins: Pins, layout: KVLayout, write_mode: WriteMode) -> None:
+    def __init__(self, tiers: TierSet, eviction: Eviction, pins: Pins, layout: KVLayout, writes: WritePolicy) -> None:
         self.tiers = tiers
         self.eviction = eviction
         self.pins = pins
         self.layout = layout
-        self.write_mode = write_mode
+        self.writes = writes
 
     @property
     def plan_blocks(self) -> int:
@@ -144,10 +144,10 @@ class Stores:
             for key, record in zip(plan.keys, plan.records, strict=True):
                 host.commit(key)
                 self.eviction.inserted(TierKind.HOST, key, record.parent)
-            if remote is not None and remote.write_on is RemoteWriteOn.STORE and plan.keys:
+            if remote is not None and self.writes.to_remote(Moment.STORED) and plan.keys:
                 views = [host.view(k) for k in plan.keys]  # copied onto the remote's queue here, under the lock
                 remote.put_many(plan.keys, views, plan.records)  # type: ignore[arg-type]
-            through = self.write_mode is WriteMode.WRITE_THROUGH and disk is not None and plan.keys
+            through = disk is not None and self.writes.to_disk(Moment.STORED) and plan.keys
             if through:
                 self.pins.pin(plan.keys)  # keep the slots alive while disk reads them, lock released
         if through:
@@ -200,7 +200,7 @@ class Stores:
         planned restart into a SIGKILL halfway through the index.
         """
         host, disk = self.tiers.host, self.tiers.disk
-        if disk is None or self.write_mode is not WriteMode.WRITE_BACK:
+        if disk is None or not self.writes.to_disk(Moment.CLOSED):
             return 0
         until = None if deadline_s is None else time.monotonic() + deadline_s
         with self.tiers.lock:

@@ -1,0 +1,47 @@
+"""Where a block is written, and when: the one place that decides on ``cache.write_mode`` and ``remote.write_on``.
+
+Two moments put bytes below host memory: a block is **stored** (the engine
+computed it) and a block is **evicted** from host (it outgrew host memory);
+a clean **close** is a third for whatever host alone still holds. Which
+tiers get a copy at each moment is policy; copying it there is mechanism
+(:mod:`kvtier.store` and :mod:`kvtier.evict`), which asks this module and
+never the config. So a new mode (say, write-through for sessions only) is a
+change here alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.config import RemoteWriteOn, WriteMode
+
+
+class Moment(enum.StrEnum):
+    STORED = "stored"  # committed to host by the engine
+    EVICTED = "evicted"  # leaving host memory to make room
+    CLOSED = "closed"  # still in host alone when the cache closes
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    """Which tiers below host take a copy of a block at each :class:`Moment`."""
+
+    mode: WriteMode
+    has_disk: bool
+    remote_on: RemoteWriteOn | None  # None: no remote tier
+
+    def to_disk(self, moment: Moment) -> bool:
+        """Write-through copies at store; write-back at eviction and on close (so a clean restart keeps them)."""
+        if not self.has_disk:
+            return False
+        if self.mode is WriteMode.WRITE_THROUGH:
+            return moment is Moment.STORED
+        return moment in (Moment.EVICTED, Moment.CLOSED)
+
+    def to_remote(self, moment: Moment) -> bool:
+        """``remote.write_on``: every stored block, or only those host evicts; never on close (behind no request)."""
+        if self.remote_on is None:
+            return False
+        wanted = Moment.STORED if self.remote_on is RemoteWriteOn.STORE else Moment.EVICTED
+        return moment is wanted
