@@ -25,7 +25,7 @@
   in its own venv, ``make peer-venvs``) on the same model and threads
   (:mod:`kvtier.bench.peer`).
 * ``kvtier cache check [--config FILE] [--read]``: verify the disk tier's
-  index and slabs offline; exit 1 on damage (:mod:`kvtier.tiers.diskcheck`).
+  index and slabs offline; exit 1 on damage (:mod:`kvtier.tiers.disk.check`).
 * ``kvtier cache serve`` / ``kvtier cache stats``: the node's cache service
   (:mod:`kvtier.service`), and its stats as JSON, read over its socket.
 * ``kvtier export-hf OUT_DIR``: the GGUF model as a Hugging Face directory,
@@ -312,7 +312,7 @@ def _bench_engines(args: argparse.Namespace) -> int:
 
 
 def _cache_check(args: argparse.Namespace) -> int:
-    from kvtier.tiers import diskcheck
+    from kvtier.tiers.disk import check as diskcheck
 
     config = load_config(args.config)
     report = diskcheck.check(config.disk_path, capacity_bytes=int(config.disk.capacity_bytes), read=args.read)

@@ -116,7 +116,7 @@ class Secret:
 
         Every node of a deployment derives the same key from the shared
         secret file (``cache.secret_file``); nobody without it can write a
-        value the remote tier accepts (:mod:`kvtier.tiers.remote_frame`).
+        value the remote tier accepts (:mod:`kvtier.tiers.remote.frame`).
         """
         return hashlib.blake2b(_REMOTE_MAC_KEY_LABEL, key=self.raw, digest_size=DIGEST_BYTES).digest()
 

@@ -122,7 +122,7 @@ class RemoteStats(TierStats):
     """The remote tier's counters, plus what only a shared, fallible, asynchronous tier has.
 
     Every rejected value is also a miss (``miss_tokens``); the reason
-    counters say why (see :class:`kvtier.tiers.remote_frame.Rejection`).
+    counters say why (see :class:`kvtier.tiers.remote.frame.Rejection`).
     """
 
     probes: int = 0  # header reads at lookup (one per key asked)

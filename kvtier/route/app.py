@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from kvtier.config import Config
 from kvtier.route.answer import Bounds, Shape
 from kvtier.route.backends import Backend, Fleet, health_loop
-from kvtier.route.choice import make_policy
+from kvtier.route.choice import make_chooser
 from kvtier.route.index import RoutedPrefixes
 from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt
 from kvtier.route.proxy import Counts, Outgoing, Proxy, forward, passed_headers, unavailable
@@ -53,7 +53,7 @@ def build_state(config: Config, backends: list[str]) -> RouterState:
     prompts = Prompts(config)
     fleet = Fleet(
         {url: Backend(url) for url in backends},
-        make_policy(config.route, prompts.block_size),
+        make_chooser(config.route, prompts.block_size),
         prompts.block_size,
         guesses=RoutedPrefixes(config.route.approx_blocks),
     )

@@ -36,7 +36,7 @@ from typing import Annotated
 import httpx2 as httpx
 import msgspec
 
-from kvtier.route.choice import Ask, CacheAware, Candidate, Policy, Ranking, prefill_cost
+from kvtier.route.choice import Ask, CacheAware, Candidate, Chooser, Ranking, prefill_cost
 from kvtier.route.index import BlockIndex, RoutedPrefixes
 from kvtier.route.prompt import RoutedPrompt
 from kvtier.tiers.base import TierKind
@@ -97,7 +97,7 @@ class Fleet:
     """Every backend, the index of their blocks, and the policy that ranks them; one per router."""
 
     backends: dict[str, Backend]
-    policy: Policy
+    chooser: Chooser
     block_size: int
     index: BlockIndex = field(default_factory=BlockIndex)
     guesses: RoutedPrefixes = field(default_factory=lambda: RoutedPrefixes(65536))
@@ -125,7 +125,7 @@ class Fleet:
         live = self.up()
         if not live:
             return None
-        ranking = self.policy.rank(Ask(prompt.tokens, prompt.session), [self.candidate(b, prompt) for b in live])
+        ranking = self.chooser.rank(Ask(prompt.tokens, prompt.session), [self.candidate(b, prompt) for b in live])
         self.reasons[ranking.reason] += 1
         return ranking
 
@@ -141,8 +141,8 @@ class Fleet:
         backend.others = 0
         self.index.drop(backend.url)
         self.guesses.drop(backend.url)
-        if isinstance(self.policy, CacheAware):
-            self.policy.forget(backend.url)
+        if isinstance(self.chooser, CacheAware):
+            self.chooser.forget(backend.url)
 
     def bring_in(self, backend: Backend) -> None:
         if not backend.up:

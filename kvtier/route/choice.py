@@ -96,7 +96,13 @@ def prefill_cost(tokens: int, cached: Sequence[TierKind | None], block_size: int
     return tokens - skipped + reload
 
 
-class Policy(ABC):
+class Chooser(ABC):
+    """One ``route.policy``, as code: ranks the live backends for a request.
+
+    Named a chooser, not a policy, so that "policy" in kvtier means one
+    thing: what a tier evicts (:mod:`kvtier.policy`).
+    """
+
     def __init__(self) -> None:
         self._turn = itertools.count()
 
@@ -111,18 +117,18 @@ class Policy(ABC):
         """``candidates`` is never empty."""
 
 
-class RoundRobin(Policy):
+class RoundRobin(Chooser):
     def rank(self, ask: Ask, candidates: Sequence[Candidate]) -> Ranking:
         return Ranking([c.name for c in self._rotated(candidates)], Reason.ROTATION, 0)
 
 
-class LeastLoaded(Policy):
+class LeastLoaded(Chooser):
     def rank(self, ask: Ask, candidates: Sequence[Candidate]) -> Ranking:
         order = sorted(self._rotated(candidates), key=lambda c: c.load)  # stable: rotation breaks ties
         return Ranking([c.name for c in order], Reason.LEAST_LOADED, 0)
 
 
-class CacheAware(Policy):
+class CacheAware(Chooser):
     def __init__(self, block_size: int, load_tokens: int, max_imbalance: int, queue_weight: float = 1.0) -> None:
         super().__init__()
         self.block_size = block_size
@@ -188,7 +194,7 @@ def _reason(first: Candidate, sticky: str | None, candidates: Sequence[Candidate
     return Reason.CHEAPEST
 
 
-def make_policy(config: RouteConfig, block_size: int) -> Policy:
+def make_chooser(config: RouteConfig, block_size: int) -> Chooser:
     if config.policy is RoutePolicy.ROUND_ROBIN:
         return RoundRobin()
     if config.policy is RoutePolicy.LEAST_LOADED:

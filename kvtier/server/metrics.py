@@ -51,7 +51,7 @@ from kvtier.server.schemas import (
 from kvtier.stats import LATENCY_BUCKETS_S, Histogram
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.breaker import BreakerState
-from kvtier.tiers.remote_frame import Rejection
+from kvtier.tiers.remote.frame import Rejection
 
 # Time to first token spans milliseconds (a cached prefix) to tens of seconds (a long cold prompt on a CPU).
 TTFT_BUCKETS_S: tuple[float, ...] = (*(m * 10.0**e for e in range(-3, 2) for m in (1.0, 2.5, 5.0)), 100.0)

@@ -96,7 +96,7 @@ def in_group(uid: int, gid: int, group: int) -> bool:
     return group in os.getgrouplist(user.pw_name, user.pw_gid)
 
 
-class _Session:
+class _Connection:
     """One client connection and the leases it holds."""
 
     def __init__(self, service: CacheService, conn: socket.socket) -> None:
@@ -365,9 +365,9 @@ class CacheService:
             self.agent_sessions = SessionRegistry(config.session, layout.block_size)
             self.manager.protect(self.agent_sessions.protection)
         self._ids = itertools.count(1)
-        self._sessions: set[_Session] = set()
+        self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # a session ended (its leases are reclaimed by then)
+        self._changed = threading.Condition(self._lock)  # a connection ended (its leases are reclaimed by then)
         self._closed = threading.Event()
 
     def _drop_slab(self) -> None:
@@ -435,8 +435,8 @@ class CacheService:
     def expire_reservations(self) -> int:
         """Give back every reservation left uncommitted past ``reservation_ttl_s``; how many."""
         with self._lock:
-            sessions = list(self._sessions)
-        expired = sum(s.expire(self.clock()) for s in sessions)
+            connections = list(self._connections)
+        expired = sum(c.expire(self.clock()) for c in connections)
         if expired:
             log.warning(
                 "withdrew %d reservations left uncommitted for %ss (their slots wait for their clients to leave)",
@@ -456,15 +456,15 @@ class CacheService:
                 conn, _ = self._listener.accept()
             except OSError:
                 break  # closed
-            session = _Session(self, conn)
+            connection = _Connection(self, conn)
             with self._lock:
-                full = len(self._sessions) >= self.max_clients
+                full = len(self._connections) >= self.max_clients
                 if not full:
-                    self._sessions.add(session)
+                    self._connections.add(connection)
             if full:
                 self._turn_away(conn)
             else:
-                threading.Thread(target=session.run, name="kvtier-cache-session", daemon=True).start()
+                threading.Thread(target=connection.run, name="kvtier-cache-connection", daemon=True).start()
 
     def _turn_away(self, conn: socket.socket) -> None:
         """One client too many: told so in one message, on the accepting thread (no thread is made for it)."""
@@ -474,20 +474,20 @@ class CacheService:
             with contextlib.suppress(OSError):
                 p.send(conn, p.Busy(f"the service serves at most {self.max_clients} clients at once"))
 
-    def _forget(self, session: _Session) -> None:
+    def _forget(self, connection: _Connection) -> None:
         with self._changed:
-            self._sessions.discard(session)
+            self._connections.discard(connection)
             self._changed.notify_all()
 
     @property
-    def sessions(self) -> int:
+    def connections(self) -> int:
         with self._lock:
-            return len(self._sessions)
+            return len(self._connections)
 
-    def wait_sessions(self, at_most: int, timeout: float | None = None) -> bool:
+    def wait_connections(self, at_most: int, timeout: float | None = None) -> bool:
         """Wait until at most ``at_most`` clients are connected, every departed one's leases reclaimed."""
         with self._changed:
-            return self._changed.wait_for(lambda: len(self._sessions) <= at_most, timeout)
+            return self._changed.wait_for(lambda: len(self._connections) <= at_most, timeout)
 
     def stop(self) -> None:
         """Stop accepting (safe from a signal handler): :meth:`serve_forever` returns."""
@@ -496,12 +496,12 @@ class CacheService:
             self._listener.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        """Stop accepting, end every session (their leases are reclaimed), flush and close the tiers."""
+        """Stop accepting, end every connection (their leases are reclaimed), flush and close the tiers."""
         self.stop()
         self._listener.close()
         with self._lock:
-            sessions = list(self._sessions)
-        for s in sessions:
+            connections = list(self._connections)
+        for s in connections:
             with contextlib.suppress(OSError):
                 s.conn.shutdown(socket.SHUT_RDWR)
         self.manager.close(self.manager.config.cache.flush_on_exit_s)

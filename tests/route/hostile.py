@@ -30,7 +30,7 @@ import uvicorn
 
 from kvtier.route.app import RouterState, create_app
 from kvtier.route.backends import Backend, Fleet
-from kvtier.route.choice import Ask, Candidate, Policy, Ranking, Reason
+from kvtier.route.choice import Ask, Candidate, Chooser, Ranking, Reason
 from kvtier.route.prompt import Endpoint, RoutedPrompt
 from kvtier.route.proxy import Counts
 from tests.helpers import make_config
@@ -188,7 +188,7 @@ class Unkeyed:
         return root == ROOT and block_size == self.block_size
 
 
-class InOrder(Policy):
+class InOrder(Chooser):
     """The live backends in the order the test listed them."""
 
     def __init__(self, order: Sequence[str]) -> None:

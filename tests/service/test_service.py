@@ -128,7 +128,7 @@ def test_a_client_killed_while_holding_pins_loses_them(service: CacheService) ->
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert service.wait_sessions(0, timeout=60)  # the killed client's connection ended, its pins with it
+    assert service.wait_connections(0, timeout=60)  # the killed client's connection ended, its pins with it
     assert service.manager.stats()["pinned_blocks"] == 0
 
 
@@ -302,7 +302,7 @@ def test_a_reservation_left_uncommitted_is_withdrawn_and_its_late_commit_refused
             assert other.store(tokens, blocks(2, seed=7), "default") == 2
         assert svc.manager.host.free_blocks() == 4
         c.close()
-        assert svc.wait_sessions(0, timeout=60)
+        assert svc.wait_connections(0, timeout=60)
         assert svc.manager.host.free_blocks() == 6  # the withheld slots came back with the connection's end
     finally:
         svc.close()
@@ -352,7 +352,7 @@ def test_a_late_fill_after_its_reservation_expired_never_changes_anothers_commit
         assert c.lookup(tokens_a, "default").cached_blocks == 0
         assert svc.manager.stats()["host"]["withheld_blocks"] == 6  # until A's connection ends
         a.close()
-        assert svc.wait_sessions(2, timeout=60)
+        assert svc.wait_connections(2, timeout=60)
         assert svc.manager.stats()["host"]["withheld_blocks"] == 0
         assert svc.manager.host.free_blocks() == 10
     finally:
@@ -385,7 +385,7 @@ def test_a_client_closed_under_a_running_fill_keeps_its_connection_until_the_fil
     go.set()
     filler.join(60)
     assert stored == [0] and c._sock.fileno() == -1  # the fill is over: now the connection ends, uncommitted
-    assert service.wait_sessions(0, timeout=60)
+    assert service.wait_connections(0, timeout=60)
     assert service.manager.host.free_blocks() == service.manager.host.capacity_blocks
 
 
@@ -400,7 +400,7 @@ def test_a_client_closed_while_a_load_is_copied_keeps_its_pins_until_released(se
     assert [torch.equal(v, as_bytes(b)) for v, b in zip(load.blocks, data, strict=True)] == [True, True]
     load.release()
     assert c._sock.fileno() == -1
-    assert service.wait_sessions(0, timeout=60)
+    assert service.wait_connections(0, timeout=60)
     assert service.manager.stats()["pinned_blocks"] == 0
 
 
@@ -441,9 +441,9 @@ def test_clients_past_max_clients_are_turned_away_and_admitted_once_one_leaves(t
         with pytest.raises(ServiceUnavailable, match="at most 2 clients") as refused:
             client(svc)
         assert not isinstance(refused.value, ServiceRefused)  # busy, not another model: the link tries again
-        assert svc.sessions == 2
+        assert svc.connections == 2
         first.close()
-        assert svc.wait_sessions(1, timeout=60)
+        assert svc.wait_connections(1, timeout=60)
         with client(svc) as third:
             assert third.stats()["host"]["blocks"] == 0
         second.close()
@@ -460,7 +460,7 @@ def test_a_connection_that_never_says_hello_is_ended(service: CacheService, monk
         idle.settimeout(60)
         idle.connect(str(service.socket_path))
         assert idle.recv(1) == b""  # closed by the service, holding no thread
-    assert service.wait_sessions(0, timeout=60)
+    assert service.wait_connections(0, timeout=60)
 
 
 def test_a_load_after_its_lookup_counts_the_hit_once(service: CacheService) -> None:
@@ -497,7 +497,7 @@ def test_malformed_frames_end_that_connection_only(service: CacheService) -> Non
     reply = raw_exchange(service.socket_path, struct.pack("<I", len(stats)) + stats)  # no Hello first
     refused = msgspec.msgpack.decode(reply[4:], type=protocol.Reply)
     assert isinstance(refused, protocol.Refused) and "Hello" in refused.reason
-    assert service.wait_sessions(0, timeout=60)
+    assert service.wait_connections(0, timeout=60)
     with client(service) as c:  # the service is unharmed
         assert c.stats()["host"]["blocks"] == 0
 

@@ -15,7 +15,7 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.breaker import BreakerState
 from kvtier.tiers.remote import MAC_STEP, RemoteTier
-from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Rejection, layout_id
+from kvtier.tiers.remote.frame import HEADER_BYTES, FrameError, Framer, Rejection, layout_id
 from tests.helpers import as_bytes, payload, record, toy_layout
 from tests.remote import remote_section
 
@@ -327,7 +327,7 @@ def test_the_reply_reader_lands_bulk_bodies_where_asked_and_refuses_garbage() ->
 
     from redis.exceptions import ResponseError
 
-    from kvtier.tiers.remote_nodes import LINE_READ, ProtocolError, RespReader
+    from kvtier.tiers.remote.nodes import LINE_READ, ProtocolError, RespReader
 
     ours, theirs = socket.socketpair()
     with ours, theirs:
@@ -347,7 +347,7 @@ def test_the_reply_reader_types_redirects_as_redis_py_does() -> None:
     """MOVED and ASK come back as redis-py's own error types, with the node to follow; a malformed one is garbage."""
     import socket
 
-    from kvtier.tiers.remote_nodes import ProtocolError, Redirect, RespReader, redirect_of
+    from kvtier.tiers.remote.nodes import ProtocolError, Redirect, RespReader, redirect_of
 
     ours, theirs = socket.socketpair()
     with ours, theirs:

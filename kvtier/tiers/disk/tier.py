@@ -2,19 +2,19 @@
 
 Files: ``slab-NNNN.bin`` (fixed-size slots, each a multiple of 4096 bytes at a
 4096-aligned offset, so O_DIRECT can read them), ``index.lmdb/`` (key →
-record) and ``lock`` (:mod:`kvtier.tiers.diskdir`: one opener at a time). The
+record) and ``lock`` (:mod:`kvtier.tiers.disk.directory`: one opener at a time). The
 index is the source of truth; an in-memory mirror of it, loaded at open,
 answers lookups without a transaction.
 
 :class:`DiskTier` is the tier's public face and owns the order of things
 (open, store, read, drop); each job under it is its own module:
 
-* :mod:`kvtier.tiers.diskindex`: the LMDB index, its header and record
+* :mod:`kvtier.tiers.disk.index`: the LMDB index, its header and record
   encoding, and what opening does with an index that is damaged, written for
   another setup, or of an older format.
-* :mod:`kvtier.tiers.diskslabs`: the slab files, where a slot lies, the I/O
+* :mod:`kvtier.tiers.disk.slabs`: the slab files, where a slot lies, the I/O
   mode (O_DIRECT when the filesystem allows it), and the free slots.
-* :mod:`kvtier.tiers.diskio`: a batch of reads or writes as one native call,
+* :mod:`kvtier.tiers.disk.slab_io`: a batch of reads or writes as one native call,
   with bounce buffers for unaligned memory and per-layer checksums.
 
 Opening checks before it trusts: the directory is made private (0700, files
@@ -51,8 +51,8 @@ from kvtier.layout import KVLayout
 from kvtier.stats import DiskStats
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord, TierKind
-from kvtier.tiers.diskdir import DiskDir
-from kvtier.tiers.diskindex import (
+from kvtier.tiers.disk.directory import DiskDir
+from kvtier.tiers.disk.index import (
     FORMAT_VERSION,
     DiskIndex,
     IndexDamage,
@@ -62,8 +62,8 @@ from kvtier.tiers.diskindex import (
     index_header,
     record_bytes,
 )
-from kvtier.tiers.diskio import BOUNCE_BYTES, SlabIO, SlotRead
-from kvtier.tiers.diskslabs import DiskSlabs, IOMode, choose_io_mode, io_mode_for
+from kvtier.tiers.disk.slab_io import BOUNCE_BYTES, SlabIO, SlotRead
+from kvtier.tiers.disk.slabs import DiskSlabs, IOMode, choose_io_mode, io_mode_for
 from kvtier.tiers.host import SLOT_ALIGN, align_up
 
 _DiskErrors = (OSError, lmdb.Error)

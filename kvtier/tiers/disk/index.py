@@ -6,7 +6,7 @@ Committing records is the acknowledgement point of a store (see
 once at open, answers lookups without a transaction.
 
 Opening checks before it trusts: the index is verified by a walker that
-cannot crash the process (:func:`kvtier.tiers.diskdir.index_damage`), and
+cannot crash the process (:func:`kvtier.tiers.disk.directory.index_damage`), and
 every record must decode and name its own slot. A damaged index is
 quarantined (moved aside with its slabs; the tier starts empty) or refused,
 per :class:`~kvtier.config.OnCorrupt`. An index written for another setup is
@@ -39,7 +39,7 @@ from kvtier.layout import KVLayout
 from kvtier.private import FILE_MODE, make_private, private_dir, sync_dir
 from kvtier.stats import DiskStats
 from kvtier.tiers.base import BlockRecord
-from kvtier.tiers.diskdir import DiskDir, index_damage
+from kvtier.tiers.disk.directory import DiskDir, index_damage
 from kvtier.tiers.host import align_up
 
 log = logging.getLogger("kvtier")

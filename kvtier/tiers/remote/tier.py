@@ -4,10 +4,10 @@ One key per block: ``remote.key_prefix`` + the block key in hex. A block key
 is already a keyed hash of the model, layout, namespace and tokens
 (:mod:`kvtier.keys`), so a key name reveals no token, and two namespaces
 never meet under one name. Values are framed and authenticated
-(:mod:`kvtier.tiers.remote_frame`) and treated as hostile until checked.
+(:mod:`kvtier.tiers.remote.frame`) and treated as hostile until checked.
 
 Shape of the calls, each bounded by ``remote.timeout_ms`` and behind a
-per-node circuit breaker (:mod:`kvtier.tiers.remote_nodes`):
+per-node circuit breaker (:mod:`kvtier.tiers.remote.nodes`):
 
 * :meth:`RemoteTier.probe` (at lookup): one pipelined ``GETRANGE`` of the
   header per key and node. An authentic header is remembered as the block's
@@ -16,11 +16,11 @@ per-node circuit breaker (:mod:`kvtier.tiers.remote_nodes`):
 * :meth:`RemoteTier.get_many` (on a fetch): pipelined ``GET`` per node;
   each value's header is checked before its payload lands in its host
   slot, and the payload is authenticated as it lands
-  (:mod:`kvtier.tiers.remote_receiver`). Hits have their TTL refreshed
+  (:mod:`kvtier.tiers.remote.receiver`). Hits have their TTL refreshed
   behind the request.
 * :meth:`RemoteTier.put_many`: never on the caller's time. Payloads are
   copied onto a bounded queue and framed and written (``SET .. PX ttl``) by
-  the tier's writer thread (:mod:`kvtier.tiers.remote_writer`); a full queue
+  the tier's writer thread (:mod:`kvtier.tiers.remote.writer`); a full queue
   drops the block, counted.
 
 A failure of any kind is a miss, counted in :attr:`RemoteTier.stats`; nothing
@@ -41,10 +41,10 @@ from kvtier.keys import BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.stats import RemoteStats
 from kvtier.tiers.base import BlockRecord, TierKind
-from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, layout_id
-from kvtier.tiers.remote_nodes import Nodes, RespReader, is_error
-from kvtier.tiers.remote_receiver import MAC_STEP, Receiver
-from kvtier.tiers.remote_writer import STOP_WAIT_S, Writer
+from kvtier.tiers.remote.frame import HEADER_BYTES, FrameError, Framer, layout_id
+from kvtier.tiers.remote.nodes import Nodes, RespReader, is_error
+from kvtier.tiers.remote.receiver import MAC_STEP, Receiver
+from kvtier.tiers.remote.writer import STOP_WAIT_S, Writer
 
 PROBE_FIRST = 4  # keys in the first probe of a run; each next probe asks for 4x more
 SEEN_MAX = 65_536  # authentic headers remembered from probes (~100 B each)

@@ -2,8 +2,8 @@
 
 A shared store holds other services' and other deployments' values, so a
 value is served only if its header and its payload both authenticate
-(:mod:`kvtier.tiers.remote_frame`). This module checks the bytes as
-:meth:`~kvtier.tiers.remote_nodes.Nodes.get_into` hands them over; which
+(:mod:`kvtier.tiers.remote.frame`). This module checks the bytes as
+:meth:`~kvtier.tiers.remote.nodes.Nodes.get_into` hands them over; which
 values to read, and from which node, the tier decides.
 """
 
@@ -14,8 +14,8 @@ import torch
 from kvtier.keys import BlockKey
 from kvtier.stats import RemoteStats
 from kvtier.tiers.base import BlockRecord
-from kvtier.tiers.remote_frame import HEADER_BYTES, FrameError, Framer, Header, Rejection
-from kvtier.tiers.remote_nodes import RespReader
+from kvtier.tiers.remote.frame import HEADER_BYTES, FrameError, Framer, Header, Rejection
+from kvtier.tiers.remote.nodes import RespReader
 
 MAC_STEP = 1 << 17  # payload bytes landed before they are fed to the MAC: still in the core's cache, few calls a block
 

@@ -26,8 +26,8 @@ from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import DiskStats
 from kvtier.tiers import native
-from kvtier.tiers.diskindex import IndexEntry
-from kvtier.tiers.diskslabs import DiskSlabs, IOMode
+from kvtier.tiers.disk.index import IndexEntry
+from kvtier.tiers.disk.slabs import DiskSlabs, IOMode
 from kvtier.tiers.host import SLOT_ALIGN
 
 # Per calling thread: four 4 MiB slices, one per I/O thread. Adjacent slots of a batch are

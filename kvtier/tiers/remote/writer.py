@@ -3,8 +3,8 @@
 A block to store is copied onto a bounded queue (the host slot it came from
 may be reused at once) and a full queue drops it, counted: a request never
 waits on the remote to store. The writer thread takes what is queued in
-batches, frames each value (:mod:`kvtier.tiers.remote_frame`) and writes it
-(``SET .. PX ttl``), one pipeline per node (:mod:`kvtier.tiers.remote_nodes`).
+batches, frames each value (:mod:`kvtier.tiers.remote.frame`) and writes it
+(``SET .. PX ttl``), one pipeline per node (:mod:`kvtier.tiers.remote.nodes`).
 The TTL refresh of blocks just read (``PEXPIRE``) rides the same queue, so a
 hit costs its request no round trip either.
 """
@@ -25,8 +25,8 @@ from kvtier.config import RemoteConfig
 from kvtier.keys import BlockKey
 from kvtier.stats import RemoteStats
 from kvtier.tiers.base import BlockRecord
-from kvtier.tiers.remote_frame import Framer
-from kvtier.tiers.remote_nodes import Command, Nodes
+from kvtier.tiers.remote.frame import Framer
+from kvtier.tiers.remote.nodes import Command, Nodes
 
 log = logging.getLogger("kvtier")
 

@@ -20,8 +20,8 @@ import lmdb
 
 from kvtier.errors import KVTierError
 from kvtier.tiers import native
-from kvtier.tiers.diskdir import DiskDir, index_damage
-from kvtier.tiers.diskindex import FORMAT_VERSION, IndexDamage, IndexEntry, decode_record
+from kvtier.tiers.disk.directory import DiskDir, index_damage
+from kvtier.tiers.disk.index import FORMAT_VERSION, IndexDamage, IndexEntry, decode_record
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from kvtier.private import FILE_MODE, make_private, sync_dir
 from kvtier.stats import DiskStats
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord
-from kvtier.tiers.diskdir import DiskDir
-from kvtier.tiers.diskindex import IndexEntry
+from kvtier.tiers.disk.directory import DiskDir
+from kvtier.tiers.disk.index import IndexEntry
 from kvtier.tiers.host import align_up
 
 
