@@ -47,6 +47,15 @@ class Promotion:
     promoted: dict[TierKind, int]
     host_blocks: int
 
+    @classmethod
+    def of(cls, load: Loaded, block_size: int) -> Promotion:
+        """A load that pinned a prefix in host: every block it served from below host was promoted on the way."""
+        moved: dict[TierKind, int] = {}
+        for kind in load.served_from:
+            if kind is not TierKind.HOST:
+                moved[kind] = moved.get(kind, 0) + block_size
+        return cls(moved, len(load.blocks))
+
 
 class Loaded(Protocol):
     """Cached blocks pinned in host memory for the engine to copy, until :meth:`release`.

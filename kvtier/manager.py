@@ -177,11 +177,7 @@ class CacheManager:
         live before this call.
         """
         with self.load(self.lookup(prompt)) as handle:
-            moved: dict[TierKind, int] = {}
-            for kind in handle.served_from:
-                if kind is not TierKind.HOST:
-                    moved[kind] = moved.get(kind, 0) + self.layout.block_size
-            return Promotion(moved, len(handle.blocks))
+            return Promotion.of(handle, self.layout.block_size)
 
     # -- ③ fetch and load ----------------------------------------------------------
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> LoadHandle:

@@ -11,6 +11,8 @@ fails with the file and line.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,27 @@ def test_the_c_extensions_are_loaded_in_one_place() -> None:
     assert 'importlib.import_module("kvtier._native' not in "".join(
         p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "extension.py"
     )
+
+
+FIRST_IMPORT = """
+import importlib, pkgutil, sys
+import kvtier
+names = sorted(m.name for m in pkgutil.walk_packages(kvtier.__path__, "kvtier.") if ".\\x5fnative" not in m.name)
+for name in names:
+    for k in [k for k in sys.modules if k.startswith("kvtier") and not k.startswith("kvtier._native")]:
+        del sys.modules[k]
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name and not err.name.startswith("kvtier"):
+            continue  # an engine's own package (vllm, sglang, llama_cpp, zmq): its connector runs only there
+        print(f"{name}: {err}")
+    except Exception as err:
+        print(f"{name}: {type(err).__name__}: {err}")
+"""
+
+
+def test_every_module_imports_when_it_is_the_first_one_imported() -> None:
+    """A cycle between modules shows only in the order that enters it first (the engines' conftest found one)."""
+    done = subprocess.run([sys.executable, "-c", FIRST_IMPORT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr[-2000:]

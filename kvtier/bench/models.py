@@ -31,14 +31,12 @@ from __future__ import annotations
 import contextlib
 import statistics
 import tempfile
-from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 
 from kvtier.bench import llamacpp_oracle, results, shapes, ttft
 from kvtier.config import Config, DecodeWeights
@@ -49,6 +47,7 @@ from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cac
 from kvtier.engine.sampling import SamplingParams
 from kvtier.hardware import compute_dtype, cpu_isa
 from kvtier.model import ModelNotFoundError, default_gguf_path, read_gguf_metadata
+from kvtier.model.gguf import weight_types
 from kvtier.model.locate import gemma3_270m_path
 from kvtier.tiers.base import TierKind
 
@@ -139,12 +138,6 @@ def decode_rate(loaded: LoadedModel, config: Config, spec: ModelsSpec) -> float:
         (done,) = engine.generate([prompt], params)
         rates.append(DECODE_STEPS / (done.total_s - done.ttft_s))
     return round(statistics.median(rates), 1)
-
-
-def weight_types(path: Path) -> dict[str, int]:
-    """How many weight matrices of each GGML type the file holds (norms and other vectors left out)."""
-    reader = GGUFReader(path, "r")
-    return dict(Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1).most_common())
 
 
 def reuse(loaded: LoadedModel, config: Config, spec: ModelsSpec) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import math
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,16 +133,23 @@ def random_model(shape: Shape, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(**shape.hf_config())
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return redraw(model, lambda name, p: 1.0 if name.endswith("embed_tokens.weight") else 2.0 / math.sqrt(p.shape[1]))
+
+
+def redraw(model: Any, matrix_std: Callable[[str, torch.Tensor], float]) -> Any:
+    """``model``'s weights drawn again from the seeded generator: norms 1 ± 0.1, biases 0.5, matrices ``matrix_std``.
+
+    The scales transformers initialises with give logits too close to call;
+    these make a greedy choice clear (the tests' tiny models use them too).
+    """
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0.0, 1.0)
             else:
-                p.normal_(0.0, 2.0 / math.sqrt(p.shape[1]))
+                p.copy_(matrix_std(name, p) * torch.randn_like(p))
     return model
 
 

@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,12 @@ def _blocks(reader: GGUFReader, config: ModelConfig) -> dict[str, QuantBlocks]:
 def read_gguf_metadata(path: str | os.PathLike[str]) -> GGUFMetadata:
     """Only the header (tokenizer, chat template, shape), for callers that need no weights."""
     return _read_metadata(GGUFReader(Path(path), "r"))
+
+
+def weight_types(path: str | os.PathLike[str]) -> dict[str, int]:
+    """How many weight matrices of each GGML type the file holds (norms and other vectors left out), most first."""
+    reader = GGUFReader(Path(path), "r")
+    return dict(Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1).most_common())
 
 
 def _read_metadata(reader: GGUFReader) -> GGUFMetadata:

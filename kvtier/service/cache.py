@@ -257,11 +257,7 @@ class ServiceCache:
             return Promotion({}, 0)
         if session_id is None:
             with self.load(self.lookup(prompt)) as handle:
-                moved: dict[TierKind, int] = {}
-                for kind in handle.served_from:
-                    if kind is not TierKind.HOST:
-                        moved[kind] = moved.get(kind, 0) + self.layout.block_size
-                return Promotion(moved, len(handle.blocks))
+                return Promotion.of(handle, self.layout.block_size)
         reply = c.session_prefetch(prompt.namespace, session_id, prompt.tokens)
         return Promotion({to_wire(TierKind, k): n for k, n in reply.promoted.items()}, reply.host_blocks)
 

@@ -29,9 +29,10 @@ import torch
 
 from kvtier.bench import llamacpp_oracle
 from kvtier.bench.engines import RUNNERS
-from kvtier.bench.models import teacher_forced_argmax, weight_types
+from kvtier.bench.models import teacher_forced_argmax
 from kvtier.engine import BlockTable, LlamaModel, SeqInput
 from kvtier.model import default_gguf_path, load_gguf_with_blocks
+from kvtier.model.gguf import weight_types
 from tests.engines.corpus import write_dense_gguf
 
 pytestmark = pytest.mark.engines

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import transformers
 
+from kvtier.bench.shapes import redraw
 from kvtier.model.config import Architecture
 from kvtier.model.hf_gguf import head_dim_of, write_gguf
 
@@ -51,12 +52,4 @@ def random_model(arch: Architecture, seed: int = 0) -> transformers.PreTrainedMo
             layer_types=["sliding_attention", "full_attention"],
         )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-    return model
+    return redraw(model, lambda name, p: 0.08)

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from kvtier.bench import results, shapes, ttft
-from kvtier.bench.models import weight_types
 from kvtier.bench.peer import limits, machine, measure, report
 from kvtier.bench.peer.runners import Peer, PeerRun, Status, ensure_hf_dir, run_peer
 from kvtier.bench.peer.workload import PeerSpec, Workload, build
 from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel, load_model
 from kvtier.model import default_gguf_path, read_gguf_metadata
+from kvtier.model.gguf import weight_types
 
 __all__ = ["Peer", "PeerSpec", "hf_dir_for", "resolve_model", "run", "save", "table"]
 
