@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-import torch
-
 from kvtier.tiers.base import TierKind
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
     from kvtier.breakeven import BreakEvenModel
     from kvtier.config import Config
     from kvtier.events import BlockEventSink

@@ -44,8 +44,10 @@ def resolve_model(name: str | None, *, llama_python: Path) -> Path | None:
     A shape is built with llama.cpp's quantizer (:mod:`kvtier.bench.shapes`),
     so it needs llama-cpp-python's venv the first time.
     """
-    if name is None or name not in shapes.SHAPES:
-        return None if name is None else Path(name)
+    if name is None:
+        return None
+    if name not in shapes.SHAPES:
+        return Path(name)
     return shapes.random_gguf(
         shapes.SHAPES[name], tokenizer=read_gguf_metadata(default_gguf_path()), llama_python=llama_python
     )
@@ -91,8 +93,10 @@ def run(
     workload = build(loaded, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "peer-workload.json"
-    types = weight_types(loaded.path)
-    path.write_text(json.dumps(workload.to_json(gguf=loaded.path, hf_dir=hf_dir.resolve(), weight_types=types)))
+    model = model_entry(loaded)
+    path.write_text(
+        json.dumps(workload.to_json(gguf=loaded.path, hf_dir=hf_dir.resolve(), weight_types=model["weights"]))
+    )
     contention: dict[str, dict[str, Any]] = {}
     quiet = machine.wait_for_quiet(quiet_wait_s) if quiet_wait_s else None
     print("bench peer: measuring kvtier ...", flush=True)
@@ -114,7 +118,7 @@ def run(
         peers[peer] = run_peer(peer, python, path, out_dir, env=env, timeout_s=timeout_s)
         contention[peer.value] = {**meter.stop(), "others_before": quiet}
     result = assemble(date, spec, workload, kv, peers, contention, bounds)
-    result["setup"]["model"] = model_entry(loaded)
+    result["setup"]["model"] = model
     return result
 
 

@@ -38,7 +38,7 @@ BOUNCE_BYTES = 16 * 1024**2
 
 @dataclass(frozen=True)
 class SlotRead:
-    """One block (or one layer of it) to read into ``buf``: bytes at ``offset`` checked against ``checksums``."""
+    """One block to read into ``buf``: bytes at ``offset`` checked against ``checksums``, one per layer."""
 
     index: int  # in the caller's batch
     key: BlockKey
@@ -75,12 +75,8 @@ class SlabIO:
         keys: Sequence[BlockKey],
         entries: list[IndexEntry | None],
         outs: Sequence[torch.Tensor],
-        *,
-        nbytes: int,
-        first: int,
-        first_layer: int,
     ) -> tuple[list[bool], list[SlotRead]]:
-        """Read ``nbytes`` at byte ``first`` (layer ``first_layer``) of each entry's slot into its out, in one call.
+        """Read each entry's whole block into its out, in one call, every layer checked against its CRC-32C.
 
         A key without an entry (not indexed) is a miss, and so is every block
         when the call fails (read_errors: the records are kept). Also returns
@@ -90,7 +86,7 @@ class SlabIO:
         results = [False] * len(keys)
         if all(e is None for e in entries):
             return results, []
-        layers = nbytes // self._layout.layer_bytes
+        nbytes = self._layout.block_bytes
         reads: list[SlotRead] = []
         for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
             if entry is None:
@@ -100,8 +96,7 @@ class SlabIO:
                 self._stats.add(errors=1)  # an out of the wrong size: never read past the slot
                 continue
             fd, offset = self._slabs.where(entry.slot)
-            sums = entry.checksums[first_layer : first_layer + layers]
-            reads.append(SlotRead(i, key, entry, buf, fd, offset + first, sums))
+            reads.append(SlotRead(i, key, entry, buf, fd, offset, entry.checksums))
         try:
             counts, sums = self._io.preadv_crc32c_batch(
                 [r.fd for r in reads],

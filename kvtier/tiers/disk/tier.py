@@ -196,7 +196,7 @@ class DiskTier:
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """All present blocks in one batched native read, whose threads also take each layer's CRC-32C."""
         entries = [self._index.mirror.get(k) for k in keys]
-        results, bad = self._slab_io.read(keys, entries, outs, nbytes=self.layout.block_bytes, first=0, first_layer=0)
+        results, bad = self._slab_io.read(keys, entries, outs)
         for r in bad:
             self._drop_unreadable(r)
         return results
