@@ -18,6 +18,9 @@
  * Units are claimed from a shared counter, so a worker that wakes late just claims
  * fewer of them.
  *
+ * A sliding-window layer passes its window: a sequence's units then start at the block
+ * holding its window's first position, and that block is read from that row on.
+ *
  * A unit runs one of three builds, chosen once with __builtin_cpu_supports: AVX-512
  * intrinsics (attn512_body, decode_attention_avx512.c); AVX2+FMA intrinsics
  * (attn256_body, decode_attention_avx2.c: the same plan at 8 lanes); or one portable C
@@ -81,6 +84,7 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
                                                                  const int lanes) {
     const int G = j->group, D = j->dim, B = j->block;
     const int len = j->lengths[u->seq];
+    const int first = attn_first(j, u->seq);
     const int32_t *ids = j->tables + j->starts[u->seq];
     /* Local, not in part: the compiler then knows no store to them changes K or V. */
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP], acc[ATTN_MAX_GROUP * ATTN_MAX_DIM];
@@ -99,8 +103,9 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
     memset(acc, 0, sizeof(float) * (size_t)G * D);
 
     for (int b = u->b0; b < u->b1; b++) {
-        const int n = len - b * B < B ? len - b * B : B;
-        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head;
+        int p0, n;
+        attn_rows(b, B, first, len, &p0, &n);
+        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)p0 * j->s_pos;
         const ptrdiff_t v_off = k_off + j->s_kv;
         if (b + 1 < u->b1) { /* the next block is anywhere in the pool: start fetching it */
             const char *nk = j->kv + ((ptrdiff_t)ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head) * (bf16 ? 2 : 4);
@@ -242,6 +247,7 @@ static const char *attn_check(const attn_job_t *j, Py_ssize_t num_blocks, int th
     if (j->block <= 0 || j->block > ATTN_MAX_BLOCK) return "block_size must be 1..256";
     if (j->s_pos != j->dim) return "a block's rows must be contiguous (position stride == head_dim)";
     if (threads <= 0 || threads > ATTN_MAX_THREADS) return "threads must be 1..16";
+    if (j->window < 0) return "window must be >= 0 (0: none)";
     if (j->num_seqs > 0 && j->starts[0] != 0) return "starts[0] must be 0";
     for (int s = 0; s < j->num_seqs; s++) {
         const int32_t len = j->lengths[s], have = j->starts[s + 1] - j->starts[s];
@@ -257,7 +263,7 @@ static const char *attn_check(const attn_job_t *j, Py_ssize_t num_blocks, int th
 static size_t attn_plan_units(attn_job_t *j) {
     size_t n = 0;
     for (int s = 0; s < j->num_seqs; s++) {
-        const int nb = (j->lengths[s] + j->block - 1) / j->block;
+        const int fb = attn_first(j, s) / j->block, nb = (j->lengths[s] + j->block - 1) / j->block - fb;
         int64_t per = (nb + ATTN_TARGET_RUNS - 1) / ATTN_TARGET_RUNS;
         per = per < ATTN_MIN_UNIT_BLOCKS ? ATTN_MIN_UNIT_BLOCKS : per;
         const int cuts = nb == 0 ? 1 : (int)((nb + per - 1) / per);
@@ -267,8 +273,8 @@ static size_t attn_plan_units(attn_job_t *j) {
                     attn_unit_t *u = &j->units[n];
                     u->seq = s;
                     u->head = h;
-                    u->b0 = (int)((int64_t)nb * c / cuts);
-                    u->b1 = (int)((int64_t)nb * (c + 1) / cuts);
+                    u->b0 = fb + (int)((int64_t)nb * c / cuts);
+                    u->b1 = fb + (int)((int64_t)nb * (c + 1) / cuts);
                 }
                 n++;
             }
@@ -279,14 +285,14 @@ static size_t attn_plan_units(attn_job_t *j) {
 static PyObject *attn_entry(PyObject *args, PyObject *kw, const char *impl) {
     static char *kwlist[] = {"kv",     "strides", "num_blocks", "bf16",      "q",          "out",   "tables",
                              "starts", "lengths", "num_seqs",   "kv_heads",  "group",      "head_dim",
-                             "block_size", "scale", "threads", NULL};
+                             "block_size", "scale", "threads", "window", NULL};
     unsigned long long kv, q, out, tables, starts, lengths;
     Py_ssize_t sb, skv, sh, sp, num_blocks;
     int bf16, threads;
     attn_job_t j = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKKKiiiiifi:paged_decode_attention", kwlist, &kv, &sb, &skv,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKKKiiiiifi|$i:paged_decode_attention", kwlist, &kv, &sb, &skv,
                                      &sh, &sp, &num_blocks, &bf16, &q, &out, &tables, &starts, &lengths, &j.num_seqs,
-                                     &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads))
+                                     &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &j.window))
         return NULL;
     pthread_once(&attn_once, attn_pick);
     attn_unit_fn fn = attn_impls[0].fn;

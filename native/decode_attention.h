@@ -31,12 +31,29 @@ typedef struct {
     char *out;     /* the same shape and dtype */
     const int32_t *tables, *starts, *lengths;
     int num_seqs, kv_heads, group, dim, block;
+    int window; /* a sliding-window layer's: a token sees its last `window` positions; 0: all */
     float scale;
     attn_unit_t *units;
     float *parts; /* per unit: m[group], l[group], acc[group * dim] */
     size_t n_units, part_floats;
     size_t next; /* the next unclaimed unit (atomic) */
 } attn_job_t;
+
+/* The first position sequence `seq` attends to: its window's start, 0 without one. Units
+ * start at its block, and a unit's first block is read from that row on (attn_rows), so
+ * nothing before the window is read: with windowed loads it may never have been loaded. */
+static inline int attn_first(const attn_job_t *j, int seq) {
+    const int len = j->lengths[seq];
+    return j->window > 0 && len > j->window ? len - j->window : 0;
+}
+
+/* Block b of a sequence whose positions run [first, len): the row it starts at and how many
+ * rows it holds. */
+static inline void attn_rows(int b, int block, int first, int len, int *p0, int *n) {
+    const int start = b * block;
+    *p0 = first > start ? first - start : 0;
+    *n = (len - start < block ? len - start : block) - *p0;
+}
 
 #ifdef KVT_X86
 /* The hand-written builds of one unit: the group's query heads against blocks [b0, b1)

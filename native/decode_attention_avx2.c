@@ -106,6 +106,7 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
     const int G = j->group, D = j->dim, B = j->block;
     const int nv = nv_const ? nv_const : D / 8;
     const int len = j->lengths[u->seq];
+    const int first = attn_first(j, u->seq);
     const int32_t *ids = j->tables + j->starts[u->seq];
     const ptrdiff_t esize = bf16 ? 2 : 4;
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
@@ -127,8 +128,9 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
 
     for (int b = u->b0; b < u->b1; b++) {
-        const int n = len - b * B < B ? len - b * B : B;
-        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head;
+        int p0, n;
+        attn_rows(b, B, first, len, &p0, &n);
+        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)p0 * j->s_pos;
         const ptrdiff_t v_off = k_off + j->s_kv;
         /* The next block's two tiles, whole, into L2: why, in the AVX-512 build. */
         if (b + 1 < u->b1) {

@@ -165,6 +165,7 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
     const int G = j->group, D = j->dim, B = j->block;
     const int nv = nv_const ? nv_const : D / 16;
     const int len = j->lengths[u->seq];
+    const int first = attn_first(j, u->seq);
     const int32_t *ids = j->tables + j->starts[u->seq];
     const ptrdiff_t esize = bf16 ? 2 : 4;
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
@@ -185,8 +186,9 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
     memset(acc, 0, sizeof(float) * (size_t)G * D);
 
     for (int b = u->b0; b < u->b1; b++) {
-        const int n = len - b * B < B ? len - b * B : B;
-        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head;
+        int p0, n;
+        attn_rows(b, B, first, len, &p0, &n);
+        const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)p0 * j->s_pos;
         const ptrdiff_t v_off = k_off + j->s_kv;
         /* The next block is anywhere in the pool: fetch its two tiles whole now, into L2 (as the
          * prefill kernel does): 64 lines at once into L1 queue behind its few miss buffers,

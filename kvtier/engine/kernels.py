@@ -106,7 +106,13 @@ def native_fits(layer_kv: torch.Tensor, num_heads: int) -> bool:
 
 
 def paged_attention(
-    layer_kv: torch.Tensor, blocks: PagedBlocks, q: torch.Tensor, *, threads: int | None = None, impl: str | None = None
+    layer_kv: torch.Tensor,
+    blocks: PagedBlocks,
+    q: torch.Tensor,
+    *,
+    threads: int | None = None,
+    impl: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [S, heads, dim]`` over one pool layer, by the C kernel; ``[S, heads, dim]``.
 
@@ -115,7 +121,7 @@ def paged_attention(
     each sequence's block count against its length. See :class:`NativeDecode`
     for ``threads`` and ``impl``.
     """
-    return NativeDecode([layer_kv], blocks, q.shape[1], threads=threads, impl=impl).attend(0, q)
+    return NativeDecode([layer_kv], blocks, q.shape[1], threads=threads, impl=impl, window=window).attend(0, q)
 
 
 def gathered_attention(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -159,7 +165,9 @@ class NativeDecode:
     ``threads`` defaults to torch's intra-op thread count: torch's own
     threads sit idle during the call, and the result is the same bits
     whatever the count. ``impl`` picks one of :data:`IMPLS`
-    rather than the best (for tests).
+    rather than the best (for tests). ``window``: a sliding-window layer's,
+    each token seeing its last ``window`` positions; the kernel reads
+    nothing before them, which a windowed load may have left unloaded.
     """
 
     native: ClassVar[bool] = True
@@ -172,10 +180,12 @@ class NativeDecode:
         *,
         threads: int | None = None,
         impl: str | None = None,
+        window: int | None = None,
     ) -> None:
         first = layers[0]  # all views of one pool tensor: the same shape, strides and dtype
         if not native_fits(first, num_heads):
             raise ValueError(f"the C kernel does not take a {first.dtype} pool {tuple(first.shape)} on {first.device}")
+        self._window = window or 0
         _, _, kv_heads, block, dim = first.shape
         self.layers, self.blocks = layers, blocks  # kept alive while C reads them by address
         self._q = (first.dtype, first.device, torch.Size((blocks.num_seqs, num_heads, dim)))
@@ -199,9 +209,9 @@ class NativeDecode:
         out = torch.empty_like(q)
         args = (self._addrs[layer], *self._pool, q.data_ptr(), out.data_ptr(), *self._rest)
         if self._impl is None:
-            _native.paged_decode_attention(*args)
+            _native.paged_decode_attention(*args, window=self._window)
         else:
-            _native._paged_decode_attention_using(self._impl, *args)
+            _native._paged_decode_attention_using(self._impl, *args, window=self._window)
         return out
 
 
@@ -304,10 +314,11 @@ def plan_decode(
     """The decode attention for these sequences (each attending to its first ``lengths[i]`` positions).
 
     ``window``: a sliding-window layer's, each token seeing only its last
-    ``window`` positions (torch's path, the rest masked).
+    ``window`` positions (the C kernel starts each sequence at its window;
+    torch's path masks the rest).
     """
-    if window is None and native_fits(pool.layers[0], num_heads):
-        return NativeDecode(pool.layers, PagedBlocks.of(tables, lengths, pool.block_size), num_heads)
+    if native_fits(pool.layers[0], num_heads):
+        return NativeDecode(pool.layers, PagedBlocks.of(tables, lengths, pool.block_size), num_heads, window=window)
     gather = pool.plan_gather(tables, lengths)
     width = gather.num_blocks * pool.block_size
     n = torch.tensor(list(lengths))

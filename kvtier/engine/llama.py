@@ -163,8 +163,9 @@ class LlamaModel:
     Gemma 3's further ones are as local: its embeddings scaled, a norm on
     each block's output, GeGLU for SwiGLU, and sliding-window layers with
     their own RoPE base. A sliding-window layer attends as any other until a
-    sequence outgrows its window; past that it takes torch's paths with the
-    window in the mask (the C kernels see every cached position).
+    sequence outgrows its window; past that its attention starts at the
+    window: the C kernels take the window and read nothing before it, and
+    torch's paths, where those do not fit, mask it.
     """
 
     def __init__(

@@ -173,6 +173,80 @@ def test_bad_block_tables_are_refused_before_reading_the_pool() -> None:
         paged_attention(pool.layers[0], too_few, queries(2, 9, 64, torch.float32))
 
 
+WINDOW = 37  # off every block edge, shorter than most LENGTHS
+
+
+def windowed_reference(
+    pool: KVPool, layer: int, tables: list[BlockTable], lengths: list[int], q: torch.Tensor, window: int
+) -> torch.Tensor:
+    """Dense float64 attention of each new token over its last ``window`` positions."""
+    out = []
+    for table, n, qs in zip(tables, lengths, q, strict=True):
+        kv = pool.layers[layer][torch.tensor(table.block_ids)].double()
+        k, v = (kv[:, i].transpose(0, 1).flatten(1, 2)[:, max(0, n - window) : n] for i in (0, 1))
+        heads, dim = qs.shape
+        qq = qs.double().view(k.shape[0], heads // k.shape[0], dim)
+        probs = torch.softmax(qq @ k.transpose(-1, -2) * dim**-0.5, dim=-1)
+        out.append((probs @ v).reshape(heads, dim))
+    return torch.stack(out)
+
+
+def poison_before_windows(pool: KVPool, layer: int, tables: list[BlockTable], lengths: list[int], window: int) -> None:
+    """NaN in every position a window leaves out: what a windowed load leaves unloaded, there to be never read."""
+    for table, n in zip(tables, lengths, strict=True):
+        for pos in range(max(0, n - window)):
+            block, row = table.block_ids[pos // pool.block_size], pos % pool.block_size
+            pool.layers[layer][block, :, :, row] = float("nan")
+
+
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_windowed_decode_matches_the_float64_reference_and_reads_nothing_before_the_window(
+    impl: str, dtype: torch.dtype
+) -> None:
+    pool = random_pool(dtype)
+    tables = shuffled_tables(pool, LENGTHS)
+    poison_before_windows(pool, 0, tables, LENGTHS, WINDOW)
+    q = queries(len(LENGTHS), 9, 64, dtype)
+    got = paged_attention(pool.layers[0], PagedBlocks.of(tables, LENGTHS, 16), q, impl=impl, window=WINDOW)
+    assert not got.isnan().any()
+    assert (got.double() - windowed_reference(pool, 0, tables, LENGTHS, q, WINDOW)).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_windowed_decode_takes_the_kernel_and_agrees_with_the_torch_path(dtype: torch.dtype) -> None:
+    pool = random_pool(dtype)
+    tables = shuffled_tables(pool, LENGTHS)
+    q = queries(len(LENGTHS), 9, 64, dtype)
+    native = plan_decode(pool, tables, LENGTHS, num_heads=9, window=WINDOW)
+    assert isinstance(native, NativeDecode)
+    width = -(-max(LENGTHS) // pool.block_size) * pool.block_size
+    n = torch.tensor(LENGTHS)[:, None]
+    positions = torch.arange(width)[None, :]
+    mask = ((positions < n) & (positions >= n - WINDOW)).view(len(LENGTHS), 1, 1, width)
+    torch_path = TorchDecode(pool, pool.plan_gather(tables, LENGTHS), mask)
+    diff = native.attend(1, q).float() - torch_path.attend(1, q).float()
+    assert diff.abs().max().item() < TOL[dtype]
+
+
+def test_a_window_not_yet_reached_changes_no_bit_and_a_sequence_is_alone_in_its_batch() -> None:
+    """Up to its window a sliding layer is a global one; past it, a sequence's result is the same bits
+    alone or beside others (prompt lookup's verify rows), since its cut depends on its own length."""
+    pool = random_pool(torch.bfloat16)
+    tables = shuffled_tables(pool, LENGTHS)
+    q = queries(len(LENGTHS), 9, 64, torch.bfloat16)
+    blocks = PagedBlocks.of(tables, LENGTHS, 16)
+    plain = paged_attention(pool.layers[0], blocks, q)
+    windowed = paged_attention(pool.layers[0], blocks, q, window=WINDOW)
+    short = [i for i, n in enumerate(LENGTHS) if n <= WINDOW]
+    assert short and torch.equal(windowed[short], plain[short])
+    for i, (table, n) in enumerate(zip(tables, LENGTHS, strict=True)):
+        alone = paged_attention(pool.layers[0], PagedBlocks.of([table], [n], 16), q[i : i + 1], window=WINDOW)
+        assert torch.equal(alone[0], windowed[i])
+    with pytest.raises(ValueError, match="window"):
+        paged_attention(pool.layers[0], blocks, q, window=-1)
+
+
 def test_pools_the_kernel_does_not_take_get_the_torch_path() -> None:
     half = random_pool(torch.float16)
     assert isinstance(plan_decode(half, shuffled_tables(half, [20]), [20], num_heads=9), TorchDecode)
