@@ -180,13 +180,13 @@ class ServiceCache:
         )
         bs, ns = self.layout.block_size, prompt.namespace
         tiers, miss = _lookup_of(r)
-        return ServiceLookup(ns, bs, len(prompt), (), tiers, miss, first_block, prompt=prompt)
+        return ServiceLookup(ns, bs, len(prompt), tuple(prompt.keys), tiers, miss, first_block, prompt=prompt)
 
     def probe(self, prompt: KeyedTokens) -> LookupResult:
         c = self._client()
         r = p.LookupReply(0, [], p.Miss.ABSENT) if c is None else c.probe(prompt.tokens, prompt.namespace)
         bs, ns = self.layout.block_size, prompt.namespace
-        return LookupResult(ns, bs, len(prompt), (), *_lookup_of(r))
+        return LookupResult(ns, bs, len(prompt), tuple(prompt.keys), *_lookup_of(r))
 
     def load(self, result: LookupResult, *, start: int | None = None, max_blocks: int | None = None) -> ClientLoad:
         assert isinstance(result, ServiceLookup) and result.prompt is not None
@@ -270,7 +270,7 @@ class ServiceCache:
         r = None if c is None else c.explain(prompt.tokens, ns, own_namespaces=own_namespaces, diverged_at=diverged_at)
         if r is None:
             return None
-        result = LookupResult(ns, self.layout.block_size, len(prompt), (), *_lookup_of(r))
+        result = LookupResult(ns, self.layout.block_size, len(prompt), tuple(prompt.keys), *_lookup_of(r))
         evicted = None
         if r.eviction_tier is not None and r.eviction_policy is not None:
             tier, policy = to_wire(TierKind, r.eviction_tier), to_wire(PolicyName, r.eviction_policy)

@@ -75,7 +75,9 @@ def store_and_look(cache: ServiceCache, seed: int) -> tuple[int, int]:
     """(blocks newly stored, blocks a lookup then finds) for a 4-block prompt."""
     keyed = cache.keyed(prompt(4 * BLOCK + 1, seed=seed))
     stored = cache.store(keyed, [payload(toy_layout(), seed * 10 + i) for i in range(4)])
-    return stored, cache.lookup(keyed).cached_blocks
+    found = cache.lookup(keyed)
+    assert found.keys == tuple(keyed.keys)  # the request's keys, as an embedded cache's lookup carries them
+    return stored, found.cached_blocks
 
 
 def test_a_service_killed_and_restarted_is_used_from_the_first_call_after(tmp_path: Path) -> None:
