@@ -7,9 +7,6 @@ resident), so any difference the cache or batching made would show.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,10 +15,9 @@ from typing import Any
 
 import openai
 import requests
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.bench import procs
+from kvtier.bench import fleet
 from kvtier.config import Config, load_config
 from kvtier.engine.engine import Completion
 from kvtier.engine.runtime import LoadedModel, make_engine
@@ -40,16 +36,9 @@ SIZES: dict[str, Any] = {
 
 
 @dataclass
-class LiveServer:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def get(self, path: str, **kw: Any) -> requests.Response:
-        return requests.get(self.url + path, timeout=120, **kw)
-
-    def post(self, path: str, **kw: Any) -> requests.Response:
-        return requests.post(self.url + path, timeout=120, **kw)
+class LiveServer(fleet.Proc):
+    """A ``kvtier serve`` process (:class:`kvtier.bench.fleet.Proc`, the one handle the benches use too),
+    with the admin token of :func:`config_tree`."""
 
     def admin_post(self, path: str, body: dict[str, Any] | None = None) -> requests.Response:
         return self.post(path, json=body, headers=ADMIN_AUTH)
@@ -67,26 +56,8 @@ class LiveServer:
         return response.json()
 
 
-def write_config(tmp: Path, server: dict[str, Any], sections: dict[str, Any] | None = None) -> Path:
-    tree = {"data_dir": str(tmp / "data"), **SIZES, "server": {"admin_token": ADMIN, **server}, **(sections or {})}
-    tmp.mkdir(parents=True, exist_ok=True)
-    path = tmp / "kvtier.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
-
-
-def _wait_healthy(server: LiveServer, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"kvtier serve exited with {server.process.returncode}:\n{server.log.read_text()}")
-        try:
-            if server.get("/health").status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"kvtier serve was not healthy after {timeout_s}s:\n{server.log.read_text()}")
+def config_tree(tmp: Path, server: dict[str, Any], sections: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"data_dir": str(tmp / "data"), **SIZES, "server": {"admin_token": ADMIN, **server}, **(sections or {})}
 
 
 @contextmanager
@@ -97,23 +68,13 @@ def running(
 
     ``verbose``: ``kvtier -v``, INFO logs (what a test that reads the log wants to see all of).
     """
-    config = write_config(tmp, server, sections)
-    port = procs.free_port()
-    log = tmp / "server.log"
-    flags = ["-v"] if verbose else []
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", *flags, "--config", str(config), "serve", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-    live = LiveServer(f"http://127.0.0.1:{port}", process, log)
+    proc = fleet.start(tmp, config_tree(tmp, server, sections), [*(["-v"] if verbose else []), "serve"])
+    live = LiveServer(proc.url, proc.process, proc.log)
     try:
-        _wait_healthy(live, timeout_s=120)
+        fleet.wait_until(live, fleet.healthy, timeout_s=120)
         yield live
     finally:
-        procs.stop(process)
+        live.stop()
 
 
 # -- the reference -------------------------------------------------------------------------------------
