@@ -81,7 +81,7 @@ def test_a_prompt_prefilled_in_chunks_decodes_the_same_tokens(
 def test_a_short_request_is_not_held_behind_a_long_prefill(
     loaded_model: LoadedModel, tmp_path: Path, reference: Engine
 ) -> None:
-    long_ids, short_ids = words(loaded_model, 400, seed=2), words(loaded_model, 3, seed=3)
+    long_ids, short_ids = words(loaded_model, 200, seed=2), words(loaded_model, 3, seed=3)
     engine = make_engine(loaded_model, config(tmp_path, max_step_tokens=64), cache=None, keep_resident=False)
     long_id = engine.add_request(engine.keyed(long_ids), GREEDY)
     engine.step()  # the long prompt's first chunk
