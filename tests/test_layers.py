@@ -51,7 +51,8 @@ def _within(module: str, prefixes: tuple[str, ...]) -> bool:
 
 # (where, may import only these kvtier modules; None: any) and (where, must never import these)
 ONLY = {
-    "service/protocol": (),  # the wire format owns its types: no core module reaches the socket
+    "service/protocol": ("kvtier.stats",),  # the wire format owns its types; the stats tree is its message body
+    "stats": (),  # ... and a leaf: no other core module reaches the socket through it
     "model": ("kvtier.model", "kvtier.errors", "kvtier.private"),  # weights, tokenizer, template: the bottom
     "web": ("kvtier.web", "kvtier.errors"),  # what both HTTP apps share holds neither
 }

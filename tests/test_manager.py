@@ -57,8 +57,8 @@ def test_store_then_lookup_and_load_round_trip(tmp_path: Path) -> None:
         partial = m.lookup(m.keyed(longer))
         assert (partial.cached_tokens, partial.miss_reason, partial.first_miss_block) == (12, MissReason.ABSENT, 3)
         assert m.lookup(m.keyed(tokens, "other-tenant")).cached_tokens == 0
-        stats = m.stats()["host"]
-        assert stats["hit_tokens"] == 20 + 20 + 12 and stats["blocks"] == 5
+        stats = m.stats().tiers["host"]
+        assert stats.hit_tokens == 20 + 20 + 12 and stats.blocks == 5
 
 
 def test_write_back_demotes_lru_victims_to_disk(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_write_back_demotes_lru_victims_to_disk(tmp_path: Path) -> None:
         blocks = kv(5, seed=2)
         assert m.store(m.keyed(tokens), blocks) == 5
         assert m.lookup(m.keyed(tokens)).tiers == (D, D, H, H, H)
-        assert m.stats()["host"]["evictions"] == 2 and m.stats()["host"]["demotions"] == 2
+        assert m.stats().tiers["host"].evictions == 2 and m.stats().tiers["host"].demotions == 2
         # Loading promotes 0 and 1 (evicting and demoting 2, 3), then 2 back (evicting 4);
         # block 3 finds every host slot pinned by this load, so the load stops there.
         handle = m.load(m.lookup(m.keyed(tokens)))
@@ -166,11 +166,11 @@ def test_forced_collision_never_serves_foreign_bytes(tmp_path: Path) -> None:
         m.store(m.keyed(a), a_kv)
         miss = m.lookup(m.keyed(b))
         assert (miss.cached_tokens, miss.miss_reason) == (0, MissReason.CONFIRM_MISMATCH)
-        assert m.stats()["host"]["confirm_mismatch"] == 1
+        assert m.stats().tiers["host"].confirm_mismatches == 1
         assert m.store(m.keyed(b), b_kv) == 0  # refused: the key holds a's tokens
         m.clear(TierKind.HOST)  # a now lives on disk only: the disk tier must confirm too
         assert m.lookup(m.keyed(b)).miss_reason is MissReason.CONFIRM_MISMATCH
-        assert m.stats()["disk"]["confirm_mismatch"] == 1
+        assert m.stats().tiers["disk"].confirm_mismatches == 1
         assert m.lookup(m.keyed(a)).tiers == (D,)
         assert torch.equal(loaded_bytes(m, a)[0], as_bytes(a_kv[0]))
 
@@ -211,9 +211,9 @@ def test_concurrent_readers_and_writer_keep_pins_sound(tmp_path: Path) -> None:
         stop.set()
         w.join()
         assert errors == []
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0
         assert len(m.host) <= 6 and m.host.used_bytes <= m.host.capacity_bytes
-        assert m.stats()["host"]["evictions"] > 0
+        assert m.stats().tiers["host"].evictions > 0
 
 
 @pytest.mark.parametrize("policy", registered())
@@ -327,7 +327,7 @@ def test_a_read_only_data_directory_runs_on_host_memory_only(tmp_path: Path, cap
         assert m.keys(tokens) == keys  # the secret could still be read
         assert m.lookup(m.keyed(tokens)).cached_tokens == 0
         assert m.store(m.keyed(tokens), kv(3, seed=33)) == 3 and m.lookup(m.keyed(tokens)).tiers == (H,) * 3
-        assert "disk" not in m.stats()
+        assert "disk" not in m.stats().tiers
     said = [r.getMessage() for r in caplog.records if "without the disk tier" in r.getMessage()]
     assert len(said) == 1 and str(tmp_path / "data" / "disk") in said[0]
 
@@ -363,7 +363,7 @@ def test_disk_hits_count_blocks_read_and_verified(tmp_path: Path) -> None:
         m.clear(TierKind.HOST)
         result = m.lookup(m.keyed(tokens))
         assert result.tiers == (D,) * 4
-        assert (m.stats()["disk"]["hit_tokens"], m.stats()["disk"]["miss_tokens"]) == (0, 0)  # index hits only
+        assert (m.stats().tiers["disk"].hit_tokens, m.stats().tiers["disk"].miss_tokens) == (0, 0)  # index hits only
         path, offset = m.disk.slab_path(m.disk.slot_of(result.keys[2]))
         with open(path, "r+b") as f:
             f.seek(offset + 5)
@@ -372,10 +372,10 @@ def test_disk_hits_count_blocks_read_and_verified(tmp_path: Path) -> None:
             f.write(bytes([byte[0] ^ 1]))
         with m.load(result) as handle:
             assert handle.served_from == [D, D]  # block 2 fails its checksum: the load stops there
-        disk = m.stats()["disk"]
-        assert (disk["hit_tokens"], disk["miss_tokens"], disk["checksum_failures"]) == (2 * BLOCK, BLOCK, 1)
+        disk = m.stats().tiers["disk"]
+        assert (disk.hit_tokens, disk.miss_tokens, disk.checksum_failures) == (2 * BLOCK, BLOCK, 1)
         assert m.lookup(m.keyed(tokens)).tiers == (H, H)  # block 3 is on disk, but after the gap
-        assert m.stats()["host"]["hit_tokens"] == 2 * BLOCK  # host hits still count at lookup
+        assert m.stats().tiers["host"].hit_tokens == 2 * BLOCK  # host hits still count at lookup
 
 
 def test_a_quarantined_disk_tier_shows_in_the_stats(tmp_path: Path) -> None:
@@ -385,7 +385,7 @@ def test_a_quarantined_disk_tier_shows_in_the_stats(tmp_path: Path) -> None:
     with open(data, "r+b") as f:
         f.write(bytes(2 * os.sysconf("SC_PAGE_SIZE")))  # both meta pages
     with manager(tmp_path) as m:
-        assert m.stats()["disk"]["quarantined"] == 1 and m.stats()["disk"]["blocks"] == 0
+        assert m.stats().tiers["disk"].quarantined == 1 and m.stats().tiers["disk"].blocks == 0
 
 
 # -- named blocks ----------------------------------------------------------------------------------
@@ -417,8 +417,8 @@ def test_named_blocks_round_trip_and_a_held_name_is_not_written_again(tmp_path: 
         assert m.named_exists(names(3), "other-tenant") == [False] * 3  # the namespace is in the key
         with m.named_load(names(3), NS) as handle:
             assert [torch.equal(b, as_bytes(d)) for b, d in zip(handle.blocks, data, strict=True)] == [True] * 3
-            assert handle.served_from == [H] * 3 and m.stats()["pinned_blocks"] == 3
-        assert m.stats()["pinned_blocks"] == 0
+            assert handle.served_from == [H] * 3 and m.stats().pinned_blocks == 3
+        assert m.stats().pinned_blocks == 0
         assert m.lookup(m.keyed(prompt(3 * BLOCK))).cached_blocks == 0  # named blocks are no token chain's
 
 
@@ -466,7 +466,7 @@ def test_a_named_block_corrupted_on_disk_is_a_counted_miss_never_wrong_bytes(tmp
         with m.named_load(names(3), NS) as handle:
             assert handle.served_from == [D]  # obj/1 fails its checksum: the load stops there
             assert torch.equal(handle.blocks[0], as_bytes(data[0]))
-        assert m.stats()["disk"]["checksum_failures"] == 1
+        assert m.stats().tiers["disk"].checksum_failures == 1
         assert m.named_exists(names(3), NS) == [True, False, True]  # the damaged record is dropped
 
 

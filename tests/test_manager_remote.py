@@ -51,10 +51,10 @@ def test_a_second_node_hits_what_the_first_stored(tmp_path: Path, redis_server) 
         got = load(b, tokens)
         assert all(torch.equal(g, as_bytes(w)) for g, w in zip(got, blocks, strict=True))
         assert b.lookup(b.keyed(tokens)).tiers == (H,) * 6  # promoted into b's host memory
-        stats = b.stats()["remote"]
-        assert stats["hit_tokens"] == 6 * BLOCK and stats["bytes_read"] == 6 * toy_layout().block_bytes
-        assert b.stats()["break_even"]["tiers"]["remote"]["samples"] == 1  # the fetch refitted its cost
-        assert "remote" not in a.stats()["break_even"]["tiers"]  # a never fetched from it: no figures to show
+        stats = b.stats().tiers["remote"]
+        assert stats.hit_tokens == 6 * BLOCK and stats.bytes_read == 6 * toy_layout().block_bytes
+        assert b.stats().break_even["tiers"]["remote"]["samples"] == 1  # the fetch refitted its cost
+        assert "remote" not in a.stats().break_even["tiers"]  # a never fetched from it: no figures to show
 
 
 def test_the_admin_probe_names_the_remote_tier_and_counts_nothing(tmp_path: Path, redis_server) -> None:
@@ -70,8 +70,8 @@ def test_the_admin_probe_names_the_remote_tier_and_counts_nothing(tmp_path: Path
         assert probe.tokens_by_tier() == {H: 2 * BLOCK, R: 4 * BLOCK}
         after = b.stats()
         for tier in ("host", "remote"):
-            assert after[tier]["hit_tokens"] == before[tier]["hit_tokens"]
-            assert after[tier]["miss_tokens"] == before[tier]["miss_tokens"]
+            assert after.tiers[tier].hit_tokens == before.tiers[tier].hit_tokens
+            assert after.tiers[tier].miss_tokens == before.tiers[tier].miss_tokens
         assert b.probe(b.keyed(prompt(6 * BLOCK + 1, seed=9))).tiers == ()  # a prompt nobody stored
 
 
@@ -93,7 +93,7 @@ def test_named_blocks_one_node_stored_are_found_and_loaded_by_another(tmp_path: 
             assert all(torch.equal(g, as_bytes(w)) for g, w in zip(handle.blocks, data, strict=True))
         with b.named_load(names, "ns") as handle:
             assert handle.served_from == [H] * 3  # promoted into b's host memory on the way
-        assert b.stats()["remote"]["bytes_read"] == 3 * toy_layout().block_bytes
+        assert b.stats().tiers["remote"].bytes_read == 3 * toy_layout().block_bytes
 
 
 def test_namespaces_never_hit_each_other(tmp_path: Path, redis_server) -> None:
@@ -104,7 +104,7 @@ def test_namespaces_never_hit_each_other(tmp_path: Path, redis_server) -> None:
         assert b.lookup(b.keyed(tokens, "tenant-b")).cached_blocks == 0
         assert load(b, tokens, "tenant-b") == []
         assert b.lookup(b.keyed(tokens, "tenant-a")).cached_blocks == 4
-        assert b.stats()["remote"]["hit_tokens"] == 0  # the lookups above loaded nothing
+        assert b.stats().tiers["remote"].hit_tokens == 0  # the lookups above loaded nothing
 
 
 def test_another_deployment_secret_is_a_counted_miss(tmp_path: Path, redis_server) -> None:
@@ -119,7 +119,7 @@ def test_another_deployment_secret_is_a_counted_miss(tmp_path: Path, redis_serve
             client.set(b.remote.name(kb), client.get(a.remote.name(ka)))  # type: ignore[union-attr]
         client.close()
         assert b.lookup(b.keyed(tokens)).cached_blocks == 0
-        assert b.stats()["remote"]["bad_mac"] == 3  # every copied value refused at its header
+        assert b.stats().tiers["remote"].bad_mac == 3  # every copied value refused at its header
 
 
 def test_foreign_tokens_under_a_key_are_a_confirm_mismatch(tmp_path: Path, redis_server) -> None:
@@ -133,7 +133,7 @@ def test_foreign_tokens_under_a_key_are_a_confirm_mismatch(tmp_path: Path, redis
         client.close()
         result = b.lookup(b.keyed(tokens))
         assert (result.cached_blocks, result.miss_reason) == (0, MissReason.ABSENT)
-        assert b.stats()["remote"]["wrong_key"] == 1
+        assert b.stats().tiers["remote"].wrong_key == 1
 
 
 def test_write_on_host_eviction_sends_only_victims(tmp_path: Path, redis_server) -> None:
@@ -145,7 +145,7 @@ def test_write_on_host_eviction_sends_only_victims(tmp_path: Path, redis_server)
     ):
         a.store(a.keyed(tokens), blocks)
         assert a.remote is not None and a.remote.flush()
-        written = a.stats()["remote"]["writes"]
+        written = a.stats().tiers["remote"].writes
         assert 0 < written < 6  # the blocks host memory had to let go (the oldest), not all of them
         assert b.lookup(b.keyed(tokens)).tiers == (R,) * written
 
@@ -160,9 +160,9 @@ def test_redis_down_is_a_miss_and_the_breaker_opens(tmp_path: Path, redis_server
         for _ in range(3):
             assert a.lookup(a.keyed(other)).cached_blocks == 0
         assert a.lookup(a.keyed(tokens)).tiers == (H,) * 3  # local hits are untouched
-        stats = a.stats()["remote"]
-        assert stats["breaker_opens"] == 1 and stats["skipped"] >= 1
-        assert list(stats["breakers"].values()) == ["open"]
+        stats = a.stats().tiers["remote"]
+        assert stats.breaker_opens == 1 and stats.skipped >= 1
+        assert list(stats.breakers.values()) == ["open"]
 
 
 def test_cluster_dead_master_loses_only_its_blocks(tmp_path: Path, redis_cluster) -> None:
@@ -172,7 +172,7 @@ def test_cluster_dead_master_loses_only_its_blocks(tmp_path: Path, redis_cluster
         for i, p in enumerate(prompts):
             a.store(a.keyed(p), kv(1, seed=200 + i))
         assert a.remote is not None and a.remote.flush()
-        assert a.stats()["remote"]["writes"] == 24
+        assert a.stats().tiers["remote"].writes == 24
         names = [a.remote.name(a.keys(p)[0]) for p in prompts]
     victim = redis_cluster.node_of(names[0])
     on_victim = [redis_cluster.node_of(n) is victim for n in names]
@@ -184,7 +184,7 @@ def test_cluster_dead_master_loses_only_its_blocks(tmp_path: Path, redis_cluster
             assert hits == [0 if dead else 1 for dead in on_victim]
             got = [load(b, p) for p, dead in zip(prompts, on_victim, strict=True) if not dead]
             assert all(len(g) == 1 for g in got)
-            assert b.stats()["remote"]["breakers"][f"127.0.0.1:{victim.port}"] == "open"
+            assert b.stats().tiers["remote"].breakers[f"127.0.0.1:{victim.port}"] == "open"
     finally:
         victim.restart()
         redis_cluster.wait_ok()

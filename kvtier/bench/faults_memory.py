@@ -47,7 +47,7 @@ from kvtier.manager import CacheManager
 
 
 def _pins_left(cache: CacheManager) -> int:
-    return int(cache.stats()["pinned_blocks"])
+    return int(cache.stats().pinned_blocks)
 
 
 def _host_reserved(cache: CacheManager) -> int:
@@ -224,7 +224,7 @@ def _same_key_threads(workdir: Path) -> tuple[dict[str, int], int]:
             "host_blocks": len(cache.host),
             "served_honest": served[HONEST],
             "served_foreign": served[FOREIGN],
-            "confirm_mismatch": cache.host.stats.confirm_mismatch,
+            "confirm_mismatch": cache.host.stats.confirm_mismatches,
             "pins_after": _pins_left(cache),
         }
     return figures, wrong

@@ -99,8 +99,8 @@ def remote_down(workdir: Path) -> FaultOutcome:
         "lookups_after_kill": answered,
         "served_after_kill": sum(x[0] for x in after),
         "remote_errors_after_kill": errors_after,
-        "remote_calls_skipped": int(snap["skipped"]),  # type: ignore[call-overload]
-        "breaker_opens": int(snap["breaker_opens"]),  # type: ignore[call-overload]
+        "remote_calls_skipped": int(snap.skipped),
+        "breaker_opens": int(snap.breaker_opens),
         "prompts_still_local": local,
     }
     held = (

@@ -292,9 +292,9 @@ def remote_down(config: Config, spec: RemoteSpec, loaded: LoadedModel) -> dict[s
         "no_remote_s": [round(t, 4) for t in none_s],
         "down_s": [round(t, 4) for t in down_s],
         "extra_s": [round(t, 4) for t in extra],
-        "remote_timeouts": snap["timeouts"],
-        "remote_skipped": snap["skipped"],
-        "breaker_opens": snap["breaker_opens"],
+        "remote_timeouts": snap.timeouts,
+        "remote_skipped": snap.skipped,
+        "breaker_opens": snap.breaker_opens,
     }
 
 

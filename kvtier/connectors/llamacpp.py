@@ -188,8 +188,8 @@ class KVTierLlamaCache(BaseLlamaCache):
     def cache_size(self) -> int:
         """Bytes the service's tiers hold (a block on host and disk both counts twice); 0 while it is away."""
         client = self._service()
-        stats = client.stats() if client is not None else {}
-        return sum(int(t.get("used_bytes", 0)) for t in stats.values() if isinstance(t, dict))
+        stats = client.stats() if client is not None else None
+        return 0 if stats is None else sum(t.used_bytes for t in stats.tiers.values())
 
     def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
         """The longest full-block prefix of ``key`` that a stored state covers (by its names alone: no state read)."""

@@ -22,7 +22,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -48,7 +47,14 @@ from kvtier.server.schemas import (
     TierReport,
     VerifyReport,
 )
-from kvtier.stats import LATENCY_BUCKETS_S, Histogram
+from kvtier.stats import (
+    LATENCY_BUCKETS_S,
+    TIER_COUNTERS,
+    Histogram,
+    LatencySnapshot,
+    RemoteSnapshot,
+    TierSnapshot,
+)
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.breaker import BreakerState
 from kvtier.tiers.remote.frame import Rejection
@@ -65,19 +71,19 @@ class PoolSnapshot:
     block_bytes: int
 
 
-def latency_report(snapshot: dict[str, Any]) -> LatencyReport:
+def latency_report(snapshot: LatencySnapshot) -> LatencyReport:
     """A :meth:`Histogram.snapshot` as a report; JSON has no infinity, so a non-finite percentile becomes None."""
 
     def finite(v: float | None) -> float | None:
         return v if v is not None and math.isfinite(v) else None
 
     return LatencyReport(
-        count=snapshot["count"],
-        sum_s=snapshot["sum_s"],
-        p50_s=finite(snapshot["p50_s"]),
-        p90_s=finite(snapshot["p90_s"]),
-        p99_s=finite(snapshot["p99_s"]),
-        buckets=[(bound, count) for bound, count in snapshot["buckets"]],
+        count=snapshot.count,
+        sum_s=snapshot.sum_s,
+        p50_s=finite(snapshot.p50_s),
+        p90_s=finite(snapshot.p90_s),
+        p99_s=finite(snapshot.p99_s),
+        buckets=list(snapshot.buckets),
     )
 
 
@@ -175,53 +181,30 @@ class EngineMetrics:
     def device_report(self) -> TierReport:
         with self._lock:
             pool, hit, miss = self._pool, self._device_hit, self._device_miss
-        empty = Histogram(LATENCY_BUCKETS_S).snapshot()
-        return TierReport(
-            capacity_bytes=pool.num_blocks * pool.block_bytes,
-            used_bytes=(pool.num_blocks - pool.free_blocks) * pool.block_bytes,
-            capacity_blocks=pool.num_blocks,
-            blocks=pool.resident_blocks,
-            lookups=0,
-            hit_tokens=hit,
-            miss_tokens=miss,
-            hit_rate=hit / (hit + miss) if hit + miss else None,
-            confirm_mismatches=0,
-            evictions=0,
-            demotions=0,
-            bytes_read=0,
-            bytes_written=0,
-            bytes_moved=0,
-            checksum_failures=0,
-            errors=0,
-            load_latency=latency_report(empty),
+        return tier_report(
+            TierSnapshot(
+                capacity_bytes=pool.num_blocks * pool.block_bytes,
+                used_bytes=(pool.num_blocks - pool.free_blocks) * pool.block_bytes,
+                capacity_blocks=pool.num_blocks,
+                blocks=pool.resident_blocks,
+                hit_tokens=hit,
+                miss_tokens=miss,
+                load_latency=Histogram(LATENCY_BUCKETS_S).snapshot(),
+            )
         )
 
 
-def tier_report(snap: dict[str, Any]) -> TierReport:
-    """One tier of :meth:`kvtier.cache.Cache.stats` as a report."""
-    hit, miss = snap["hit_tokens"], snap["miss_tokens"]
+def tier_report(snap: TierSnapshot) -> TierReport:
+    """One tier of :meth:`kvtier.cache.Cache.stats` as a report: its sizes, every counter of
+    :data:`~kvtier.stats.TIER_COUNTERS`, its hit rate and its load latency."""
     return TierReport(
-        capacity_bytes=snap["capacity_bytes"],
-        used_bytes=snap["used_bytes"],
-        capacity_blocks=snap["capacity_blocks"],
-        blocks=snap["blocks"],
-        lookups=snap["lookups"],
-        hit_tokens=hit,
-        miss_tokens=miss,
-        hit_rate=hit / (hit + miss) if hit + miss else None,
-        confirm_mismatches=snap["confirm_mismatch"],
-        evictions=snap["evictions"],
-        demotions=snap["demotions"],
-        bytes_read=snap["bytes_read"],
-        bytes_written=snap["bytes_written"],
-        bytes_moved=snap["bytes_read"] + snap["bytes_written"],
-        checksum_failures=snap["checksum_failures"],
-        errors=snap["errors"],
-        quarantined=snap.get("quarantined", 0),
-        lost_blocks=snap.get("lost_blocks", 0),
-        write_errors=snap.get("write_errors", 0),
-        read_errors=snap.get("read_errors", 0),
-        load_latency=latency_report(snap["load_latency"]),
+        capacity_bytes=snap.capacity_bytes,
+        used_bytes=snap.used_bytes,
+        capacity_blocks=snap.capacity_blocks,
+        blocks=snap.blocks,
+        hit_rate=snap.hit_rate,
+        load_latency=latency_report(snap.load_latency),
+        **{name: getattr(snap, name) for name in TIER_COUNTERS},
     )
 
 
@@ -236,19 +219,19 @@ def hardware_report(device: torch.device, dtype: torch.dtype) -> HardwareReport:
     )
 
 
-def remote_report(snap: dict[str, Any]) -> RemoteReport:
+def remote_report(snap: RemoteSnapshot) -> RemoteReport:
     """The remote tier's own figures out of its stats snapshot (its tier counters go through :func:`tier_report`)."""
     return RemoteReport(
-        breakers=snap["breakers"],
-        breaker_opens=snap["breaker_opens"],
-        skipped=snap["skipped"],
-        timeouts=snap["timeouts"],
-        redirects=snap["redirects"],
-        probes=snap["probes"],
-        writes=snap["writes"],
-        dropped_writes=snap["dropped_writes"],
-        write_queue=snap["write_queue"],
-        rejected={r.value: snap[r.value] for r in Rejection},
+        breakers={name: BreakerState(state) for name, state in snap.breakers.items()},
+        breaker_opens=snap.breaker_opens,
+        skipped=snap.skipped,
+        timeouts=snap.timeouts,
+        redirects=snap.redirects,
+        probes=snap.probes,
+        writes=snap.writes,
+        dropped_writes=snap.dropped_writes,
+        write_queue=snap.write_queue,
+        rejected={r.value: getattr(snap, r.value) for r in Rejection},
     )
 
 
@@ -261,8 +244,8 @@ def build_report(
     stats = cache.stats()
     tiers = {TierKind.DEVICE: metrics.device_report()}
     for tier in cache.tiers:
-        tiers[tier.kind] = tier_report(stats[tier.kind.value])
-    remote = stats.get(TierKind.REMOTE.value)
+        tiers[tier.kind] = tier_report(stats.tiers[tier.kind.value])
+    remote = stats.remote
     if remote is not None:
         tiers[TierKind.REMOTE] = tier_report(remote)
     return StatsReport(
@@ -271,11 +254,13 @@ def build_report(
         block_size=cache.layout.block_size,
         hardware=hardware,
         tiers=tiers,
-        pinned_blocks=stats["pinned_blocks"],
+        pinned_blocks=stats.pinned_blocks,
         ttl_pinned_blocks=cache.ttl_pinned(),
         engine=metrics.engine_report(),
-        break_even=BreakEvenReport.model_validate(stats["break_even"]),
-        service=ServiceLinkReport.model_validate(stats["service"]) if "service" in stats else None,
+        break_even=BreakEvenReport.model_validate(stats.break_even),
+        service=None
+        if stats.service is None
+        else ServiceLinkReport.model_validate(stats.service, from_attributes=True),
     )
 
 
@@ -286,23 +271,6 @@ _TIER_GAUGES = {
     "capacity_blocks": "Blocks the tier can hold.",
     "blocks": "Blocks cached in the tier.",
     "hit_rate": "hit_tokens / (hit_tokens + miss_tokens).",
-}
-_TIER_COUNTERS = {
-    "lookups": "Lookups that reached the tier.",
-    "hit_tokens": "Prompt tokens served by the tier.",
-    "miss_tokens": "Prompt tokens that reached the tier and were not served by it.",
-    "confirm_mismatches": "Keys found holding other tokens (a counted miss, never served).",
-    "evictions": "Blocks evicted.",
-    "demotions": "Blocks written down to the next tier on eviction.",
-    "bytes_read": "Payload bytes read from the tier.",
-    "bytes_written": "Payload bytes written to the tier.",
-    "bytes_moved": "bytes_read + bytes_written.",
-    "checksum_failures": "Blocks that failed their checksum (a counted miss).",
-    "errors": "Tier I/O errors (a counted miss).",
-    "quarantined": "Damaged indexes moved aside at start (the disk tier started empty).",
-    "lost_blocks": "Records dropped because their bytes were gone (slab missing, short or truncated).",
-    "write_errors": "Disk: blocks not stored because a write, fsync or index commit failed (never indexed).",
-    "read_errors": "Disk: blocks whose read failed (each a counted miss).",
 }
 
 
@@ -326,7 +294,7 @@ def _tier_families(report: StatsReport) -> Iterator[Metric]:
             if value is not None:
                 gauge.add_metric([kind.value], value)
         yield gauge
-    for name, doc in _TIER_COUNTERS.items():
+    for name, doc in TIER_COUNTERS.items():
         counter = CounterMetricFamily(f"kvtier_tier_{name}", doc, labels=["tier"])
         for kind, tier in report.tiers.items():
             counter.add_metric([kind.value], getattr(tier, name))

@@ -195,6 +195,7 @@ class LatencyReport(BaseModel):
 class TierReport(BaseModel):
     """One tier. ``device`` is the engine's own pool: its hits are blocks still resident from earlier
     requests; it has no lookups, loads or bytes moved of its own, and its releases are not counted as evictions.
+    The counters are :data:`kvtier.stats.TIER_COUNTERS`, where each is named and described once.
     """
 
     capacity_bytes: int
@@ -213,6 +214,7 @@ class TierReport(BaseModel):
     bytes_moved: int
     checksum_failures: int
     errors: int
+    rejected_stores: int = Field(0, description="Blocks a store offered that the tier had no room for.")
     quarantined: int = Field(0, description="Disk: damaged indexes moved aside at start (the tier started empty).")
     lost_blocks: int = Field(0, description="Disk: records dropped because their slab bytes were gone.")
     write_errors: int = Field(0, description="Disk: blocks not stored (write, fsync or commit failed; never indexed).")

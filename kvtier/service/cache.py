@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvtier.breakeven import BreakEvenModel
@@ -48,6 +49,7 @@ from kvtier.service import protocol as p
 from kvtier.service.client import CacheClient, ClientLoad
 from kvtier.service.link import ServiceLink
 from kvtier.service.protocol import to_wire
+from kvtier.stats import CacheStats, LinkSnapshot
 from kvtier.store import Payloads
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobId, JobStatus, TransferWorker
@@ -131,7 +133,7 @@ class ServiceCache:
         self.worker = TransferWorker(1)  # stores run off the engine's step, as embedded
         self._welcome: p.Welcome | None = None
         self._cleared = 0
-        self._last_stats: dict[str, Any] = {}
+        self._last_stats = CacheStats()
         self.stats()
 
     def _count(self, n: int) -> None:
@@ -158,7 +160,7 @@ class ServiceCache:
     @property
     def tiers(self) -> list[ServiceTier]:
         """The tiers the service ran when it last answered."""
-        return [ServiceTier(kind) for kind in (TierKind.HOST, TierKind.DISK) if kind.value in self._last_stats]
+        return [ServiceTier(kind) for kind in (TierKind.HOST, TierKind.DISK) if kind.value in self._last_stats.tiers]
 
     @property
     def load_chunk(self) -> int:
@@ -287,26 +289,23 @@ class ServiceCache:
         )
 
     # -- operators --------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """The service's figures; while it is unreachable, the last ones it gave (its failures are counted)."""
+    def stats(self) -> CacheStats:
+        """The service's figures; while it is unreachable, the last ones it gave (its failures are counted).
+
+        The cost model is this process's own: it is what sizes this engine's fetches.
+        """
         c = self._client()
-        fresh = {} if c is None else c.stats()
-        if fresh:
+        fresh = None if c is None else c.stats()
+        if fresh is not None:
             self._last_stats = fresh
         with self._count_lock:
             failures = self._failures
         unreported = self.link.unreported_failures() + self._prefetcher.unreported_failures()
-        link = {"connected": bool(fresh), "connects": self.link.connects, "failures": failures + unreported}
-        return {
-            "pinned_blocks": 0,
-            "ttl_pinned_blocks": 0,
-            **self._last_stats,
-            "service": link,
-            "break_even": self.costs.snapshot(),
-        }
+        link = LinkSnapshot(connected=fresh is not None, connects=self.link.connects, failures=failures + unreported)
+        return msgspec.structs.replace(self._last_stats, service=link, break_even=self.costs.snapshot())
 
     def ttl_pinned(self) -> int:
-        return int(self._last_stats.get("ttl_pinned_blocks", 0))
+        return self._last_stats.ttl_pinned_blocks
 
     def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> int:
         c = self._client()

@@ -30,7 +30,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ import torch
 from kvtier.errors import KVTierError, warn_once
 from kvtier.layout import KVLayout
 from kvtier.service import protocol as p
+from kvtier.stats import CacheStats
 from kvtier.tiers import native
 from kvtier.tiers.base import TierKind
 
@@ -320,9 +320,10 @@ class CacheClient:
         reply = self._ask(p.Explain(_raw(tokens), namespace, list(own_namespaces), diverged_at))
         return reply if isinstance(reply, p.Explained) else None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats | None:
+        """The service's figures; None while it is unreachable."""
         reply = self._ask(p.Stats())
-        return reply.stats if isinstance(reply, p.StatsReply) else {}
+        return reply.stats if isinstance(reply, p.StatsReply) else None
 
     def close(self) -> None:
         """End the connection once no fill or load uses its slots (now, when none does); ask nothing more."""

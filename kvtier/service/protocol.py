@@ -43,6 +43,10 @@ named blocks did. Each side converts at the edge, by value
 (:func:`to_wire`); ``tests/service/test_protocol_enums.py`` fails when a
 core enum and its wire twin disagree.
 
+The stats reply carries :class:`kvtier.stats.CacheStats` itself, the one
+typed tree both caches return: every field has a default and a reader
+ignores fields it does not know, so a counter added there needs no bump.
+
 Frame: ``uint32 little-endian length`` then that many bytes of msgpack, one
 tagged struct. The first exchange is :class:`Hello` / :class:`Welcome` (or
 :class:`Refused`, naming both sides of whatever did not match).
@@ -54,9 +58,11 @@ import enum
 import socket
 import struct
 from collections.abc import Iterable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
+
+from kvtier.stats import CacheStats
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024**2  # a prompt's tokens at most; anything larger is a broken or hostile peer
@@ -323,7 +329,7 @@ class Explained(_Msg):
 
 
 class StatsReply(_Msg):
-    stats: dict[str, Any]
+    stats: CacheStats
 
 
 class Failure(_Msg):

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from kvtier.config import Config
@@ -190,7 +191,7 @@ class _Connection:
             case p.Clear():
                 return p.Count(m.clear(None if msg.tier is None else to_wire(TierKind, msg.tier)))
             case p.Stats():
-                return p.StatsReply({**m.stats(), "ttl_pinned_blocks": m.ttl_pinned()})
+                return p.StatsReply(msgspec.structs.replace(m.stats(), ttl_pinned_blocks=m.ttl_pinned()))
             case p.NamedExists():
                 return p.Present(m.named_exists(msg.names, msg.namespace))
             case p.NamedLoad():

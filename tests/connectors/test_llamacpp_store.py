@@ -117,9 +117,9 @@ def test_saving_a_state_held_whole_writes_nothing(m: CacheManager) -> None:
     store = store_over(m)
     ids = tokens(9 * BLOCK)
     assert save(store, ids) is SaveOutcome.STORED
-    blocks = m.stats()["host"]["blocks"]
+    blocks = m.stats().tiers["host"].blocks
     assert save(store, ids, seed=3) is SaveOutcome.HELD  # the same position: the first state serves it
-    assert m.stats()["host"]["blocks"] == blocks
+    assert m.stats().tiers["host"].blocks == blocks
     assert save(store, ids[:3]) is SaveOutcome.TOO_SHORT
 
 
@@ -169,7 +169,7 @@ def test_states_come_back_after_a_restart_and_a_corrupt_chunk_is_a_miss(tmp_path
         path, offset = m.disk.slab_path(m.disk.slot_of(key))
     with open_manager(tmp_path) as m:
         assert found_seed(store_over(m), ids) == (6, 8, Kind.STATE)
-        assert m.stats()["disk"]["blocks"] > 0
+        assert m.stats().tiers["disk"].blocks > 0
     with open(path, "r+b") as f:
         f.seek(offset + 200)
         byte = f.read(1)
@@ -179,7 +179,7 @@ def test_states_come_back_after_a_restart_and_a_corrupt_chunk_is_a_miss(tmp_path
         m.clear(TierKind.HOST)
         store = store_over(m)
         assert found_seed(store, ids) is None
-        assert m.stats()["disk"]["checksum_failures"] == 1
+        assert m.stats().tiers["disk"].checksum_failures == 1
         assert save(store, ids, seed=7) is SaveOutcome.STORED
         assert found_seed(store, ids) == (7, 8, Kind.STATE)
 
@@ -193,4 +193,4 @@ def test_a_state_larger_than_the_host_tier_loads_a_piece_at_a_time(tmp_path: Pat
         store = store_over(m, mark_every=100)
         store.max_pinned = m.load_chunk
         assert found_seed(store, ids) == (8, 40, Kind.STATE)
-        assert m.stats()["pinned_blocks"] == 0
+        assert m.stats().pinned_blocks == 0

@@ -29,5 +29,5 @@ def test_the_engine_runs_on_the_gpu_and_reuse_from_host_and_pool_is_exact(
             engine = make_engine(loaded_model, cfg, cache=cache, keep_resident=keep_resident)
             assert engine.pool.kv.device.type == "cuda" and cache.host is not None and cache.host.pinned
             check_reuse(converse(engine, loaded_model), cold)
-            served = cache.stats()["host"]["hit_tokens"]
+            served = cache.stats().tiers["host"].hit_tokens
             assert (len(engine.resident) > 0) if keep_resident else served > 0

@@ -73,7 +73,7 @@ def test_reuse_from_host_then_disk_after_restart_is_exact(loaded_model: LoadedMo
     with open_cache(loaded_model, cfg) as cache:
         turns = converse(make_engine(loaded_model, cfg, cache=cache), loaded_model)
         check_reuse(turns, baseline)
-        assert cache.stats()["host"]["hit_tokens"] > 0
+        assert cache.stats().tiers["host"].hit_tokens > 0
     # A new process over the same data_dir: its host memory is empty, its disk tier is not.
     config_file = tmp_path / "kvtier.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
@@ -123,13 +123,13 @@ def test_a_cleared_cache_gets_the_resident_prefix_stored_again(loaded_model: Loa
         engine = make_engine(loaded_model, cfg, cache=cache, keep_resident=True)
         (first,) = engine.generate([ids], GREEDY)
         engine.drain_stores()
-        held = cache.stats()["host"]["blocks"]
+        held = cache.stats().tiers["host"].blocks
         assert held == (len(ids) + len(first.token_ids) - 1) // B  # prompt and reply, as computed
-        assert cache.clear() == held and cache.stats()["host"]["blocks"] == 0
+        assert cache.clear() == held and cache.stats().tiers["host"].blocks == 0
         (again,) = engine.generate([ids], GREEDY)  # every block shared from the pool, none loaded
         engine.drain_stores()
         assert again.token_ids == first.token_ids and again.served_from == {TierKind.DEVICE: again.cached_tokens}
-        assert cache.stats()["host"]["blocks"] == held
+        assert cache.stats().tiers["host"].blocks == held
         assert cache.probe(cache.keyed(ids)).cached_blocks == len(ids) // B
 
 

@@ -164,7 +164,7 @@ def test_prefetch_serves_disk_blocks_and_a_missed_deadline_recomputes_exactly(
         assert done.served_from == {TierKind.DISK: done.cached_tokens} and done.cached_tokens > 0
         counters = engine.prefetch_counters
         assert counters.started == 1 and counters.blocks_used == counters.blocks_planned > 0
-        assert cache.stats()["break_even"]["tiers"]["disk"]["samples"] >= 1
+        assert cache.stats().break_even["tiers"]["disk"]["samples"] >= 1
     # The same, with a deadline that has always passed and no extension: every block is recomputed.
     strict = with_transfer(cfg, deadline_slack=1e-12)
     with open_cache(loaded_model, strict) as cache:
@@ -182,7 +182,7 @@ def test_prefetch_serves_disk_blocks_and_a_missed_deadline_recomputes_exactly(
         assert req.output_ids == out and req.cached_tokens == 0
         assert engine.prefetch_counters.deadline_missed == 1
         engine.drain_stores()
-        assert cache.stats()["pinned_blocks"] == 0
+        assert cache.stats().pinned_blocks == 0
 
 
 def test_close_gives_back_the_pins_of_requests_still_waiting(loaded_model: LoadedModel, tmp_path: Path) -> None:
@@ -193,9 +193,9 @@ def test_close_gives_back_the_pins_of_requests_still_waiting(loaded_model: Loade
         engine.generate([ids], GREEDY)
         engine.drain_stores()
         engine.add_request(engine.keyed(ids), GREEDY)  # its fetch pins the host blocks at once
-        assert cache.stats()["pinned_blocks"] == engine.prefetch_counters.blocks_planned > 0
+        assert cache.stats().pinned_blocks == engine.prefetch_counters.blocks_planned > 0
         engine.close()
-        assert cache.stats()["pinned_blocks"] == 0
+        assert cache.stats().pinned_blocks == 0
 
 
 @pytest.mark.cuda

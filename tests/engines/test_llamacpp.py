@@ -130,7 +130,7 @@ def test_a_fresh_process_continues_from_the_state_another_one_saved(
     assert asked["tokens"] == ref_pq and asked["cached_tokens"] >= PROMPT_TOKENS
     assert again["tokens"] == ref_p and again["cached_tokens"] >= PROMPT_TOKENS - 1
     assert again["counters"]["hits"] == 2 and again["counters"]["service_failures"] == 0
-    assert service.svc is not None and service.svc.manager.stats()["pinned_blocks"] == 0
+    assert service.svc is not None and service.svc.manager.stats().pinned_blocks == 0
 
 
 def test_without_the_service_llama_answers_alike(
@@ -166,7 +166,7 @@ def test_a_chunk_corrupted_on_disk_is_a_miss_and_is_stored_again(
     with llama(llama_python, work, "corrupt", service.socket) as e:
         out = e.generate(p, MAX_TOKENS)
     assert out["tokens"] == reference[0]
-    assert m.stats()["disk"]["checksum_failures"] == 1
+    assert m.stats().tiers["disk"].checksum_failures == 1
     assert out["cached_tokens"] < PROMPT_TOKENS - 1  # not that state: at most a shorter one's prefix
     assert out["saved"]["generation"] == generation + 1  # recomputed, stored beside the damaged one
     with llama(llama_python, work, "repaired", service.socket) as e:
@@ -180,11 +180,11 @@ def test_states_survive_a_service_restart(
     _, pq = prompts
     service.stop()
     svc = service.start()
-    assert svc.manager.stats()["host"]["blocks"] == 0 and svc.manager.stats()["disk"]["blocks"] > 0
+    assert svc.manager.stats().tiers["host"].blocks == 0 and svc.manager.stats().tiers["disk"].blocks > 0
     with llama(llama_python, work, "after-restart", service.socket) as e:
         out = e.generate(pq, MAX_TOKENS)
     assert out["tokens"] == reference[1] and out["cached_tokens"] >= PROMPT_TOKENS
-    assert svc.manager.stats()["disk"]["hit_tokens"] > 0
+    assert svc.manager.stats().tiers["disk"].hit_tokens > 0
 
 
 def test_the_benchmark_mode_reports_a_hit_with_the_same_output(

@@ -136,7 +136,7 @@ def test_pages_set_by_one_sglang_process_come_back_byte_identical_in_a_fresh_one
         assert setter.ready["abstract_left"] == []  # every abstract method of SGLang's HiCacheStorage implemented
         put = ok(setter.ask("set", tokens=TOKENS, seed=1))
         assert put["stored_pages"] == PAGES
-    assert service_stats(work, model)["host"]["blocks"] == PAGES
+    assert service_stats(work, model).tiers["host"].blocks == PAGES
     with sglang(sglang_python, work, model, "fresh", get_layout, path) as fresh:
         got = ok(fresh.ask("get", tokens=TOKENS))
         again = ok(fresh.ask("set", tokens=TOKENS, seed=1))  # held already: SGLang is told stored, nothing rewritten
@@ -183,8 +183,8 @@ def test_a_damaged_block_is_a_miss_never_wrong_bytes(sglang_python: Path, work: 
     with serve(work, model):
         with sglang(sglang_python, work, model, "after") as e:
             got = ok(e.ask("get", tokens=TOKENS))
-        disk = service_stats(work, model)["disk"]
+        disk = service_stats(work, model).tiers["disk"]
     assert got["hit_pages"] == PAGES  # the index believes every page: only reading one finds the damage
     assert got["loaded_pages"] == 1 and got["digests"] == put["digests"][:1]
     assert got["untouched"] == [True] * (PAGES - 1)  # the damaged page and those after it: not a byte written
-    assert disk["checksum_failures"] == 1
+    assert disk.checksum_failures == 1

@@ -88,7 +88,7 @@ def test_vllm_with_kvtier(
         with engines.vllm_engine(work, socket, vllm_python, "first") as first:
             out = first.generate(p)
             assert out["tokens"] == ref_p and out["cached_tokens"] == 0
-        assert service_stats(socket, work)["host"]["blocks"] == PROMPT_TOKENS // BLOCK
+        assert service_stats(socket, work).tiers["host"].blocks == PROMPT_TOKENS // BLOCK
 
         # (a) a fresh vLLM process takes the prefix from kvtier: same output, 3,968 tokens not computed
         with engines.vllm_engine(work, socket, vllm_python, "fresh") as fresh:
@@ -108,13 +108,13 @@ def test_vllm_with_kvtier(
     damaged = PROMPT_TOKENS // BLOCK // 2
     damage_block(work / "data-float32", p, damaged)
     with engines.vllm_service(work, socket):
-        assert service_stats(socket, work)["disk"]["blocks"] == PROMPT_TOKENS // BLOCK  # it believes them all
+        assert service_stats(socket, work).tiers["disk"].blocks == PROMPT_TOKENS // BLOCK  # it believes them all
         with engines.vllm_engine(work, socket, vllm_python, "after-restart") as again:
             out = again.generate(pq)
             assert out["tokens"] == ref_pq  # the damaged block and those after it recomputed, never used
-        disk = service_stats(socket, work)["disk"]
-        assert disk["checksum_failures"] == 1
-        assert disk["hit_tokens"] == damaged * BLOCK  # the blocks before it came back from disk across the restart
+        disk = service_stats(socket, work).tiers["disk"]
+        assert disk.checksum_failures == 1
+        assert disk.hit_tokens == damaged * BLOCK  # the blocks before it came back from disk across the restart
 
         # (d) what vLLM recomputed in (c) was stored again: the next vLLM process hits the whole prefix
         with engines.vllm_engine(work, socket, vllm_python, "after-repair") as repaired:

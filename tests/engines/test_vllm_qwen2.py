@@ -53,8 +53,8 @@ def test_a_fresh_vllm_takes_a_qwen2_prefix_from_kvtier_and_answers_as_vllm_alone
         layout, fp = kv_identity_for(model, torch.float32, BLOCK, tmp_path / "ids", order=LayoutOrder.HEAD_MAJOR)
         assert layout.num_layers == shapes.QWEN2_SMALL.layers and layout.num_kv_heads == shapes.QWEN2_SMALL.kv_heads
         with CacheClient(socket, layout, model_fingerprint=fp) as client:
-            host = client.stats()["host"]
+            host = client.stats().tiers["host"]
 
     assert out["cached_tokens"] == LOADABLE
     assert out["tokens"] == reference
-    assert host["blocks"] == PROMPT_TOKENS // BLOCK
+    assert host.blocks == PROMPT_TOKENS // BLOCK

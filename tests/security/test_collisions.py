@@ -95,9 +95,9 @@ def test_ten_thousand_colliding_prompts_serve_no_foreign_byte_from_host_or_disk(
         stats = m.stats()
     assert tally.foreign == 0
     assert tally.served_blocks > 1000  # owners were served their own blocks: the check is not vacuous
-    assert stats["host"]["confirm_mismatch"] > 1000 and stats["disk"]["confirm_mismatch"] > 1000
-    assert stats["host"]["hit_tokens"] > 0 and stats["disk"]["hit_tokens"] > 0  # served from both tiers
-    assert stats["pinned_blocks"] == 0
+    assert stats.tiers["host"].confirm_mismatches > 1000 and stats.tiers["disk"].confirm_mismatches > 1000
+    assert stats.tiers["host"].hit_tokens > 0 and stats.tiers["disk"].hit_tokens > 0  # served from both tiers
+    assert stats.pinned_blocks == 0
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_colliding_prompts_through_the_cache_service_serve_no_foreign_byte(colli
         stats = c.stats()
     assert tally.foreign == 0
     assert tally.served_blocks > 100
-    assert stats["host"]["confirm_mismatch"] + stats["disk"]["confirm_mismatch"] > 100
+    assert stats.tiers["host"].confirm_mismatches + stats.tiers["disk"].confirm_mismatches > 100
 
 
 @pytest.mark.parametrize("replaced", [TierKind.HOST, TierKind.DISK])

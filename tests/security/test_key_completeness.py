@@ -125,7 +125,7 @@ def test_a_node_serving_a_changed_identity_gets_no_remote_hit(tmp_path: Path, re
     with node(tmp_path / "a", BASE, redis_server.url) as a, node(tmp_path / "b", who, redis_server.url) as b:
         stored(a)
         assert b.lookup(b.keyed(TOKENS, who.namespace)).cached_blocks == 0
-        assert b.stats()["remote"]["hit_tokens"] == 0
+        assert b.stats().tiers["remote"].hit_tokens == 0
 
 
 @pytest.mark.parametrize("change", [c for c in Change if c is not Change.NAMESPACE])
@@ -166,7 +166,7 @@ def test_the_cache_service_serves_a_changed_identity_nothing(tmp_path: Path, cha
         else:
             with pytest.raises(ServiceUnavailable):
                 CacheClient(svc.socket_path, who.layout, model_fingerprint=who.fingerprint)
-        assert svc.manager.stats()["host"]["hit_tokens"] == BLOCKS * BLOCK  # the control lookup only
+        assert svc.manager.stats().tiers["host"].hit_tokens == BLOCKS * BLOCK  # the control lookup only
     finally:
         svc.close()
         thread.join(timeout=30)

@@ -50,6 +50,7 @@ from kvtier.bench.tenants import mann_whitney_p
 from kvtier.config import WriteMode
 from kvtier.index import MissReason
 from kvtier.manager import CacheManager
+from kvtier.stats import CacheStats
 from kvtier.tiers.base import TierKind
 from tests.helpers import BLOCK, make_config, payload, prompt, toy_layout
 from tests.remote import remote_section
@@ -152,14 +153,14 @@ def bench(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Bench]:
         yield Bench(m, request.param, port)
 
 
-def _stats_moved(m: CacheManager, before: dict) -> dict[str, object]:
+def _stats_moved(m: CacheManager, before: CacheStats) -> dict[str, object]:
     after = m.stats()
     return {
-        f"{tier}.{k}": after[tier][k] - before[tier][k]
+        f"{tier}.{k}": getattr(after.tiers[tier], k) - getattr(before.tiers[tier], k)
         for tier in ("host", "disk", "remote")
-        if tier in after
-        for k in ("lookups", "hit_tokens", "miss_tokens", "confirm_mismatch", "bytes_read", "checksum_failures")
-    } | {"pinned_blocks": after["pinned_blocks"]}
+        if tier in after.tiers
+        for k in ("lookups", "hit_tokens", "miss_tokens", "confirm_mismatches", "bytes_read", "checksum_failures")
+    } | {"pinned_blocks": after.pinned_blocks}
 
 
 def test_another_tenant_takes_the_path_of_a_miss(bench: Bench) -> None:
@@ -198,4 +199,4 @@ def test_another_tenant_takes_the_time_of_a_miss(bench: Bench) -> None:
         if same > 0.05:
             break
     assert max(same for _, same in verdicts) > 0.05, f"another tenant's request differs from a miss: {verdicts}"
-    assert bench.m.stats()["pinned_blocks"] == 0
+    assert bench.m.stats().pinned_blocks == 0

@@ -47,7 +47,8 @@ def test_probe_answers_like_lookup_and_changes_nothing(tmp_path: Path) -> None:
         # The policy did not see the probe: the next victim is still a's block 2, the least recent in host.
         m.store(m.keyed(prompt(BLOCK, seed=3)), blocks(1, 3))
         assert m.probe(m.keyed(a)).tiers == (D, D, D)
-        assert m.lookup(m.keyed(a)).tiers == (D, D, D) and m.stats()["host"]["lookups"] == before["host"]["lookups"] + 1
+        assert m.lookup(m.keyed(a)).tiers == (D, D, D)
+        assert m.stats().tiers["host"].lookups == before.tiers["host"].lookups + 1
 
 
 def test_ttl_pinned_blocks_stay_in_host_until_they_expire(tmp_path: Path) -> None:

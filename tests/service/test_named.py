@@ -97,7 +97,7 @@ def test_named_blocks_stored_by_one_process_load_in_another(running: Running) ->
         cwd=ROOT,
     )
     assert json.loads(out.stdout) == {"exists": [True] * 3, "sums": [int(b.sum()) for b in blocks]}
-    assert running.svc.manager.stats()["pinned_blocks"] == 0
+    assert running.svc.manager.stats().pinned_blocks == 0
 
 
 def test_a_named_load_pins_the_leading_names_until_released(running: Running) -> None:
@@ -107,8 +107,8 @@ def test_a_named_load_pins_the_leading_names_until_released(running: Running) ->
         with c.named_load([b"state/0", b"state/1", b"absent", b"state/2"], NS) as load:
             assert [torch.equal(v, b) for v, b in zip(load.blocks, blocks, strict=False)] == [True, True]
             assert load.served_from == [TierKind.HOST] * 2
-            assert running.svc.manager.stats()["pinned_blocks"] == 2
-        assert running.svc.manager.stats()["pinned_blocks"] == 0
+            assert running.svc.manager.stats().pinned_blocks == 2
+        assert running.svc.manager.stats().pinned_blocks == 0
         assert c.named_load(names(3), "other-tenant").blocks == []
 
 
@@ -161,7 +161,7 @@ def test_a_named_block_corrupted_on_disk_is_a_counted_miss(tmp_path: Path) -> No
         with second.client() as c:
             with c.named_load(names(3), NS) as load:
                 assert len(load.blocks) == 1 and torch.equal(load.blocks[0], blocks[0])
-            assert c.stats()["disk"]["checksum_failures"] == 1
+            assert c.stats().tiers["disk"].checksum_failures == 1
             assert c.named_exists(names(3), NS) == [True, False, True]
             assert c.named_store_from(names(3), fill_from(blocks), NS) == 1  # stored again, whole
             with c.named_load(names(3), NS) as load:

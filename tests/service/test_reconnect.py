@@ -88,14 +88,14 @@ def test_a_service_killed_and_restarted_is_used_from_the_first_call_after(tmp_pa
         kill(first)
         assert cache.lookup(cache.keyed(prompt(4 * BLOCK + 1, seed=1))).cached_blocks == 0  # a miss, no error
         assert cache.store(cache.keyed(prompt(4 * BLOCK + 1, seed=2)), [payload(toy_layout(), 0)] * 4) == 0
-        assert cache.stats()["service"]["connected"] is False
+        assert cache.stats().service.connected is False
     with service(tmp_path / "two", sock):
         clock.now += 5.0  # the next try is due
         assert cache.lookup(cache.keyed(prompt(4 * BLOCK + 1, seed=1))).cached_blocks == 0  # the new one is empty
         assert store_and_look(cache, seed=3) == (4, 4)  # and used
         stats = cache.stats()
-        assert stats["service"]["connected"] is True and stats["host"]["blocks"] == 4
-        assert stats["service"]["failures"] >= 1 and stats["service"]["connects"] == 2
+        assert stats.service.connected is True and stats.tiers["host"].blocks == 4
+        assert stats.service.failures >= 1 and stats.service.connects == 2
         cache.close()
 
 

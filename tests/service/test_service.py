@@ -90,7 +90,7 @@ def test_blocks_stored_by_one_process_load_in_another_byte_for_byte(service: Cac
     got = json.loads(out.stdout)
     assert got["sums"] == [int(as_bytes(b).sum()) for b in data]
     assert got["tiers"] == ["host"] * 4
-    assert service.manager.stats()["pinned_blocks"] == 0
+    assert service.manager.stats().pinned_blocks == 0
 
 
 def test_a_load_is_a_view_of_the_shared_slab_and_release_unpins(service: CacheService) -> None:
@@ -101,8 +101,8 @@ def test_a_load_is_a_view_of_the_shared_slab_and_release_unpins(service: CacheSe
         with c.load(tokens, "default") as load:
             assert [torch.equal(v, as_bytes(b)) for v, b in zip(load.blocks, data, strict=True)] == [True, True]
             assert load.served_from == [TierKind.HOST, TierKind.HOST]
-            assert service.manager.stats()["pinned_blocks"] == 2
-        assert service.manager.stats()["pinned_blocks"] == 0
+            assert service.manager.stats().pinned_blocks == 2
+        assert service.manager.stats().pinned_blocks == 0
         assert c.load(tokens, "other-tenant").blocks == []  # the namespace is in the key
 
 
@@ -121,7 +121,7 @@ def test_a_client_killed_while_holding_pins_loses_them(service: CacheService) ->
         assert child.stdout is not None
         child.stdout.readline()  # the first load's sums
         assert child.stdout.readline().split() == ["pinned", "3"]
-        assert service.manager.stats()["pinned_blocks"] == 3
+        assert service.manager.stats().pinned_blocks == 3
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     finally:
@@ -129,7 +129,7 @@ def test_a_client_killed_while_holding_pins_loses_them(service: CacheService) ->
             child.kill()
             child.wait()
     assert service.wait_connections(0, timeout=60)  # the killed client's connection ended, its pins with it
-    assert service.manager.stats()["pinned_blocks"] == 0
+    assert service.manager.stats().pinned_blocks == 0
 
 
 def test_an_abandoned_reservation_is_given_back(service: CacheService) -> None:
@@ -297,7 +297,7 @@ def test_a_reservation_left_uncommitted_is_withdrawn_and_its_late_commit_refused
         svc.expire_reservations()
         assert c._ask(protocol.Commit(reserved.lease)) is None  # the hung engine's late commit is refused
         assert c.lookup(tokens, "default").cached_blocks == 0
-        assert svc.manager.stats()["host"]["withheld_blocks"] == 2  # unpublished; the engine may still write there
+        assert svc.manager.stats().tiers["host"].withheld_blocks == 2  # unpublished; the engine may still write there
         with client(svc) as other:  # the keys are free for anyone else, in other slots
             assert other.store(tokens, blocks(2, seed=7), "default") == 2
         assert svc.manager.host.free_blocks() == 4
@@ -350,10 +350,10 @@ def test_a_late_fill_after_its_reservation_expired_never_changes_anothers_commit
             assert len(load.blocks) == 6
             assert [torch.equal(v, as_bytes(d)) for v, d in zip(load.blocks, data_b, strict=True)] == [True] * 6
         assert c.lookup(tokens_a, "default").cached_blocks == 0
-        assert svc.manager.stats()["host"]["withheld_blocks"] == 6  # until A's connection ends
+        assert svc.manager.stats().tiers["host"].withheld_blocks == 6  # until A's connection ends
         a.close()
         assert svc.wait_connections(2, timeout=60)
-        assert svc.manager.stats()["host"]["withheld_blocks"] == 0
+        assert svc.manager.stats().tiers["host"].withheld_blocks == 0
         assert svc.manager.host.free_blocks() == 10
     finally:
         b.close()
@@ -396,12 +396,12 @@ def test_a_client_closed_while_a_load_is_copied_keeps_its_pins_until_released(se
     c.store(tokens, data, "default")
     load = c.load(tokens, "default")
     c.close()
-    assert c._sock.fileno() != -1 and service.manager.stats()["pinned_blocks"] == 2
+    assert c._sock.fileno() != -1 and service.manager.stats().pinned_blocks == 2
     assert [torch.equal(v, as_bytes(b)) for v, b in zip(load.blocks, data, strict=True)] == [True, True]
     load.release()
     assert c._sock.fileno() == -1
     assert service.wait_connections(0, timeout=60)
-    assert service.manager.stats()["pinned_blocks"] == 0
+    assert service.manager.stats().pinned_blocks == 0
 
 
 def test_requests_out_of_bounds_are_refused_in_one_line_and_the_connection_goes_on(service: CacheService) -> None:
@@ -425,7 +425,7 @@ def test_requests_out_of_bounds_are_refused_in_one_line_and_the_connection_goes_
         assert c._ask(message) is None, message  # a Failure: a miss for the client, counted
         assert c.failures == n
     assert service.manager.ttl_pinned() == 0
-    assert service.manager.stats()["pinned_blocks"] == 0
+    assert service.manager.stats().pinned_blocks == 0
     assert c.lookup(tokens, "default", first_block=3).cached_blocks == 3  # the end of the prompt is a place
     assert c.lookup(tokens, "default").cached_blocks == 3  # the same connection still answers
     c.close()
@@ -445,7 +445,7 @@ def test_clients_past_max_clients_are_turned_away_and_admitted_once_one_leaves(t
         first.close()
         assert svc.wait_connections(1, timeout=60)
         with client(svc) as third:
-            assert third.stats()["host"]["blocks"] == 0
+            assert third.stats().tiers["host"].blocks == 0
         second.close()
     finally:
         svc.close()
@@ -471,8 +471,8 @@ def test_a_load_after_its_lookup_counts_the_hit_once(service: CacheService) -> N
         assert scheduler.lookup(tokens, "default").cached_blocks == 3
         with worker.load(tokens, "default") as load:
             assert len(load.blocks) == 3
-    host = service.manager.stats()["host"]
-    assert host["hit_tokens"] == 3 * BLOCK and host["lookups"] == 1
+    host = service.manager.stats().tiers["host"]
+    assert host.hit_tokens == 3 * BLOCK and host.lookups == 1
 
 
 def raw_exchange(path: Path, payload: bytes) -> bytes:
@@ -499,7 +499,7 @@ def test_malformed_frames_end_that_connection_only(service: CacheService) -> Non
     assert isinstance(refused, protocol.Refused) and "Hello" in refused.reason
     assert service.wait_connections(0, timeout=60)
     with client(service) as c:  # the service is unharmed
-        assert c.stats()["host"]["blocks"] == 0
+        assert c.stats().tiers["host"].blocks == 0
 
 
 def test_a_second_service_on_a_live_socket_or_disk_refuses_and_leaves_nothing(
@@ -515,7 +515,7 @@ def test_a_second_service_on_a_live_socket_or_disk_refuses_and_leaves_nothing(
         )
     assert set(tmp_path.glob("*.slab")) == slabs  # the refused one's shared-memory slab is gone
     with client(service) as c:  # the first one still answers on its socket
-        assert c.stats()["host"]["blocks"] == 0
+        assert c.stats().tiers["host"].blocks == 0
 
 
 def test_socket_group_shares_socket_and_slab_and_admits_its_members(tmp_path: Path) -> None:

@@ -138,8 +138,8 @@ def test_store_probe_get_round_trip(redis_server) -> None:
         for got, want in zip(outs, blocks, strict=True):
             assert torch.equal(got, as_bytes(want))
         snap = tier.snapshot()
-        assert snap["writes"] == 3 and snap["bytes_read"] == 3 * LAYOUT.block_bytes
-        assert snap["breakers"] == {f"127.0.0.1:{redis_server.port}": "closed"}
+        assert snap.writes == 3 and snap.bytes_read == 3 * LAYOUT.block_bytes
+        assert snap.breakers == {f"127.0.0.1:{redis_server.port}": "closed"}
     finally:
         tier.close()
 
@@ -224,7 +224,7 @@ def test_hostile_values_in_redis_are_counted_misses_and_never_served(redis_serve
         assert not outs[0].any() and not outs[1].any()  # refused before a byte was copied
         # (block 8's bytes were copied, then refused: the manager reads into a reserved slot and aborts it)
         snap = tier.snapshot()
-        counts = {r.value: snap[r.value] for r in Rejection}
+        counts = {r.value: getattr(snap, r.value) for r in Rejection}
         assert counts == {
             "bad_length": 4,
             "bad_header": 0,
@@ -256,7 +256,7 @@ def test_a_block_larger_than_a_mac_step_is_authenticated_in_pieces_as_it_lands(r
         outs = [torch.zeros(big.block_bytes, dtype=torch.uint8) for _ in range(3)]
         assert tier.get_many([key(i) for i in range(3)], outs) == [True, False, False]
         assert torch.equal(outs[0], as_bytes(blocks[0]))
-        assert tier.snapshot()["bad_payload"] == 2
+        assert tier.snapshot().bad_payload == 2
     finally:
         tier.close()
         client.close()
@@ -273,7 +273,7 @@ def test_a_value_replaced_after_the_probe_is_refused_before_its_payload_lands(re
         client.set(tier.name(key(0)), other)
         ok, outs = read(tier, [key(0)])
         assert ok == [False] and not outs[0].any()
-        assert tier.snapshot()["foreign_tokens"] == 1
+        assert tier.snapshot().foreign_tokens == 1
         assert tier.probe([key(0)]) == [record(99)]  # the connection is still in step: the next call works
     finally:
         tier.close()
@@ -291,7 +291,7 @@ def test_a_killed_server_opens_the_breaker_and_a_restarted_one_closes_it(redis_s
         assert tier.breakers() == {f"127.0.0.1:{redis_server.port}": BreakerState.OPEN.value}
         assert tier.probe([key(0)]) == [None]  # skipped: no call made
         snap = tier.snapshot()
-        assert snap["errors"] == 2 and snap["skipped"] == 1 and snap["breaker_opens"] == 1
+        assert snap.errors == 2 and snap.skipped == 1 and snap.breaker_opens == 1
         redis_server.restart()
         assert tier.probe([key(0)]) == [None]  # still open: the retry period has not passed
         clock.now += 5.0
@@ -315,8 +315,8 @@ def test_a_full_write_queue_drops_and_counts(redis_server) -> None:
         assert tier.flush()
         snap = tier.snapshot()
         assert queued.count(False) >= 2
-        assert snap["dropped_writes"] == queued.count(False)
-        assert snap["writes"] == queued.count(True)
+        assert snap.dropped_writes == queued.count(False)
+        assert snap.writes == queued.count(True)
     finally:
         tier.close()
 

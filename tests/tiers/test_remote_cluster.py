@@ -95,11 +95,11 @@ def test_a_live_reshard_is_followed_and_never_serves_a_wrong_byte(cluster: Redis
 
         migrate = ("migrate", "127.0.0.1", str(target.port), "", "0", "5000", "keys")
         assert cluster.command(source, *migrate, names[moving[0]]).strip() == "OK"
-        before = tier.snapshot()["redirects"]
+        before = tier.snapshot().redirects
         assert served(tier, moving[:3] + others) == [True] * 11  # the moved key by ASK, the rest from the source
-        assert tier.snapshot()["redirects"] > before
+        assert tier.snapshot().redirects > before
         put(tier, [moving[3]])  # a new key in the migrating slot: the source sends the SET on (ASK)
-        assert tier.snapshot()["dropped_writes"] == 0
+        assert tier.snapshot().dropped_writes == 0
         assert _exists_importing(target, names[moving[3]])
         assert served(tier, [moving[3]]) == [True]
 
@@ -107,15 +107,15 @@ def test_a_live_reshard_is_followed_and_never_serves_a_wrong_byte(cluster: Redis
         for node in cluster.nodes:  # the slot is the target's now, on every master (no wait for gossip)
             cluster.command(node, "cluster", "setslot", str(slot), "node", cluster.node_id(target))
         cluster.wait_until(lambda: cluster.owner(slot) is target, "the target owns the moved slot")
-        before = tier.snapshot()["redirects"]
+        before = tier.snapshot().redirects
         assert served(tier, moving + others) == [True] * 12  # MOVED followed, and the slot map read again
-        assert tier.snapshot()["redirects"] > before
+        assert tier.snapshot().redirects > before
         clock.now += 1.0  # the map refresh on MOVED is at most once a second
         assert served(tier, moving) == [True] * 4
         route = tier._nodes.route([tier.name(key(i)) for i in moving])
         assert [n.name for n in route] == [f"127.0.0.1:{target.port}"]
         snap = tier.snapshot()
-        assert (snap["errors"], snap["dropped_writes"], snap["bad_length"]) == (0, 0, 0)
+        assert (snap.errors, snap.dropped_writes, snap.bad_length) == (0, 0, 0)
     finally:
         tier.close()
 
@@ -168,7 +168,7 @@ def test_a_killed_master_misses_until_its_replica_takes_over_then_hits_through_i
         victim.kill()
         assert served(tier, ids) == [not dead for dead in on_victim]  # its blocks miss (counted), the rest hit
         snap = tier.snapshot()
-        assert snap["errors"] >= 1 and snap["breakers"][f"127.0.0.1:{victim.port}"] == "open"
+        assert snap.errors >= 1 and snap.breakers[f"127.0.0.1:{victim.port}"] == "open"
 
         assert replicated.command(replica, "cluster", "failover", "takeover").strip() == "OK"
         slot = key_slot(tier.name(key(0)))

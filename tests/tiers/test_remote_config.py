@@ -54,7 +54,7 @@ def test_a_password_is_used_and_a_wrong_one_is_a_counted_miss() -> None:
             store(good, 1)
             assert good.probe([key(0)]) == [record(0)]
             assert bad.probe([key(0)]) == [None]
-            assert bad.snapshot()["errors"] == 1
+            assert bad.snapshot().errors == 1
         finally:
             good.close()
             bad.close()
@@ -68,8 +68,8 @@ def test_a_hung_server_costs_one_bounded_timeout_then_the_breaker_skips_it(redis
         for _ in range(4):
             assert tier.probe([key(0)]) == [None]
         snap = tier.snapshot()
-        assert snap["timeouts"] == 1 and snap["errors"] == 1  # one bounded wait opens it at once ...
-        assert snap["skipped"] == 3 and snap["breaker_opens"] == 1  # ... then no call at all
+        assert snap.timeouts == 1 and snap.errors == 1  # one bounded wait opens it at once ...
+        assert snap.skipped == 3 and snap.breaker_opens == 1  # ... then no call at all
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
         tier.close()

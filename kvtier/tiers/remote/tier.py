@@ -39,7 +39,7 @@ import torch
 from kvtier.config import RemoteConfig
 from kvtier.keys import BlockKey, Secret
 from kvtier.layout import KVLayout
-from kvtier.stats import RemoteStats
+from kvtier.stats import RemoteSnapshot, RemoteStats
 from kvtier.tiers.base import BlockRecord, TierKind
 from kvtier.tiers.remote.frame import HEADER_BYTES, FrameError, Framer, layout_id
 from kvtier.tiers.remote.nodes import Nodes, RespReader, is_error
@@ -256,12 +256,12 @@ class RemoteTier:
         """Each node's circuit breaker state, by node name."""
         return self._nodes.breakers()
 
-    def snapshot(self) -> dict[str, object]:
-        snap = self.stats.snapshot()
-        snap["breakers"] = self.breakers()
-        snap["breaker_opens"] = sum(n.breaker.opened for n in self._nodes.all)
-        snap["write_queue"] = self._writer.waiting()
-        return snap
+    def snapshot(self) -> RemoteSnapshot:
+        return self.stats.snapshot(
+            breakers=self.breakers(),
+            breaker_opens=sum(n.breaker.opened for n in self._nodes.all),
+            write_queue=self._writer.waiting(),
+        )
 
     def close(self) -> None:
         """Let queued writes drain for a bounded time, stop the writer, close the connections."""
