@@ -16,12 +16,6 @@
  *   Q8_0:  w[j] = d * q[j] (+ m where minimums are given), q an int8.
  *   Q8_16: w[j] = d[j / 16] * q[j], q an int8: two scales per 32-weight block (Q6_K).
  *
- * A K-quant's scales may also come as stored (factored): an int8 code per scale and a
- * float32 scale per 256-weight super-block, scale = super * code. The kernel multiplies
- * each row's out before the row (exact: an 11-bit float16 mantissa times an 8-bit code
- * fits float32's 24 bits), so the products are the very float32 scales above, and the
- * bytes read per weight drop from 6 to 4.75 (Q4_K) and from 10 to 8.6 (Q6_K).
- *
  * out[i, r] = sum_j w[r, j] * x[i, j], in float32, for i < n rows of x. Per block,
  * sum_j (d q_j + m) x_j = d * (q . x) + m * sum(x): the sums of x per block are taken
  * once per call and shared by all rows. Every output row is computed by one thread in a
@@ -58,7 +52,6 @@
 #define QV_UNIT_ALIGN 16
 #define QV_MAX_X 64   /* rows of x per call: a decode batch */
 #define QV_GROUP 4    /* rows of x sharing one unpacking of a weight block */
-#define QV_MAX_SCALES 8192 /* scales per row where they come factored: 131,072 columns of Q8_16 */
 
 typedef enum { QV_Q4_1 = 0, QV_Q8_0 = 1, QV_Q8_16 = 2 } qv_kind_t;
 
@@ -67,10 +60,6 @@ typedef struct {
     const uint8_t *q;  /* rows x row_bytes */
     const float *d;    /* rows x scales */
     const float *m;    /* rows x blocks, or NULL (no minimums) */
-    /* Factored scales (ds != NULL): d and m then hold int8 codes, and scale i of row r is
-     * ds[r * supers + i / per] * code (minimums alike with ms, one code a block). */
-    const float *ds, *ms;
-    int64_t supers, per, m_per;
     const float *x;    /* n x cols */
     const float *xsum; /* n x blocks (where m is given) */
     const uint16_t *xb; /* the bfloat16 build's x: n x pairs x 64, in its lane order (qv_arrange) */
@@ -85,41 +74,17 @@ typedef struct {
     void (*rows_fn)(const void *job, int64_t r0, int64_t r1);
 } qv_job_t;
 
-/* Each thread's row of scales and minimums, where they come factored. */
-static __thread float qv_dbuf[QV_MAX_SCALES], qv_mbuf[QV_MAX_SCALES];
-
-/* `count` codes times their super-blocks' scales (`per` codes to a super-block). */
-static void qv_unfactor(const int8_t *codes, const float *supers, int64_t count, int64_t per, float *out) {
-    for (int64_t s = 0; s * per < count; s++)
-        for (int64_t k = s * per; k < (s + 1) * per && k < count; k++) out[k] = supers[s] * (float)codes[k];
-}
-
-/* Row r's scales as float32: the stored ones, or the factored ones multiplied out. */
-static inline const float *qv_row_d(const qv_job_t *j, int64_t r) {
-    if (j->ds == NULL) return j->d + r * j->scales;
-    qv_unfactor((const int8_t *)j->d + r * j->scales, j->ds + r * j->supers, j->scales, j->per, qv_dbuf);
-    return qv_dbuf;
-}
-
-/* Row r's minimums as float32 (NULL without them), as qv_row_d. */
-static inline const float *qv_row_m(const qv_job_t *j, int64_t r) {
-    if (j->m == NULL) return NULL;
-    if (j->ms == NULL) return j->m + r * j->blocks;
-    qv_unfactor((const int8_t *)j->m + r * j->blocks, j->ms + r * j->supers, j->blocks, j->m_per, qv_mbuf);
-    return qv_mbuf;
-}
-
 /* -- portable ------------------------------------------------------------------- */
 static void qv_rows_base(const void *job, int64_t r0, int64_t r1) {
     const qv_job_t *j = job;
     float w[QV_BLOCK];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
-        const float *d = qv_row_d(j, r), *m = qv_row_m(j, r);
         for (int i = 0; i < j->n; i++) {
             const float *x = j->x + (int64_t)i * j->cols;
             float total = 0.0f;
             for (int64_t b = 0; b < j->blocks; b++) {
+                const float *d = j->d + r * j->scales;
                 if (j->kind == QV_Q8_16) {
                     const int8_t *p = (const int8_t *)q + b * QV_BLOCK;
                     float lo = 0.0f, hi = 0.0f;
@@ -141,7 +106,7 @@ static void qv_rows_base(const void *job, int64_t r0, int64_t r1) {
                 }
                 for (int k = 0; k < QV_BLOCK; k++) dot += w[k] * x[b * QV_BLOCK + k];
                 total += d[b] * dot;
-                if (m != NULL) total += m[b] * j->xsum[(int64_t)i * j->blocks + b];
+                if (j->m != NULL) total += j->m[r * j->blocks + b] * j->xsum[(int64_t)i * j->blocks + b];
             }
             j->out[(int64_t)i * j->rows + r] = total;
         }
@@ -200,9 +165,10 @@ QV_AVX2 static inline __m256 qv_block_acc(const qv_job_t *j, const __m256 f[4], 
  * minimums' share. One function for one row of x and for several, so that a row's result is
  * the same bits whether it was multiplied alone or with others (a decode step and a verify
  * step of prompt lookup give a token the same logits). */
-QV_AVX2 static inline float qv_total(const qv_job_t *j, const float *m, __m256 acc0, __m256 acc1, const float *xsum) {
+QV_AVX2 static inline float qv_total(const qv_job_t *j, int64_t r, __m256 acc0, __m256 acc1, const float *xsum) {
     float total = qv_hsum(_mm256_add_ps(acc0, acc1));
-    if (m != NULL) {
+    if (j->m != NULL) {
+        const float *m = j->m + r * j->blocks;
         __m256 bias = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k + 8 <= j->blocks; k += 8) bias = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(xsum + k), bias);
@@ -216,7 +182,7 @@ QV_AVX2 static inline float qv_total(const qv_job_t *j, const float *m, __m256 a
 QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, int64_t qb) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
-        const float *d = qv_row_d(j, r), *m = qv_row_m(j, r);
+        const float *d = j->d + r * j->scales;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 1 < j->blocks; b += 2) {
@@ -231,7 +197,7 @@ QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, 
             qv_unpack(j->kind, q + b * qb, f);
             acc0 = qv_block_acc(j, f, j->x + b * QV_BLOCK, d, b, acc0);
         }
-        j->out[r] = qv_total(j, m, acc0, acc1, j->xsum);
+        j->out[r] = qv_total(j, r, acc0, acc1, j->xsum);
     }
 }
 
@@ -244,7 +210,7 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
     }
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
-        const float *d = qv_row_d(j, r), *m = qv_row_m(j, r);
+        const float *d = j->d + r * j->scales;
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
             const int g = j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP;
             __m256 acc0[QV_GROUP], acc1[QV_GROUP];  /* even and odd blocks, as qv_rows_avx2_one sums them */
@@ -262,7 +228,7 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
             }
             for (int i = 0; i < g; i++)
                 j->out[(int64_t)(i0 + i) * j->rows + r] =
-                    qv_total(j, m, acc0[i], acc1[i], j->xsum + (int64_t)(i0 + i) * j->blocks);
+                    qv_total(j, r, acc0[i], acc1[i], j->xsum + (int64_t)(i0 + i) * j->blocks);
         }
     }
 }
@@ -328,8 +294,8 @@ static void qv_arrange(const uint16_t *x, int n, int64_t cols, int64_t pairs, ui
 /* One weight row times G rows of x, G a constant at every call site so that the
  * accumulators stay in registers (a runtime G kept them on the stack, and every pair
  * waited on a store and a reload). Each x row's operations are the same for any G. */
-QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv_job_t *j, int64_t r, const float *d,
-                                                                       const float *m, int i0, const int G) {
+QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv_job_t *j, int64_t r, int i0,
+                                                                       const int G) {
     /* bfloat16 of 0..15, high bytes and low bytes, as vpshufb tables (each 128-bit lane alike) */
     const __m512i hi_bytes = _mm512_broadcast_i32x4(
         _mm_setr_epi8(0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41));
@@ -340,6 +306,7 @@ QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv
     const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
     const int64_t qb = QV_BLOCK / 2, whole = j->blocks / 2;
     const uint8_t *q = j->q + r * j->row_bytes;
+    const float *d = j->d + r * j->blocks, *m = j->m + r * j->blocks;
     __m512 acc0[QV_GROUP], acc1[QV_GROUP]; /* even and odd pairs */
     for (int i = 0; i < G; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < j->pairs; p++) {
@@ -377,17 +344,15 @@ QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv
 
 QV_BF16 static void qv_rows_bf16(const void *job, int64_t r0, int64_t r1) {
     const qv_job_t *j = job;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *d = qv_row_d(j, r), *m = qv_row_m(j, r);
+    for (int64_t r = r0; r < r1; r++)
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
             switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {
-            case 1: qv_bf16_group(j, r, d, m, i0, 1); break;
-            case 2: qv_bf16_group(j, r, d, m, i0, 2); break;
-            case 3: qv_bf16_group(j, r, d, m, i0, 3); break;
-            default: qv_bf16_group(j, r, d, m, i0, 4); break;
+            case 1: qv_bf16_group(j, r, i0, 1); break;
+            case 2: qv_bf16_group(j, r, i0, 2); break;
+            case 3: qv_bf16_group(j, r, i0, 3); break;
+            default: qv_bf16_group(j, r, i0, 4); break;
             }
         }
-    }
 }
 #endif
 
@@ -432,14 +397,13 @@ const char *kvt_quant_impl(void) {
 
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
-    static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", "x_bf16",
-                            "d_super", "m_super", "supers", NULL};
+    static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", "x_bf16", NULL};
     int kind, n, threads = 1, x_bf16 = 0;
-    unsigned long long q, d, m, x, out, ds = 0, ms = 0;
-    long long rows, cols, supers = 0;
+    unsigned long long q, d, m, x, out;
+    long long rows, cols;
     const char *impl = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izp$KKL:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols,
-                                     &x, &n, &out, &threads, &impl, &x_bf16, &ds, &ms, &supers))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izp:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols, &x,
+                                     &n, &out, &threads, &impl, &x_bf16))
         return NULL;
     if (kind != QV_Q4_1 && kind != QV_Q8_0 && kind != QV_Q8_16)
         return PyErr_Format(PyExc_ValueError, "kind must be 0 (Q4_1), 1 (Q8_0) or 2 (Q8_16)");
@@ -448,11 +412,6 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     if (threads < 1 || threads > 16) return PyErr_Format(PyExc_ValueError, "threads must be 1..16");
     if (!q || !d || !x || !out || (kind == QV_Q4_1 && !m)) return PyErr_Format(PyExc_ValueError, "null address");
     if (kind == QV_Q8_16 && m) return PyErr_Format(PyExc_ValueError, "Q8_16 has no minimums");
-    const int64_t n_scales = kind == QV_Q8_16 ? cols / (QV_BLOCK / 2) : cols / QV_BLOCK;
-    if (ms && !ds) return PyErr_Format(PyExc_ValueError, "factored minimums need factored scales");
-    if (ds && (supers <= 0 || n_scales % supers || (cols / QV_BLOCK) % supers || (m && !ms) || n_scales > QV_MAX_SCALES))
-        return PyErr_Format(PyExc_ValueError, "factored scales: supers must divide every row's scales (at most %d), "
-                            "and minimums come factored too", QV_MAX_SCALES);
     kvt_quant_impl();
     void (*rows_fn)(const void *, int64_t, int64_t) = qv_rows_best;
     int use_bf16 = x_bf16 && kind == QV_Q4_1 && qv_has_bf16 && impl == NULL;
@@ -477,11 +436,6 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
         .q = (const uint8_t *)(uintptr_t)q,
         .d = (const float *)(uintptr_t)d,
         .m = (const float *)(uintptr_t)m,
-        .ds = (const float *)(uintptr_t)ds,
-        .ms = (const float *)(uintptr_t)ms,
-        .supers = ds ? supers : 0,
-        .per = ds ? n_scales / supers : 0,
-        .m_per = ds ? cols / QV_BLOCK / supers : 0,
         .x = n_wide ? wide : (const float *)(uintptr_t)x,
         .xsum = xsum,
         .xb = use_bf16 ? xb : NULL,

@@ -35,7 +35,6 @@ import torch
 
 from kvtier import extension
 from kvtier.model import QuantBlocks, QuantKind
-from kvtier.model.blocks import Factored
 
 _native = extension.kernels
 
@@ -51,12 +50,10 @@ class QuantMatrix:
 
     kind: QuantKind
     q: torch.Tensor  # uint8 [rows, cols / 2] (Q4_1) or [rows, cols] (int8 as uint8: Q8_0, Q8_16)
-    d: torch.Tensor  # float32 [rows, cols / 32] ([rows, cols / 16] for Q8_16), or int8 codes (factored)
-    m: torch.Tensor | None  # [rows, cols / 32] as d: always for Q4_1, for Q8_0 where the source had minimums
+    d: torch.Tensor  # float32 [rows, cols / 32] ([rows, cols / 16] for Q8_16)
+    m: torch.Tensor | None  # float32 [rows, cols / 32]: always for Q4_1, for Q8_0 where the source had minimums
     rows: int
     cols: int
-    d_super: torch.Tensor | None = None  # factored (K-quant) scales: float32 [rows, super-blocks], d the codes
-    m_super: torch.Tensor | None = None  # and minimums, m the codes
 
     @classmethod
     def of(cls, blocks: QuantBlocks) -> QuantMatrix:
@@ -67,8 +64,7 @@ class QuantMatrix:
         """Rows of ``parts`` stacked, like ``torch.cat`` of the dense matrices (fused Q/K/V, gate/up).
 
         Parts must share a form; where only some carry minimums, the others get
-        zeros (the same weights, and one kernel call instead of two). Scales
-        stay factored where every part has them so, with super-blocks alike.
+        zeros (the same weights, and one kernel call instead of two).
         """
         kinds = {p.kind for p in parts}
         if len(kinds) != 1 or len({p.cols for p in parts}) != 1:
@@ -78,30 +74,15 @@ class QuantMatrix:
         def stack(arrays: list[np.ndarray]) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(np.concatenate(arrays, axis=0)))
 
-        rows, cols, q = sum(p.rows for p in parts), parts[0].cols, stack([p.q for p in parts])
         with_min = any(p.m is not None for p in parts)
-        factored = _factored(parts, with_min)
-        if factored is not None:
-            d, m, d_super, m_super = (None if a is None else stack(a) for a in factored)
-            assert d is not None
-            return cls(kind, q, d, m, rows, cols, d_super, m_super)
-        m = stack([np.zeros(p.m_shape, np.float32) if p.m is None else p.m for p in parts]) if with_min else None
-        return cls(kind, q, stack([p.d for p in parts]), m, rows, cols)
-
-    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The scales and minimums as float32, factored ones multiplied out (what the kernel computes row by row)."""
-
-        def plain(values: torch.Tensor, supers: torch.Tensor | None) -> torch.Tensor:
-            if supers is None:
-                return values
-            return torch.from_numpy(Factored(values.numpy(), supers.numpy()).values())
-
-        return plain(self.d, self.d_super), None if self.m is None else plain(self.m, self.m_super)
+        m = stack([np.zeros_like(p.d) if p.m is None else p.m for p in parts]) if with_min else None
+        return cls(
+            kind, stack([p.q for p in parts]), stack([p.d for p in parts]), m, sum(p.rows for p in parts), parts[0].cols
+        )
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.q, self.d, self.m, self.d_super, self.m_super)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
     def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
         """``x [n, cols]`` (float32 or bfloat16) times the matrix's transpose: ``[n, rows]`` float32.
@@ -138,30 +119,8 @@ class QuantMatrix:
             threads or torch.get_num_threads(),  # the team's workers watch between calls: even a small matrix gains
             impl,
             x.dtype == torch.bfloat16,
-            d_super=0 if self.d_super is None else self.d_super.data_ptr(),
-            m_super=0 if self.m_super is None else self.m_super.data_ptr(),
-            supers=0 if self.d_super is None else self.d_super.shape[1],
         )
         return out
-
-
-def _factored(
-    parts: Sequence[QuantBlocks], with_min: bool
-) -> tuple[list[np.ndarray], list[np.ndarray] | None, list[np.ndarray], list[np.ndarray] | None] | None:
-    """The parts' codes and super-block scales (scales, minimums, and their supers) where every part has its
-    scales factored on super-blocks of one size and its minimums factored or absent; else None."""
-    ds = [p.d_factored for p in parts]
-    if any(f is None for f in ds) or len({f.supers.shape[1] for f in ds if f is not None}) != 1:
-        return None
-    d = [f for f in ds if f is not None]
-    if not with_min:
-        return [f.codes for f in d], None, [f.supers for f in d], None
-    if any(p.m is not None and p.m_factored is None for p in parts):
-        return None
-    m_codes = [np.zeros(p.m_shape, np.int8) if p.m_factored is None else p.m_factored.codes for p in parts]
-    pairs = zip(d, parts, strict=True)
-    m_supers = [np.zeros_like(f.supers) if p.m_factored is None else p.m_factored.supers for f, p in pairs]
-    return [f.codes for f in d], m_codes, [f.supers for f in d], m_supers
 
 
 @dataclass(frozen=True)

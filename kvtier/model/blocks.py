@@ -15,11 +15,6 @@ repacks, at load, into one of:
 * :attr:`QuantKind.Q8_16`: ``q`` an int8 and a scale per 16. From Q6_K
   (``q - 32``, scale ``d * scales[i]``).
 
-The K-quants' scales also travel as stored (:class:`Factored`): an 8-bit
-code per scale and a float32 per 256 weights, which the kernel multiplies
-out row by row. Reading those instead of float32 scales brings Q4_K from 6
-to 4.75 bits a weight and Q6_K from 10 to 8.6.
-
 The products that make the float32 scales (a float16 times a 6- or 8-bit
 integer) and the weights ``scale * q + minimum`` are exact or rounded once,
 exactly as ``gguf.quants.dequantize`` rounds them, so the repacked blocks
@@ -47,22 +42,6 @@ class QuantKind(enum.IntEnum):
     Q8_16 = 2  # int8 q, float32 scale per 16
 
 
-class Factored(NamedTuple):
-    """Scales as a K-quant stores them: ``scale[r, i] = supers[r, i // per] * codes[r, i]`` (``per`` a super-block).
-
-    Each product is exact in float32 (a float16 times an 8-bit code), so a
-    factored scale is the very float32 the plain form holds.
-    """
-
-    codes: np.ndarray  # int8 [rows, scales]
-    supers: np.ndarray  # float32 [rows, super-blocks]
-
-    def values(self) -> np.ndarray:
-        """The float32 scales, ``[rows, scales]``."""
-        per = self.codes.shape[1] // self.supers.shape[1]
-        return np.repeat(self.supers, per, axis=1) * self.codes.astype(np.float32)
-
-
 class QuantBlocks(NamedTuple):
     """One weight matrix in a kernel form: arrays a C kernel can stream, row by row.
 
@@ -70,8 +49,7 @@ class QuantBlocks(NamedTuple):
     nibbles; the int8 forms: ``cols`` int8 as uint8); ``d`` the scales,
     float32 ``[rows, cols / 32]`` (``[rows, cols / 16]`` for Q8_16); ``m`` the
     minimums, float32 ``[rows, cols / 32]`` or None. ``source`` is the GGML
-    format they came from. A K-quant also keeps its scales and minimums as
-    stored (``d_factored``, ``m_factored``): the same values, fewer bytes.
+    format they came from.
     """
 
     kind: QuantKind
@@ -79,22 +57,6 @@ class QuantBlocks(NamedTuple):
     d: np.ndarray
     m: np.ndarray | None
     source: GGMLQuantizationType
-    d_factored: Factored | None = None
-    m_factored: Factored | None = None
-
-    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> QuantBlocks:
-        """Every per-row array through ``fn`` (a reordering of rows, the same for all of them)."""
-
-        def factored(f: Factored | None) -> Factored | None:
-            return None if f is None else Factored(fn(f.codes), fn(f.supers))
-
-        return self._replace(
-            q=fn(self.q),
-            d=fn(self.d),
-            m=None if self.m is None else fn(self.m),
-            d_factored=factored(self.d_factored),
-            m_factored=factored(self.m_factored),
-        )
 
     @property
     def rows(self) -> int:
@@ -104,11 +66,6 @@ class QuantBlocks(NamedTuple):
     def cols(self) -> int:
         return int(self.q.shape[1]) * (2 if self.kind is QuantKind.Q4_1 else 1)
 
-    @property
-    def m_shape(self) -> tuple[int, int]:
-        """The shape of minimums for these rows, one a 32-weight block."""
-        return (self.rows, self.cols // 32)
-
 
 class _Form(NamedTuple):
     """One format's blocks in the kernel's form, a row of arrays per GGML block: ``w = d[s] * q + m[s]``."""
@@ -116,8 +73,6 @@ class _Form(NamedTuple):
     q: np.ndarray  # [n, quant bytes per block] uint8: packed nibbles (Q4_1) or int8 as uint8
     d: np.ndarray  # [n, scales per block] float32
     m: np.ndarray | None  # [n, scales per block] float32
-    d_codes: tuple[np.ndarray, np.ndarray] | None = None  # K-quants: int8 [n, scales per block], float32 [n, 1]
-    m_codes: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -170,13 +125,10 @@ def _q5_1(b: np.ndarray) -> _Form:
     return _Form(_int8(q), _f16(b[:, 0:2]), _f16(b[:, 2:4]))
 
 
-def _k_scales(b: np.ndarray, q: np.ndarray) -> _Form:
-    """Q4_K/Q5_K with quants ``q``: the eight sub-blocks' scales ``d * sc`` and minimums ``-dmin * m`` (exact),
-    multiplied out and as stored (6-bit codes, 0..63)."""
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: the eight sub-blocks' scales and minimums as float32, ``d * sc`` and ``-dmin * m`` (exact)."""
     sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    d, dmin = _f16(b[:, 0:2]), -_f16(b[:, 2:4])
-    codes, mins = sc.astype(np.int8), mn.astype(np.int8)
-    return _Form(q, d * sc.astype(np.float32), dmin * mn.astype(np.float32), (codes, d), (mins, dmin))
+    return _f16(b[:, 0:2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * mn.astype(np.float32))
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -186,12 +138,14 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_k(b: np.ndarray) -> _Form:
-    return _k_scales(b, _packed(_k_nibbles(b[:, 16:144])))
+    d, m = _k_scales(b)
+    return _Form(_packed(_k_nibbles(b[:, 16:144])), d, m)
 
 
 def _q5_k(b: np.ndarray) -> _Form:
+    d, m = _k_scales(b)
     high = np.unpackbits(np.ascontiguousarray(b[:, 16:48])[:, :, None], axis=-1, bitorder="little")  # [n, 32, 8]
-    return _k_scales(b, _int8(_k_nibbles(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)))
+    return _Form(_int8(_k_nibbles(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)), d, m)
 
 
 def _q6_k(b: np.ndarray) -> _Form:
@@ -199,9 +153,8 @@ def _q6_k(b: np.ndarray) -> _Form:
     ql, qh = b[:, 0:128].reshape(n, 2, 1, 64), b[:, 128:192].reshape(n, 2, 1, 32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(n, 2, 4, 32)  # 128 weights: l, l+32, l+64, l+96
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    codes = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
-    d = _f16(b[:, 208:210])
-    return _Form(_int8((low | (high << 4)).astype(np.int8) - 32), d * codes.astype(np.float32), None, (codes, d))
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return _Form(_int8((low | (high << 4)).astype(np.int8) - 32), _f16(b[:, 208:210]) * scales, None)
 
 
 # GGML format -> (bytes per block, its blocks in the kernel's form, the form)
@@ -227,12 +180,8 @@ def repack(raw: np.ndarray, fmt: GGMLQuantizationType, rows: int) -> QuantBlocks
     def per_row(a: np.ndarray, dtype: type) -> np.ndarray:
         return np.ascontiguousarray(a.reshape(rows, -1), dtype=dtype)
 
-    def factored(codes: tuple[np.ndarray, np.ndarray] | None) -> Factored | None:
-        return None if codes is None else Factored(per_row(codes[0], np.int8), per_row(codes[1], np.float32))
-
     m = None if f.m is None else per_row(f.m, np.float32)
-    d = per_row(f.d, np.float32)
-    return QuantBlocks(kind, per_row(f.q, np.uint8), d, m, fmt, factored(f.d_codes), factored(f.m_codes))
+    return QuantBlocks(kind, per_row(f.q, np.uint8), per_row(f.d, np.float32), m, fmt)
 
 
 def weights_of(kind: QuantKind, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:

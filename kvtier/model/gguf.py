@@ -18,7 +18,6 @@ Two things about the file layout decide correctness here:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -182,7 +181,9 @@ def _blocks(reader: GGUFReader, config: ModelConfig) -> dict[str, QuantBlocks]:
         hf_name = hf_tensor_name(tensor.name, config.architecture)
         heads = config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
         if config.traits.interleaved_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            blocks = blocks.map_rows(functools.partial(unpermute_qk, n_head=heads))
+            q, d, m = (None if a is None else unpermute_qk(a, heads) for a in (blocks.q, blocks.d, blocks.m))
+            assert q is not None and d is not None
+            blocks = blocks._replace(q=q, d=d, m=m)
         out[hf_name] = blocks
     return out
 

@@ -23,8 +23,8 @@ def dequantized(m: QuantMatrix | QuantStack) -> torch.Tensor:
     """The float32 matrix a :class:`QuantMatrix` (or a stack of them) stands for, computed the plain way."""
     if isinstance(m, QuantStack):
         return torch.cat([dequantized(p) for p in m.parts])
-    d, minimums = m.float_scales()
-    return torch.from_numpy(weights_of(m.kind, m.q.numpy(), d.numpy(), None if minimums is None else minimums.numpy()))
+    minimums = None if m.m is None else m.m.numpy()
+    return torch.from_numpy(weights_of(m.kind, m.q.numpy(), m.d.numpy(), minimums))
 
 
 def test_the_native_decode_path_is_the_one_in_use(loaded_model: LoadedModel) -> None:
@@ -189,43 +189,6 @@ def test_parts_in_different_forms_stack_as_one_matrix() -> None:
     assert isinstance(one, QuantMatrix) and one.kind is QuantKind.Q8_0 and one.m is not None
     assert_close_to_exact(one(x), x, dequantized(one))
     assert torch.equal(dequantized(one)[:64], torch.cat([dequantized(QuantMatrix.of(b)) for b in int8[:2]]))
-
-
-K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", K_QUANTS, ids=lambda f: f.name)
-def test_k_quant_scales_read_as_stored_give_the_same_bits_in_fewer_bytes(
-    fmt: GGMLQuantizationType, dtype: torch.dtype
-) -> None:
-    """A K-quant's 8-bit codes times its super-block scales are exactly the float32 scales: every build, any
-    batch, the same bits as the multiplied-out form, from 12-21% fewer bytes."""
-    blocks = repack(random_raw(fmt, 40, 1024, seed=int(fmt)), fmt, 40)
-    factored, plain = QuantMatrix.of(blocks), QuantMatrix.of(blocks._replace(d_factored=None, m_factored=None))
-    assert factored.d_super is not None and plain.d_super is None
-    assert factored.nbytes <= 0.875 * plain.nbytes
-    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(2)).to(dtype)
-    impls = [None, "base"] + (
-        ["avx512bf16"] if quant.BF16 and dtype == torch.bfloat16 and fmt is GGMLQuantizationType.Q4_K else []
-    )
-    for impl in impls:
-        assert torch.equal(factored(x, impl=impl), plain(x, impl=impl))
-        assert torch.equal(factored(x[2:3], impl=impl), plain(x[2:3], impl=impl))
-
-
-def test_scales_stay_factored_only_where_every_stacked_part_has_them() -> None:
-    t = GGMLQuantizationType
-    k4 = [repack(random_raw(t.Q4_K, 16, 512, seed=i), t.Q4_K, 16) for i in range(2)]
-    q4_0 = repack(random_raw(t.Q4_0, 16, 512, seed=3), t.Q4_0, 16)
-    both = QuantMatrix.cat(k4)
-    mixed = QuantMatrix.cat([*k4, q4_0])
-    assert both.d_super is not None and both.m_super is not None and mixed.d_super is None
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(mixed(x)[:, :32], both(x))
-    assert_close_to_exact(mixed(x), x, dequantized(mixed))
-    q5 = [repack(random_raw(t.Q5_K, 16, 512, seed=5), t.Q5_K, 16), repack(random_raw(t.Q5_0, 16, 512, 6), t.Q5_0, 16)]
-    assert QuantMatrix.cat(q5).d_super is None  # Q5_0's scales are plain float16s: nothing to factor
 
 
 def test_q8_16_refuses_minimums() -> None:
