@@ -8,7 +8,8 @@
  * cached prefix (an agent's next turn) and on every decode step those calls, not the
  * arithmetic, are the cost. Here each step is one call:
  *
- *   rms_norm   x += delta (optional), out = w * norm(x)
+ *   rms_norm   x += delta (optional), out = w * norm(x); or, as torch's own rms_norm
+ *              (per-head Q/K norms), out = norm(x) * w rounded once
  *   rope_kv    q -> q_out and k in place rotated (rotate-half), k and v into their slots
  *   silu_mul   out = silu(gate) * up
  *
@@ -68,6 +69,7 @@ typedef struct {
     int64_t rows, cols;
     float eps;
     int bf16;
+    int round_once; /* torch.rms_norm's order: the weight applied in float32, one rounding at the end */
 } norm_job_t;
 
 /* torch: x = x + delta; xf = x.float(); xf * rsqrt(mean(xf^2) + eps), cast to the dtype;
@@ -91,7 +93,10 @@ RW_INLINE void norm_row(const norm_job_t *j, int64_t r, const int bf16) {
     for (int k = 0; k < RW_LANES; k++) ss += acc[k];
     const float inv = 1.0f / sqrtf(ss / (float)n + j->eps);
     char *out = j->out + r * n * esz;
-    for (c = 0; c < n; c++) rw_store(out, c, rw_load(j->w, c, bf16) * rw_round(xs[c] * inv, bf16), bf16);
+    if (j->round_once)
+        for (c = 0; c < n; c++) rw_store(out, c, xs[c] * inv * rw_load(j->w, c, bf16), bf16);
+    else
+        for (c = 0; c < n; c++) rw_store(out, c, rw_load(j->w, c, bf16) * rw_round(xs[c] * inv, bf16), bf16);
 }
 
 /* -- RoPE and the K/V write --------------------------------------------------------- */
@@ -249,14 +254,14 @@ static int rw_check_threads(int threads) {
 /* -- entry points ------------------------------------------------------------------ */
 PyObject *kvt_py_rms_norm(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
-    static char *names[] = {"x", "delta", "w", "out", "rows", "cols", "eps", "bf16", "threads", "impl", NULL};
+    static char *names[] = {"x", "delta", "w", "out", "rows", "cols", "eps", "bf16", "threads", "impl", "round_once", NULL};
     unsigned long long x, delta, w, out;
     long long rows, cols;
     float eps;
-    int bf16, threads = 1;
+    int bf16, threads = 1, round_once = 0;
     const char *impl = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKLLfp|iz:rms_norm", names, &x, &delta, &w, &out, &rows, &cols, &eps,
-                                     &bf16, &threads, &impl))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKLLfp|iz$p:rms_norm", names, &x, &delta, &w, &out, &rows, &cols,
+                                     &eps, &bf16, &threads, &impl, &round_once))
         return NULL;
     if (rw_check_threads(threads) < 0) return NULL;
     if (rows < 0 || cols <= 0 || cols > RW_MAX_COLS) return PyErr_Format(PyExc_ValueError, "cols must be 1..%d", RW_MAX_COLS);
@@ -264,7 +269,7 @@ PyObject *kvt_py_rms_norm(PyObject *mod, PyObject *args, PyObject *kw) {
     const rw_impl_t *build = rw_find(impl);
     if (build == NULL) return NULL;
     norm_job_t job = {(char *)(uintptr_t)x, (const char *)(uintptr_t)delta, (const char *)(uintptr_t)w,
-                      (char *)(uintptr_t)out, rows, cols, eps, bf16};
+                      (char *)(uintptr_t)out, rows, cols, eps, bf16, round_once};
     rw_run(build->norm, &job, rows, threads);
     Py_RETURN_NONE;
 }

@@ -62,7 +62,7 @@ from kvtier.engine import quant
 from kvtier.engine.kernels import DecodePlan, NativePrefill, plan_decode, plan_prefill
 from kvtier.engine.pool import BlockTable, Gather, KVPool, Slots
 from kvtier.engine.quant import QuantMatrix, QuantStack, fuse
-from kvtier.engine.rowwise import Rope, add_rms_norm, rms_norm, rope_table, silu_mul
+from kvtier.engine.rowwise import Rope, add_rms_norm, head_rms_norm, rope_table, silu_mul
 from kvtier.layout import KVLayout
 from kvtier.model import QuantBlocks
 from kvtier.model.config import Activation, ModelConfig
@@ -325,12 +325,12 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             q = None if decode is None else decode[i]
             attended = self._attention(i, layer, q, h, plan, pool, layer_ready)
-            if layer.post_attn_norm is not None:
-                attended = rms_norm(attended, layer.post_attn_norm, eps)
+            if layer.post_attn_norm is not None:  # Gemma 3's norms on a block's output: the C kernel, no residual
+                attended = add_rms_norm(attended, None, layer.post_attn_norm, eps)[1]
             x, h = add_rms_norm(x, attended, norms[i], eps)
             mlp = self._mlp(layer, q, h)
             if layer.post_mlp_norm is not None:
-                mlp = rms_norm(mlp, layer.post_mlp_norm, eps)
+                mlp = add_rms_norm(mlp, None, layer.post_mlp_norm, eps)[1]
             x, h = add_rms_norm(x, mlp, after[i], eps)
         for s in seqs:
             s.table.num_tokens = s.start + len(s.token_ids)
@@ -488,8 +488,8 @@ class LlamaModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             c, q_dim, kv_dim = self.config, self._q_dim, self._kv_dim
             d, eps = c.head_dim, c.rms_norm_eps
-            q = F.rms_norm(qkv[:, :q_dim].reshape(-1, c.num_heads, d), (d,), layer.q_norm, eps)
-            k = F.rms_norm(qkv[:, q_dim : q_dim + kv_dim].reshape(-1, c.num_kv_heads, d), (d,), layer.k_norm, eps)
+            q = head_rms_norm(qkv[:, :q_dim].reshape(-1, c.num_heads, d), layer.q_norm, eps)
+            k = head_rms_norm(qkv[:, q_dim : q_dim + kv_dim].reshape(-1, c.num_kv_heads, d), layer.k_norm, eps)
             qkv = torch.cat([q.flatten(1), k.flatten(1), qkv[:, q_dim + kv_dim :]], dim=1)
         return qkv
 

@@ -106,6 +106,35 @@ def add_rms_norm(
     return x, out
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: str | None = None) -> torch.Tensor:
+    """``F.rms_norm(x, (d,), weight, eps)`` of ``x [N, heads, d]``, each head a row: per-head Q/K norms.
+
+    torch's own operator rounds once, after the weight (where :func:`rms_norm`
+    rounds before it); the C kernel follows it (``round_once``) and differs
+    only in the summation order of the mean, as its other rows do.
+    """
+    d = x.shape[-1]
+    rows = x.reshape(-1, d).contiguous()  # Q or K of a fused product: a column slice, copied once
+    if not (_native_fits(rows, weight) and d <= MAX_COLS and weight.shape == (d,)):
+        return F.rms_norm(x, (d,), weight, eps)
+    out = torch.empty_like(rows)
+    n = rows.shape[0]
+    _native.rms_norm(
+        rows.data_ptr(),
+        0,
+        weight.data_ptr(),
+        out.data_ptr(),
+        n,
+        d,
+        eps,
+        x.dtype == torch.bfloat16,
+        _threads(n),
+        impl,
+        round_once=True,
+    )
+    return out.view(x.shape)
+
+
 def silu_mul(gate_up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [N, 2 * inter]`` (gate first, as the fused weight is): ``[N, inter]``."""
     if not (_native_fits(gate_up) and gate_up.dim() == 2):

@@ -17,7 +17,16 @@ import torch.nn.functional as F
 
 from kvtier.engine import KVPool
 from kvtier.engine.pool import BlockTable
-from kvtier.engine.rowwise import IMPLS, Rope, add_rms_norm, apply_rope, rms_norm, rope_table, silu_mul
+from kvtier.engine.rowwise import (
+    IMPLS,
+    Rope,
+    add_rms_norm,
+    apply_rope,
+    head_rms_norm,
+    rms_norm,
+    rope_table,
+    silu_mul,
+)
 from kvtier.layout import KVLayout
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -44,6 +53,19 @@ def test_rms_norm_matches_torch(impl: str, dtype: torch.dtype, with_delta: bool)
     got_x, got = add_rms_norm(x.clone(), delta, w, 1e-5, impl=impl)
     assert torch.equal(got_x, want_x)  # the add rounds exactly as torch's
     assert_close_rel(got, rms_norm(want_x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_head_rms_norm_rounds_as_torchs_own_operator(impl: str, dtype: torch.dtype) -> None:
+    """Q/K norms (Qwen3, Gemma 3): each head of a column slice of the fused product a row, the weight
+    applied before the one rounding, as ``F.rms_norm`` does; a head's result does not depend on the others."""
+    qkv = rand(21, 4 * 256 + 2 * 256, dtype=dtype, seed=4, scale=3.0)
+    q, w = qkv[:, : 4 * 256].reshape(-1, 4, 256), rand(256, dtype=dtype, seed=5) + 1.0
+    got = head_rms_norm(q, w, 1e-6, impl=impl)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert_close_rel(got, F.rms_norm(q, (256,), w, 1e-6), dtype)
+    assert torch.equal(head_rms_norm(q[5:6, 2:3], w, 1e-6, impl=impl), got[5:6, 2:3])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
