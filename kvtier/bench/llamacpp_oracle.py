@@ -1,7 +1,7 @@
 """llama.cpp as the oracle for a GGUF: its tokens of real text, and its greedy choice at every position.
 
 llama.cpp runs in llama-cpp-python's venv (``make .venv-peer-llamacpp/.kvtier``),
-through the runners in ``bench/engines/`` (``llamacpp_tokenize.py``,
+through the runners in ``bench/runners/`` (``llamacpp_tokenize.py``,
 ``llamacpp_logits.py``). The text is what this machine already holds and
 nobody here wrote: CPython's sources and tests (docs, code, digits,
 whitespace runs, emoji, Cyrillic, and its CJK codec samples in Chinese,

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[2]
 BUILT = REPO / "bench" / ".peer"
 """Where built shapes are kept (ignored by git)."""
-QUANTIZER = REPO / "bench" / "engines" / "llamacpp_quantize.py"
+QUANTIZER = REPO / "bench" / "runners" / "llamacpp_quantize.py"
 RANDOM_KEY = "kvtier.random_weights"
 """The GGUF metadata flag a random-weight file carries: its figures are speed, never quality."""
 

@@ -7,7 +7,7 @@ Logits:
 Teacher-forced over text nobody here wrote (CPython's own ``json`` module
 source, docs and code, about 1,500 tokens: three times the 512-position
 sliding window): at every position the engine's most likely next token is
-compared with llama.cpp's (``bench/engines/llamacpp_logits.py`` in
+compared with llama.cpp's (``bench/runners/llamacpp_logits.py`` in
 llama-cpp-python's venv, which also tokenizes). llama.cpp itself changes
 its choice at near ties under rounding alone (its K/V in float16 vs
 float32), so the bar is set by llama.cpp: the engine agrees with it at least

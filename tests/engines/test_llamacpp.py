@@ -3,7 +3,7 @@
 Runs only under ``--engines``: it needs llama-cpp-python's venv with kvtier
 installed in it (``ENGINES_LLAMACPP_PYTHON``, default
 ``.venv-peer-llamacpp/bin/python``). Every Llama here is a separate process
-(``bench/engines/llamacpp_runner.py``), greedy, two threads; the
+(``bench/runners/llamacpp_runner.py``), greedy, two threads; the
 cache service runs on a thread of this process over a real disk tier, so the
 test can stop, restart and damage it. One module-wide story, in order.
 """

@@ -2,7 +2,7 @@
 
 Runs only under ``--engines`` (``make test-engines``): it needs vLLM's venv
 (``ENGINES_VLLM_PYTHON``, default ``.venv-peer-vllm/bin/python``). Every
-vLLM here is a separate process driven by ``bench/engines/vllm_runner.py``;
+vLLM here is a separate process driven by ``bench/runners/vllm_runner.py``;
 greedy, float32, so outputs with and without the cache must agree token for
 token. One module-wide story, in order, so that each vLLM start (tens of
 seconds on two cores) serves several checks.

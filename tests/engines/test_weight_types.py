@@ -1,7 +1,7 @@
 """Each weight type as llama.cpp's own quantizer makes it, against llama.cpp on the very same file.
 
 SmolLM2 is dequantized once to an F32 GGUF (``tests/engines/corpus.py``),
-and llama.cpp's ``llama_model_quantize`` (``bench/engines/llamacpp_quantize.py``)
+and llama.cpp's ``llama_model_quantize`` (``bench/runners/llamacpp_quantize.py``)
 makes each type from it with llama.cpp's usual mix: K-quants where a row is
 a multiple of 256 wide (the MLP's down projection here, 1,536), its
 fallbacks elsewhere. On each file:

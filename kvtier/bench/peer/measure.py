@@ -1,7 +1,7 @@
 """kvtier's side of the comparison, measured in-process on the workload the peers get.
 
 The results take the same JSON shape as a peer runner's
-(``bench/peers/common.py``), so medians, ratios, the table and the plot are
+(``bench/runners/workload.py``), so medians, ratios, the table and the plot are
 one code path for all three engines.
 
 * TTFT is :func:`kvtier.bench.ttft.run` itself (miss, host hit, cold disk

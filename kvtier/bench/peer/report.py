@@ -3,7 +3,7 @@
 Everything here is pure (dicts in, dicts or text out) except :func:`plot`,
 so the arithmetic and the pass/miss verdicts are tested without any engine.
 Every engine's raw result has the runner contract's shape
-(``bench/peers/common.py``); a peer that did not run has none, and the rows
+(``bench/runners/workload.py``); a peer that did not run has none, and the rows
 that need it say ``n/a``.
 """
 

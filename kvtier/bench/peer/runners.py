@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 RESULT_SCHEMA = "kvtier-peer-result/1"
-PEERS_DIR = Path(__file__).resolve().parents[3] / "bench" / "peers"
-"""The runner scripts: in the source tree, not the package (they must not import kvtier)."""
+RUNNERS = Path(__file__).resolve().parents[3] / "bench" / "runners"
+"""The runner scripts (one per engine; here their ``workload`` mode): in the source tree, not the package."""
 
 TAIL_LINES = 40
 
@@ -62,7 +62,7 @@ class PeerRun:
 
 
 class ResultError(ValueError):
-    """A runner's result file does not follow the contract in ``bench/peers/common.py``."""
+    """A runner's result file does not follow the contract in ``bench/runners/workload.py``."""
 
 
 def parse_result(data: Any, peer: Peer) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def run_peer(
         return PeerRun(peer, Status.SKIPPED, reason="no python given for it")
     if not python.exists():
         return PeerRun(peer, Status.SKIPPED, reason=f"{python} not found (make peer-venvs installs it)")
-    script = PEERS_DIR / peer.script
+    script = RUNNERS / peer.script
     if not script.exists():
         return PeerRun(peer, Status.SKIPPED, reason=f"{script} not found (run from a source checkout)")
     result_path = out_dir / f"peer-{peer.value}-result.json"
@@ -118,7 +118,10 @@ def run_peer(
     result_path.unlink(missing_ok=True)
     start = time.perf_counter()
     code, tail = _run_logged(
-        [str(python), str(script), str(workload), str(result_path)], log_path, {**os.environ, **env}, timeout_s
+        [str(python), str(script), "workload", str(workload), str(result_path)],
+        log_path,
+        {**os.environ, **env},
+        timeout_s,
     )
     wall = time.perf_counter() - start
     if code != 0:

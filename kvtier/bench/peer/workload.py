@@ -71,7 +71,7 @@ class Workload:
     traces: list[Trace]
 
     def to_json(self, *, gguf: Path, hf_dir: Path, weight_types: dict[str, int] | None = None) -> dict[str, Any]:
-        """The runners' input (contract in ``bench/peers/common.py``); ``weight_types``: the GGUF's, for the record."""
+        """The runners' input (contract in ``bench/runners/workload.py``); ``weight_types``: the GGUF's, recorded."""
         s = self.spec
         return {
             "schema": WORKLOAD_SCHEMA,

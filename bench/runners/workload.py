@@ -1,8 +1,8 @@
-"""What the peer runners share: the JSON contract with ``kvtier bench peer``, and small helpers.
+"""The ``workload`` mode every runner has: the JSON contract with ``kvtier bench peer``, and small helpers.
 
-The runners run in the peers' own venvs, so nothing here imports kvtier (or
-anything beyond the standard library): the contract is plain JSON both ways,
-never pickle.
+A runner (``llamacpp_runner.py``, ``vllm_runner.py``) runs in its engine's
+own venv, so nothing here imports kvtier (or anything beyond the standard
+library): the contract is plain JSON both ways, never pickle.
 
 Workload (written by kvtier's orchestrator, ``kvtier/bench/peer/workload.py``)::
 
@@ -50,12 +50,11 @@ def log(message: str) -> None:
     print(f"[peer] {message}", file=sys.stderr, flush=True)
 
 
-def parse_args(description: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """A runner's ``workload`` mode: ``WORKLOAD.json [RESULT.json] [--probe SETTING]``."""
     parser.add_argument("workload", type=Path, help="workload JSON written by `kvtier bench peer`")
     parser.add_argument("result", type=Path, nargs="?", help="where the result JSON goes")
     parser.add_argument("--probe", default=None, help="time one setting (see fastest()) and print its seconds")
-    return parser.parse_args()
 
 
 PROBE_PROMPT_TOKENS = 1024
@@ -95,7 +94,7 @@ def fastest(script: str, workload: Path, candidates: list[str], timeout_s: float
     for c in candidates:
         log(f"probe {c}: {PROBE_PROMPT_TOKENS}-token prefill + {PROBE_NEW_TOKENS} tokens")
         proc = subprocess.run(
-            [sys.executable, script, "--probe", c, str(workload)],
+            [sys.executable, script, "workload", "--probe", c, str(workload)],
             capture_output=True,
             text=True,
             timeout=timeout_s,

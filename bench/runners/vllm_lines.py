@@ -18,29 +18,36 @@ def reply(obj: dict[str, Any]) -> None:
     print("KVTIER " + json.dumps(obj), flush=True)
 
 
-def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One greedy request through ``LLMEngine``: its tokens, the prompt tokens vLLM did not compute, its TTFT.
+def timed(llm: Any, prompt: list[int], params: Any) -> tuple[float, float, list[int], int]:
+    """One request through ``LLMEngine``: (TTFT, total seconds, its token ids, prompt tokens vLLM did not compute).
 
     TTFT runs from ``add_request`` to the step that returns the first token.
     """
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     engine.add_request(f"r{time.monotonic_ns()}", TokensPrompt(prompt_token_ids=prompt), params)
     first = None
-    out: dict[str, Any] = {}
+    token_ids: list[int] = []
+    cached = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
             if first is None and o.outputs and o.outputs[0].token_ids:
                 first = time.perf_counter() - start
             if o.finished:
-                out = {"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
-    out["ttft_s"] = first
-    out["total_s"] = time.perf_counter() - start
-    return out
+                token_ids, cached = list(o.outputs[0].token_ids), o.num_cached_tokens or 0
+    total = time.perf_counter() - start
+    return (first if first is not None else total), total, token_ids, cached
+
+
+def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One greedy request: its tokens, the prompt tokens vLLM did not compute, its TTFT and total time."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ttft_s, total_s, tokens, cached = timed(llm, prompt, params)
+    return {"tokens": tokens, "cached_tokens": cached, "ttft_s": ttft_s, "total_s": total_s}
 
 
 def serve(llm: Any, on_error: Callable[[BaseException], dict[str, Any]] | None = None) -> int:

@@ -2,10 +2,10 @@
 
 Run by the LMCache venv's python (no kvtier import: it lives in another venv)::
 
-    .venv-peer-lmcache/bin/python bench/engines/lmcache_runner.py --model HF_DIR \\
+    .venv-peer-lmcache/bin/python bench/runners/lmcache_runner.py --model HF_DIR \\
         --disk DIR [--chunk-size 256] [--cpu-gb 5] [--disk-gb 5] [--max-model-len N]
 
-The same protocol as ``bench/engines/vllm_runner.py``: JSON commands on stdin,
+The same protocol as ``bench/runners/vllm_runner.py``: JSON commands on stdin,
 one per line, each answered with one line ``KVTIER {json}`` on stdout (vLLM's
 and LMCache's logging go to stderr):
 

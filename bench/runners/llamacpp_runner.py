@@ -1,4 +1,23 @@
-"""llama-cpp-python 0.3.36 with kvtier's ``KVTierLlamaCache``: run by llama's own venv, driven by JSON lines.
+"""llama-cpp-python, run by its own venv's python: the one runner for every use of llama.cpp here.
+
+Three modes: ``serve`` and ``bench`` (llama.cpp with kvtier's
+``KVTierLlamaCache``, below) and ``workload`` (llama.cpp alone on ``kvtier
+bench peer``'s workload, the contract in ``workload.py``)::
+
+    .venv-peer-llamacpp/bin/python bench/runners/llamacpp_runner.py workload WORKLOAD.json RESULT.json
+
+``workload``, how each number is taken: TTFT is ``create_completion(ids,
+max_tokens=1, stream=True)`` until its first chunk (llama-cpp-python yields
+it before it saves the state to its cache, so the save is not counted; the
+stream is then drained, so the save happens before the next request).
+``llm.reset()`` before every request that must not reuse what the context
+already holds. ``miss`` runs with no cache; ``ram_hit`` with
+``LlamaRAMCache``; ``disk_hit`` with ``LlamaDiskCache`` in a temporary
+directory whose page cache is dropped before each request. Decode is
+``llm.generate`` (the token loop ``create_completion`` runs), greedy, counted
+token by token; it never stops at EOS by itself, which is the ``ignore_eos``
+the other engines get. The thread count is llama.cpp's fastest of 1 .. the
+bench's threads, probed in fresh processes.
 
 ``serve``: one ``Llama`` (greedy, ``--n-threads``); one JSON command per stdin
 line, each answered by one stdout line ``KVTIER {json}``:
@@ -30,12 +49,18 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
+import workload
+from llama_cpp import Llama, LlamaDiskCache, LlamaRAMCache
+
 PREFIX = "KVTIER "
+RAM_CACHE_BYTES = 8 << 30  # well above what any case stores (a 7k-token state is ~170 MB)
 
 
 # -- the engine's side -------------------------------------------------------------------------------
@@ -44,8 +69,6 @@ def say(obj: dict[str, Any]) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import llama_cpp
-    from llama_cpp import Llama
     from llama_cpp.llama_cache import BaseLlamaCache
 
     from kvtier.connectors.llamacpp import KVTierLlamaCache, flavour_of
@@ -195,6 +218,145 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- llama.cpp alone, on kvtier bench peer's workload ------------------------------------------------
+
+
+def first_token_s(llm: Llama, ids: list[int], *, reset: bool = True) -> float:
+    if reset:
+        llm.reset()
+    start = time.perf_counter()
+    stream = llm.create_completion(ids, max_tokens=1, temperature=0.0, stream=True)
+    next(iter(stream))
+    elapsed = time.perf_counter() - start
+    for _ in stream:  # lets create_completion save its cache entry
+        pass
+    return elapsed
+
+
+def ttft_cases(llm: Llama, case: dict[str, Any]) -> tuple[dict[str, list[float]], bool]:
+    """The three cases, and whether every disk read was certainly cold."""
+    prompts = workload.prompts(case)
+    out: dict[str, list[float]] = {}
+    llm.set_cache(None)
+    out["miss"] = workload.measure(lambda p: first_token_s(llm, p), prompts)
+    llm.set_cache(LlamaRAMCache(capacity_bytes=RAM_CACHE_BYTES))
+    first_token_s(llm, case["prefix"])
+    out["ram_hit"] = workload.measure(lambda p: first_token_s(llm, p), prompts)
+    with tempfile.TemporaryDirectory(prefix="peer-llamacpp-disk-") as tmp:
+        llm.set_cache(LlamaDiskCache(cache_dir=tmp, capacity_bytes=RAM_CACHE_BYTES))
+        first_token_s(llm, case["prefix"])
+        cold: list[bool] = []
+
+        def from_disk(p: list[int]) -> float:
+            cold.append(workload.drop_page_cache(Path(tmp)))
+            return first_token_s(llm, p)
+
+        out["disk_hit"] = workload.measure(from_disk, prompts)
+    llm.set_cache(None)
+    return out, all(cold)
+
+
+def decode_run(llm: Llama, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    llm.reset()
+    tokens: list[int] = []
+    start = time.perf_counter()
+    first = 0.0
+    for token in llm.generate(ids, temp=0.0):
+        if not tokens:
+            first = time.perf_counter() - start
+        tokens.append(int(token))
+        if len(tokens) == max_tokens:
+            break
+    return {"ttft_s": first, "total_s": time.perf_counter() - start, "tokens": len(tokens), "token_ids": tokens}
+
+
+def trace_cases(llm: Llama, turns: list[list[int]], reps: int) -> dict[str, list[list[float]]]:
+    """``ram_cache``: context reset every turn, so LlamaRAMCache serves the prefix; ``in_context``: no reset."""
+    out: dict[str, list[list[float]]] = {"ram_cache": [], "in_context": []}
+    for _ in range(reps):
+        for case, reset in (("ram_cache", True), ("in_context", False)):
+            llm.set_cache(LlamaRAMCache(capacity_bytes=RAM_CACHE_BYTES))
+            llm.reset()
+            out[case].append([first_token_s(llm, ids, reset=reset) for ids in turns])
+    llm.set_cache(None)
+    return out
+
+
+def make_llama(w: dict[str, Any], threads: int) -> Llama:
+    return Llama(
+        model_path=w["gguf"], n_ctx=w["n_ctx"], n_threads=threads, n_threads_batch=threads, seed=0, verbose=False
+    )
+
+
+def probe(w: dict[str, Any], threads: int) -> float:
+    llm = make_llama(w, threads)
+    prompt = workload.probe_prompt(w)
+
+    def once() -> None:
+        llm.reset()
+        decode_run(llm, prompt, workload.PROBE_NEW_TOKENS)
+
+    return workload.probe_time(once)
+
+
+def stored_types(w: dict[str, Any]) -> str:
+    """The file's weight types as the orchestrator read them (``Q4_K x168, Q6_K x29``)."""
+    types = w.get("gguf_weight_types") or {}
+    return ", ".join(f"{k} x{n}" for k, n in types.items()) or "types not given"
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    w = workload.read_workload(args.workload)
+    if args.probe:
+        workload.print_probe(probe(w, int(args.probe)))
+        return 0
+    # llama.cpp's best thread count differs by CPU (SMT siblings, memory bandwidth): try 1 .. the bench's threads
+    candidates = sorted({1, max(1, w["threads"] // 2), w["threads"]})
+    best, choice = workload.fastest(__file__, args.workload, [str(t) for t in candidates])
+    threads = int(best)
+    start = time.perf_counter()
+    llm = make_llama(w, threads)
+    load_s = time.perf_counter() - start
+    workload.log(f"llama-cpp-python {llama_cpp.__version__}: loaded {Path(w['gguf']).name} in {load_s:.1f}s")
+    ttft = []
+    for case in w["ttft"]:
+        workload.log(f"TTFT {case['tokens']} tokens: miss, RAM-cache hit, disk-cache hit")
+        cases, cold = ttft_cases(llm, case)
+        ttft.append({"tokens": case["tokens"], "cases": cases, "cold": cold})
+    d = w["decode"]
+    workload.log(f"decode {d['max_tokens']} tokens at context {len(d['prompt'])}")
+    decode_run(llm, d["prompt"], d["max_tokens"])  # warm-up
+    runs = [decode_run(llm, d["prompt"], d["max_tokens"]) for _ in range(w["reps"])]
+    traces = []
+    for trace in w["traces"]:
+        workload.log(f"trace {trace['name']}: {len(trace['turns'])} turns x {w['trace_reps']}")
+        traces.append({"name": trace["name"], "cases": trace_cases(llm, trace["turns"], w["trace_reps"])})
+    workload.write_result(
+        args.result,
+        engine="llama-cpp-python",
+        version=llama_cpp.__version__,
+        setup={
+            "weights": Path(w["gguf"]).name,
+            "compute": f"GGUF weights as stored ({stored_types(w)}), f16 KV cache",
+            "n_ctx": w["n_ctx"],
+            "n_threads": threads,
+            "n_threads_batch": threads,
+            "threads_choice": choice,
+            "n_batch": llm.n_batch,
+            "flash_attn": False,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+            "load_s": round(load_s, 3),
+            "ttft_api": "create_completion(stream=True, max_tokens=1), first chunk",
+            "decode_api": "Llama.generate, greedy",
+        },
+        ttft=ttft,
+        decode=workload.decode_result(d, runs),
+        traces=traces,
+    )
+    workload.log(f"wrote {args.result}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -208,8 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--prompts", required=True, help='JSON file: {"prompts": [[ids], ...], "question": [ids]}')
     b.add_argument("--max-tokens", type=int, default=8)
     b.add_argument("--work", required=True, help="a directory for the engines' logs")
+    workload.add_arguments(sub.add_parser("workload", help="kvtier bench peer's workload, llama.cpp alone"))
     args = parser.parse_args(argv)
-    return serve(args) if args.mode == "serve" else bench(args)
+    return {"serve": serve, "bench": bench, "workload": run_workload}[args.mode](args)
 
 
 if __name__ == "__main__":
