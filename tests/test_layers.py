@@ -92,6 +92,19 @@ def test_a_package_never_reaches_across_the_seam(where: str) -> None:
     assert not broken, "\n".join(broken)
 
 
+def test_the_bench_harness_is_apart_from_the_product() -> None:
+    """``kvtier bench`` is a command: its harness may use the product, never the other way round (only the
+    CLI names it, lazily, to run one of its commands)."""
+    broken = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {m}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "bench" not in path.relative_to(PACKAGE).parts and path.name != "cli.py"
+        for line, m in imports_of(path)
+        if _within(m, ("kvtier.bench",))
+    ]
+    assert not broken, "\n".join(broken)
+
+
 def test_the_reader_sees_imports_inside_functions_and_relative_ones() -> None:
     """The rules above mean something only if a shortcut in a function body is seen."""
     source = "import json\n\ndef f():\n    from kvtier.engine.runtime import load_model\n    from ..server import app\n"
