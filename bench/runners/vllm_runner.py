@@ -65,6 +65,19 @@ from vllm_lines import reply, serve, timed  # noqa: E402
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
+def make_llm(model: str, dtype: str, max_model_len: int, kv_transfer: dict[str, Any] | None = None) -> LLM:
+    """The one vLLM set-up both modes run: eager (no graph capture), automatic prefix caching, seeded."""
+    return LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+        kv_transfer_config=kv_transfer,
+    )
+
+
 # -- serve -------------------------------------------------------------------------------------------
 def run_serve(args: argparse.Namespace) -> int:
     kv_transfer = None
@@ -76,15 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "kv_connector_extra_config": {"socket": args.socket},
         }
     start = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        seed=0,
-        kv_transfer_config=kv_transfer,
-    )
+    llm = make_llm(args.model, args.dtype, args.max_model_len, kv_transfer)
     cache = llm.llm_engine.vllm_config.cache_config
     reply(
         {
@@ -156,14 +161,8 @@ def setup_facts(llm: LLM, load_s: float) -> dict[str, Any]:
 DTYPES = ["float32", "bfloat16"]
 
 
-def make_llm(w: dict[str, Any], dtype: str) -> LLM:
-    return LLM(
-        model=w["hf_dir"], dtype=dtype, max_model_len=w["n_ctx"], enforce_eager=True, enable_prefix_caching=True, seed=0
-    )
-
-
 def probe(w: dict[str, Any], dtype: str) -> float:
-    llm = make_llm(w, dtype)
+    llm = make_llm(w["hf_dir"], dtype, w["n_ctx"])
     prompt = workload.probe_prompt(w)
     params = SamplingParams(max_tokens=workload.PROBE_NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -184,7 +183,7 @@ def run_workload(args: argparse.Namespace) -> int:
     if dtype == "fastest":
         dtype, choice = workload.fastest(__file__, args.workload, DTYPES)
     start = time.perf_counter()
-    llm = make_llm(w, dtype)
+    llm = make_llm(w["hf_dir"], dtype, w["n_ctx"])
     load_s = time.perf_counter() - start
     facts = setup_facts(llm, load_s)
     facts["dtype_choice"] = choice or {"chosen": dtype, "by": "PEER_VLLM_DTYPE"}
