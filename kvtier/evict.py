@@ -52,8 +52,9 @@ class Eviction:
         if kind in self.policies:
             self.policies[kind].on_access(key)
 
-    def index_disk(self, written: list[tuple[BlockKey, BlockRecord]], ok: list[bool]) -> None:
-        policy = self.policies[TierKind.DISK]
+    def indexed(self, tier: Tier, written: list[tuple[BlockKey, BlockRecord]], ok: list[bool]) -> None:
+        """Blocks an owned tier under host took: its policy hears of the new ones."""
+        policy = self.policies[tier.kind]
         for (key, record), stored in zip(written, ok, strict=True):
             if stored and key not in policy:
                 policy.on_insert(key, record.parent)
@@ -79,26 +80,50 @@ class Eviction:
         return len(victims) == short
 
     def _demote(self, victims: list[BlockKey]) -> None:
-        """Write-back: host victims go down to disk unless disk already has them (and to the remote, by config).
+        """Write-back: host victims go down to the tiers under host that take a copy at eviction.
 
         This runs under the lock (the victims' slots are about to be freed, so
-        they cannot be pinned and written later); it is the one place where
-        disk I/O holds the lock, and only when host memory is full. The
-        remote gets copies on its queue, never a network call here.
+        they cannot be pinned and written later); it is the one place where an
+        owned tier's I/O holds the lock, and only when host memory is full. A
+        shared tier gets copies on its queue, never a network call here.
         """
-        host, disk, remote = self.tiers.host, self.tiers.disk, self.tiers.remote
-        if remote is not None and self.writes.to_remote(Moment.EVICTED) and victims:
-            out = [(k, r) for k in victims if (r := host.record(k)) is not None]
-            remote.put_many([k for k, _ in out], [host.view(k) for k, _ in out], [r for _, r in out])  # type: ignore[misc]
-        if disk is None or not self.writes.to_disk(Moment.EVICTED):
-            return
-        down = [(k, r) for k in victims if not disk.contains(k) and (r := host.record(k)) is not None]
-        if not down:
-            return
-        self.make_room(disk, min(len(down), disk.capacity_blocks))
-        ok = disk.put_many([k for k, _ in down], [host.view(k) for k, _ in down], [r for _, r in down])  # type: ignore[misc]
-        self.index_disk(down, ok)
-        host.stats.add(demotions=sum(ok))
+        host = self.tiers.host
+        down = [(k, r) for k in victims if (r := host.record(k)) is not None]
+        host.stats.add(demotions=self.copy_down(Moment.EVICTED, down))
+
+    # -- copies below host ----------------------------------------------------------------------
+    def copies_at(self, moment: Moment) -> bool:
+        """Whether any tier under host takes a copy of a block at ``moment``."""
+        return any(self.writes.copies(t.kind, moment) for t in self.tiers.below_host)
+
+    def copy_down(self, moment: Moment, blocks: list[tuple[BlockKey, BlockRecord]]) -> int:
+        """Copy host blocks to each tier under host that takes a copy at ``moment``; how many owned tiers took.
+
+        The caller keeps the blocks' host slots alive, by holding the lock or
+        by pinning them; the lock is taken here only around metadata, so a
+        pinned copy never holds it across an owned tier's I/O. An owned tier
+        gets the blocks it lacks, room made first and its policy told after;
+        a shared tier gets them all on its queue (what it holds is not ours to
+        know without a round trip).
+        """
+        host, taken = self.tiers.host, 0
+        for tier in self.tiers.below_host:
+            if not blocks or not self.writes.copies(tier.kind, moment):
+                continue
+            owned = tier in self.tiers.owned
+            todo = blocks
+            if owned:
+                with self.tiers.lock:
+                    todo = [(k, r) for k, r in blocks if not tier.contains(k)]
+                    self.make_room(tier, min(len(todo), tier.capacity_blocks))
+            if not todo:
+                continue
+            ok = tier.put_many([k for k, _ in todo], [host.view(k) for k, _ in todo], [r for _, r in todo])  # type: ignore[misc]
+            if owned:
+                with self.tiers.lock:
+                    self.indexed(tier, todo, ok)
+                taken += sum(ok)
+        return taken
 
     # -- operators ----------------------------------------------------------------------------------
     def observe(self, sink: BlockEventSink) -> None:

@@ -15,17 +15,8 @@ from collections import Counter
 from kvtier.evict import Eviction
 from kvtier.index import LookupResult, MissReason, Probe, longest_prefix
 from kvtier.keys import BlockKey, Digests, KeyedTokens
-from kvtier.tiers.base import BlockRecord, TierKind
+from kvtier.tiers.base import BlockRecord
 from kvtier.tierset import TierSet
-
-HITS_AT_READ = frozenset({TierKind.DISK, TierKind.REMOTE})
-"""Tiers whose ``hit_tokens`` count blocks read back and verified, not index hits at lookup.
-
-A disk index hit can still fail its checksum, end short, or never be
-fetched (deadline, host full); a remote header can be followed by a value
-that expired or fails its check; host memory cannot fail a read, so its
-lookup-time hits are what it serves.
-"""
 
 
 class Lookups:
@@ -43,11 +34,16 @@ class Lookups:
         remaining = len(keys) - first_block  # blocks that reached this tier: not served by a faster one
         for tier in self.tiers.every:
             hit = served[tier.kind]
-            counted = 0 if tier.kind in HITS_AT_READ else hit
+            # A tier under host counts its hits when they are read back and verified (promote.py): a disk
+            # index hit can still fail its checksum, end short, or never be fetched (deadline, host full); a
+            # remote header can be followed by a value that expired or fails its check. Host memory cannot
+            # fail a read, so its lookup-time hits are what it serves.
+            counted = hit if tier is self.tiers.host else 0
             tier.stats.add(lookups=1, hit_tokens=counted * bs, miss_tokens=max(0, remaining - hit) * bs)
             remaining -= hit
-        if probe.mismatched is TierKind.REMOTE:
-            self.tiers.stats(TierKind.REMOTE).add(foreign_tokens=1)
+        for shared in self.tiers.shared:
+            if probe.mismatched is shared.kind:
+                shared.stats.add(foreign_tokens=1)  # another node's block under the key: counted where it lives
         ns, n = prompt.namespace, len(prompt)
         return LookupResult(ns, bs, n, tuple(keys), tuple(probe.tiers), probe.reason, first_block, prompt.digests)
 
@@ -72,10 +68,10 @@ class Lookups:
         """
         with self.tiers.lock:
             probe = longest_prefix(keys, digests, self.tiers.local, start=first_block)
-        remote = self.tiers.remote
-        if remote is not None and probe.reason is MissReason.ABSENT:
+        if self.tiers.shared and probe.reason is MissReason.ABSENT:
             at = first_block + len(probe.tiers)
-            remote.probe_run(keys[at:])
+            for shared in self.tiers.shared:
+                shared.probe_run(keys[at:])
             with self.tiers.lock:
                 rest = longest_prefix(keys, digests, self.tiers.every, start=at)
             probe = Probe([*probe.tiers, *rest.tiers], rest.reason, rest.mismatched)
@@ -85,10 +81,11 @@ class Lookups:
         """Which of ``keys`` some tier holds, confirmed; the remote is asked (batched) only for the absent ones."""
         with self.tiers.lock:
             records: list[BlockRecord | None] = [self.tiers.record(key) for key in keys]
-        absent = [i for i, r in enumerate(records) if r is None]
-        remote = self.tiers.remote
-        if remote is not None and absent:
-            for i, record in zip(absent, remote.probe([keys[i] for i in absent]), strict=True):
+        for shared in self.tiers.shared:
+            absent = [i for i, r in enumerate(records) if r is None]
+            if not absent:
+                break
+            for i, record in zip(absent, shared.probe([keys[i] for i in absent]), strict=True):
                 records[i] = record
         return [r is not None and r.matches(digests[i]) for i, r in enumerate(records)]
 

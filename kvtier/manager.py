@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,6 +62,10 @@ from kvtier.tiers.base import Tier, TierKind
 from kvtier.tierset import open_tiers
 from kvtier.transfer import JobId, JobStatus, TransferWorker
 from kvtier.writes import WritePolicy
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvtier")
 
@@ -92,14 +96,17 @@ class CacheManager:
             block_size=layout.block_size,
         )
         self._tiers = open_tiers(config, layout, self.hasher.secret, model_fingerprint, host_file)
-        self.host, self.disk, self.remote = self._tiers.host, self._tiers.disk, self._tiers.remote
+        # By name for operators, tests and reports; the data path below walks the tier set's lists.
+        self.host = self._tiers.host
+        self.disk: DiskTier | None = self._tiers.find(TierKind.DISK)  # type: ignore[assignment]
+        self.remote: RemoteTier | None = self._tiers.find(TierKind.REMOTE)  # type: ignore[assignment]
         self.tiers: list[Tier] = self._tiers.local
         self._lock = self._tiers.lock
         self._clock = clock
         self._pins = Pins(clock)
         policies = {TierKind.HOST: make_policy(config.host.policy), TierKind.DISK: make_policy(config.disk.policy)}
         remote_on = None if self.remote is None else self.remote.write_on
-        self.writes = WritePolicy(config.cache.write_mode, self.disk is not None, remote_on)
+        self.writes = WritePolicy(config.cache.write_mode, remote_on)
         self.eviction = Eviction(
             self._tiers, policies, self._pins, EvictionLog(config.session.eviction_log), self.writes, clock
         )

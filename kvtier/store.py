@@ -1,4 +1,4 @@
-"""Step ⑤: new blocks into host slots, two-phase, then through to disk and out to the remote.
+"""Step ⑤: new blocks into host slots, two-phase, then copied to the tiers under host that take them.
 
 A store reserves host slots (:meth:`Stores.prepare`: invisible, unevictable
 while filled), the caller fills them, and :meth:`Stores.complete` publishes
@@ -131,11 +131,16 @@ class Stores:
         return stored
 
     def complete(self, plan: StorePlan, success: bool) -> int:
-        """Publish (``success``) or discard the plan's blocks; returns how many were indexed."""
+        """Publish (``success``) or discard the plan's blocks; returns how many were indexed.
+
+        Published blocks are copied at once to the tiers under host that take
+        a copy at store (write-through, ``remote.write_on: store``), pinned
+        meanwhile, with the lock released.
+        """
         if plan.done:
             raise RuntimeError("store plan completed twice")
         plan.done = True
-        host, disk, remote = self.tiers.host, self.tiers.disk, self.tiers.remote
+        host = self.tiers.host
         with self.tiers.lock:
             if not success:
                 for key in plan.keys:
@@ -144,15 +149,12 @@ class Stores:
             for key, record in zip(plan.keys, plan.records, strict=True):
                 host.commit(key)
                 self.eviction.inserted(TierKind.HOST, key, record.parent)
-            if remote is not None and self.writes.to_remote(Moment.STORED) and plan.keys:
-                views = [host.view(k) for k in plan.keys]  # copied onto the remote's queue here, under the lock
-                remote.put_many(plan.keys, views, plan.records)  # type: ignore[arg-type]
-            through = disk is not None and self.writes.to_disk(Moment.STORED) and plan.keys
+            through = bool(plan.keys) and self.eviction.copies_at(Moment.STORED)
             if through:
-                self.pins.pin(plan.keys)  # keep the slots alive while disk reads them, lock released
+                self.pins.pin(plan.keys)  # keep the slots alive while the tiers below read them, lock released
         if through:
             try:
-                self._write_through(plan.keys, plan.records)
+                self.eviction.copy_down(Moment.STORED, list(zip(plan.keys, plan.records, strict=True)))
             finally:
                 with self.tiers.lock:
                     self.pins.unpin(plan.keys)
@@ -176,21 +178,8 @@ class Stores:
         with self.tiers.lock:
             self.tiers.host.release(slots)
 
-    def _write_through(self, keys: list[BlockKey], records: list[BlockRecord]) -> None:
-        """Copy freshly committed host blocks to disk without holding the lock during I/O."""
-        host, disk = self.tiers.host, self.tiers.disk
-        assert disk is not None
-        with self.tiers.lock:
-            new = [(k, r) for k, r in zip(keys, records, strict=True) if not disk.contains(k)]
-            self.eviction.make_room(disk, min(len(new), disk.capacity_blocks))
-        if not new:
-            return
-        ok = disk.put_many([k for k, _ in new], [host.view(k) for k, _ in new], [r for _, r in new])  # type: ignore[misc]
-        with self.tiers.lock:
-            self.eviction.index_disk(new, ok)
-
     def flush(self, deadline_s: float | None = None) -> int:
-        """Write-back: copy every host block that disk lacks down to disk; returns how many were written.
+        """Write-back: copy every host block an owned tier under host lacks down to it; how many were written.
 
         Host memory dies with the process; this is what makes a write-back
         cache survive a clean shutdown (a crash loses only the unflushed
@@ -199,25 +188,20 @@ class Stores:
         seconds (None: no limit): a supervisor's stop timeout must not turn a
         planned restart into a SIGKILL halfway through the index.
         """
-        host, disk = self.tiers.host, self.tiers.disk
-        if disk is None or not self.writes.to_disk(Moment.CLOSED):
+        host = self.tiers.host
+        takers = [t for t in self.tiers.owned if self.writes.copies(t.kind, Moment.CLOSED)]
+        if not takers:
             return 0
         until = None if deadline_s is None else time.monotonic() + deadline_s
         with self.tiers.lock:
-            dirty = [(k, r) for k, r in host.entries() if not disk.contains(k)][::-1]
+            dirty = [(k, r) for k, r in host.entries() if not all(t.contains(k) for t in takers)][::-1]
             self.pins.pin(k for k, _ in dirty)
         try:
             written = 0
             for start in range(0, len(dirty), 64):
                 if until is not None and time.monotonic() >= until:
                     break
-                batch = dirty[start : start + 64]
-                with self.tiers.lock:
-                    self.eviction.make_room(disk, min(len(batch), disk.capacity_blocks))
-                ok = disk.put_many([k for k, _ in batch], [host.view(k) for k, _ in batch], [r for _, r in batch])  # type: ignore[misc]
-                with self.tiers.lock:
-                    self.eviction.index_disk(batch, ok)
-                written += sum(ok)
+                written += self.eviction.copy_down(Moment.CLOSED, dirty[start : start + 64])
         finally:
             with self.tiers.lock:
                 self.pins.unpin(k for k, _ in dirty)

@@ -1,10 +1,18 @@
-"""The tiers one manager runs, fastest first, and the one lock their metadata changes under.
+"""The tiers one manager runs, in order, and the one lock their metadata changes under.
 
 Lookup, fetch, store and eviction each work on the same tiers and must
 agree on one order and one lock: a block is reserved, committed, pinned or
 evicted only under :attr:`TierSet.lock`, while payload copies run outside
-it. The remote tier is apart from the local list: it is shared with other
-nodes, has no policy of ours, and is asked last.
+it.
+
+Host memory has a role no other tier has: it is where blocks are staged.
+Every stored block is written into a host slot, every block below host is
+read back into one, and the engine copies from there. The tiers under it
+are a list, fastest first, in two kinds: tiers this node **owns** (disk:
+its policy evicts, its index is ours) and **shared** ones (the remote:
+other nodes write it, no policy of ours runs, its records come from a
+probe, its writes go to a queue). Code that moves blocks walks those lists;
+no module below the manager names a tier below host.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from kvtier.errors import DiskUnavailableError
 from kvtier.keys import BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.stats import RemoteSnapshot, TierSnapshot, TierStats
-from kvtier.tiers.base import BlockRecord, Tier, TierKind
+from kvtier.tiers.base import BlockRecord, SharedTier, Tier, TierKind
 from kvtier.tiers.disk import DiskTier, io_mode_for
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.remote import RemoteTier
@@ -32,25 +40,29 @@ log = logging.getLogger("kvtier")
 class TierSet:
     """Fixed at construction: the tier lists below are computed once (every lookup walks them)."""
 
-    host: HostTier
-    disk: DiskTier | None
-    remote: RemoteTier | None
+    host: HostTier  # the staging tier
+    owned: tuple[Tier, ...] = ()  # under host, fastest first, evicted by this node's policies
+    shared: tuple[SharedTier, ...] = ()  # under those, shared with other nodes
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @functools.cached_property
     def local(self) -> list[Tier]:
-        """Host, then disk where there is one: the tiers this node owns and evicts from."""
-        return [t for t in (self.host, self.disk) if t is not None]
+        """Host, then the owned tiers: the tiers this node evicts from."""
+        return [self.host, *self.owned]
 
     @functools.cached_property
     def every(self) -> list[Tier]:
-        """The local tiers, fastest first, then the remote one."""
-        return self.local if self.remote is None else [*self.local, self.remote]
+        """The local tiers, fastest first, then the shared ones."""
+        return [*self.local, *self.shared]
 
     @functools.cached_property
     def below_host(self) -> list[Tier]:
-        """The tiers a block is promoted from, in the order they are asked."""
-        return [t for t in (self.disk, self.remote) if t is not None]
+        """The tiers a block is promoted from or copied down to, in the order they are asked."""
+        return [*self.owned, *self.shared]
+
+    def find(self, kind: TierKind) -> Tier | None:
+        """The tier of ``kind``, where this set runs one (operators and reports; the data path walks the lists)."""
+        return next((t for t in self.every if t.kind is kind), None)
 
     def stats(self, kind: TierKind) -> TierStats:
         return next(t.stats for t in self.every if t.kind is kind)
@@ -64,7 +76,7 @@ class TierSet:
         return None
 
     def holder_below_host(self, key: BlockKey) -> tuple[Tier, BlockRecord] | None:
-        """The fastest tier under host that holds ``key`` (disk, then what the remote's probe saw), with its record."""
+        """The fastest tier under host that holds ``key`` (an owned tier, then what a shared one's probe saw)."""
         for tier in self.below_host:
             record = tier.record(key)
             if record is not None:
@@ -72,7 +84,7 @@ class TierSet:
         return None
 
     def report(self) -> dict[str, TierSnapshot | RemoteSnapshot]:
-        """Each tier's counters and occupancy, by tier name (the remote's sizes are a shared store's: zero here)."""
+        """Each tier's counters and occupancy, by tier name (a shared tier reports its own: no sizes of ours)."""
         out: dict[str, TierSnapshot | RemoteSnapshot] = {}
         for tier in self.local:
             out[tier.kind.value] = tier.stats.snapshot(
@@ -82,8 +94,8 @@ class TierSet:
                 capacity_blocks=tier.capacity_blocks,
                 withheld_blocks=self.host.withheld_blocks if tier is self.host else 0,
             )
-        if self.remote is not None:
-            out[TierKind.REMOTE.value] = self.remote.snapshot()
+        for shared in self.shared:
+            out[shared.kind.value] = shared.snapshot()
         return out
 
 
@@ -94,7 +106,7 @@ def open_tiers(
     host = HostTier(layout, int(config.host.capacity_bytes), shared_file=host_file)
     disk = _open_disk(config, layout, model_fingerprint) if config.disk.enabled else None
     remote = _open_remote(config, layout, secret, model_fingerprint) if config.remote.enabled else None
-    return TierSet(host, disk, remote)
+    return TierSet(host, () if disk is None else (disk,), () if remote is None else (remote,))
 
 
 def _open_disk(config: Config, layout: KVLayout, model_fingerprint: str) -> DiskTier | None:

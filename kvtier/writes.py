@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass
 
 from kvtier.config import RemoteWriteOn, WriteMode
+from kvtier.tiers.base import TierKind
 
 
 class Moment(enum.StrEnum):
@@ -28,20 +29,21 @@ class WritePolicy:
     """Which tiers below host take a copy of a block at each :class:`Moment`."""
 
     mode: WriteMode
-    has_disk: bool
     remote_on: RemoteWriteOn | None  # None: no remote tier
 
-    def to_disk(self, moment: Moment) -> bool:
-        """Write-through copies at store; write-back at eviction and on close (so a clean restart keeps them)."""
-        if not self.has_disk:
-            return False
-        if self.mode is WriteMode.WRITE_THROUGH:
-            return moment is Moment.STORED
-        return moment in (Moment.EVICTED, Moment.CLOSED)
+    def copies(self, kind: TierKind, moment: Moment) -> bool:
+        """Whether the tier of ``kind`` under host takes a copy of a block at ``moment``.
 
-    def to_remote(self, moment: Moment) -> bool:
-        """``remote.write_on``: every stored block, or only those host evicts; never on close (behind no request)."""
-        if self.remote_on is None:
-            return False
-        wanted = Moment.STORED if self.remote_on is RemoteWriteOn.STORE else Moment.EVICTED
-        return moment is wanted
+        Disk: write-through copies at store; write-back at eviction and on
+        close (so a clean restart keeps them). The remote: ``remote.write_on``,
+        every stored block or only those host evicts, never on close (behind
+        no request).
+        """
+        if kind is TierKind.DISK:
+            if self.mode is WriteMode.WRITE_THROUGH:
+                return moment is Moment.STORED
+            return moment in (Moment.EVICTED, Moment.CLOSED)
+        if kind is TierKind.REMOTE and self.remote_on is not None:
+            wanted = Moment.STORED if self.remote_on is RemoteWriteOn.STORE else Moment.EVICTED
+            return moment is wanted
+        return False

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import RemoteWriteOn, WriteMode
+from kvtier.tiers.base import TierKind
 from kvtier.writes import Moment, WritePolicy
 
 S, E, C = Moment.STORED, Moment.EVICTED, Moment.CLOSED
@@ -19,16 +20,16 @@ S, E, C = Moment.STORED, Moment.EVICTED, Moment.CLOSED
     ids=lambda v: getattr(v, "value", ""),
 )
 def test_disk_gets_a_copy_at_store_or_at_eviction_and_close(mode: WriteMode, disk_at: set[Moment]) -> None:
-    policy = WritePolicy(mode, has_disk=True, remote_on=None)
-    assert {m for m in Moment if policy.to_disk(m)} == disk_at
-    assert not any(WritePolicy(mode, has_disk=False, remote_on=None).to_disk(m) for m in Moment)
-    assert not any(policy.to_remote(m) for m in Moment)
+    policy = WritePolicy(mode, remote_on=None)
+    assert {m for m in Moment if policy.copies(TierKind.DISK, m)} == disk_at
+    assert not any(policy.copies(TierKind.REMOTE, m) for m in Moment)
+    assert not any(policy.copies(kind, m) for kind in (TierKind.DEVICE, TierKind.HOST) for m in Moment)
 
 
 @pytest.mark.parametrize(("on", "at"), [(RemoteWriteOn.STORE, S), (RemoteWriteOn.HOST_EVICTION, E)])
 def test_the_remote_gets_a_copy_at_the_one_moment_it_asks_for(on: RemoteWriteOn, at: Moment) -> None:
     for mode in WriteMode:
-        assert {m for m in Moment if WritePolicy(mode, has_disk=True, remote_on=on).to_remote(m)} == {at}
+        assert {m for m in Moment if WritePolicy(mode, remote_on=on).copies(TierKind.REMOTE, m)} == {at}
 
 
 def test_the_mechanism_never_reads_the_modes_itself() -> None:
@@ -37,3 +38,31 @@ def test_the_mechanism_never_reads_the_modes_itself() -> None:
     for name in ("store.py", "evict.py", "promote.py", "manager.py"):
         names = {n.id for n in ast.walk(ast.parse((package / name).read_text())) if isinstance(n, ast.Name)}
         assert not names & {"WriteMode", "RemoteWriteOn"}, name
+
+
+def test_the_data_path_walks_the_tiers_under_host_never_names_them() -> None:
+    """Below the manager, tiers under host are a list in order: no module names the disk or the remote tier.
+
+    Host keeps its name: it is the staging tier every block is written into
+    and read out of, a role no other tier has. The tier set holds the rest
+    as lists (owned, shared), and only the write policy says which kind
+    takes a copy when.
+    """
+    package = Path(__file__).resolve().parents[1] / "kvtier"
+    named = {"disk", "remote", "DISK", "REMOTE", "DiskTier", "RemoteTier"}
+    tierset = ast.parse((package / "tierset.py").read_text())
+    trees = {
+        name: ast.parse((package / name).read_text()) for name in ("store.py", "evict.py", "promote.py", "lookup.py")
+    }
+    # tierset.py opens the tiers from the config by name; its TierSet class walks them as lists
+    trees["TierSet"] = next(n for n in ast.walk(tierset) if isinstance(n, ast.ClassDef) and n.name == "TierSet")
+    for name, tree in trees.items():
+        words = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        words |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not words & named, name
+    fields = [
+        f.target.id
+        for f in trees["TierSet"].body  # type: ignore[attr-defined]
+        if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)
+    ]
+    assert fields == ["host", "owned", "shared", "lock"]

@@ -21,7 +21,7 @@ import torch
 
 from kvtier.keys import BlockDigest, BlockKey
 from kvtier.layout import KVLayout
-from kvtier.stats import TierStats
+from kvtier.stats import RemoteSnapshot, TierStats
 
 
 class TierKind(enum.StrEnum):
@@ -101,3 +101,25 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SharedTier(Tier, Protocol):
+    """A tier other nodes write too (the remote): what this node knows of it is what its probes saw.
+
+    Its :meth:`~Tier.record` answers from the last probe, so a lookup
+    probes it (without the tier set's lock: it talks to the network) before
+    reading records; its :meth:`~Tier.put_many` copies onto a queue and
+    returns, so it may be called under the lock; no policy of this node
+    evicts it.
+    """
+
+    def probe(self, keys: Sequence[BlockKey]) -> list[BlockRecord | None]:
+        """The records of ``keys`` as the shared store holds them now (None where absent or not authentic)."""
+        ...
+
+    def probe_run(self, keys: Sequence[BlockKey]) -> int:
+        """Probe ``keys`` in order until one is absent; how many lead."""
+        ...
+
+    def snapshot(self) -> RemoteSnapshot: ...
