@@ -15,9 +15,16 @@ Both return the same :class:`~kvtier.stats.CacheStats` (re-exported here),
 which is also what the service sends for them and what ``/stats`` and
 ``/metrics`` read.
 
+A connector inside another engine (vLLM, SGLang, llama.cpp) holds the cache
+through this module too, in the form such an engine needs: that engine keeps
+its own KV pool and runs its own prefill, so it asks the node's service by
+tokens or by names and copies payloads through the shared host slab itself
+(:class:`NodeService`), over the same reconnecting link
+:class:`~kvtier.service.cache.ServiceCache` runs on (:func:`connect_service`).
+
 The protocols are structural (``typing.Protocol``): an implementation never
 inherits from them, so neither implementation's module is imported here
-until :func:`open_cache` runs.
+until :func:`open_cache` or :func:`connect_service` runs.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from kvtier.stats import CacheStats
 from kvtier.tiers.base import TierKind
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import numpy as np
     import torch
 
@@ -41,6 +50,7 @@ if TYPE_CHECKING:
     from kvtier.keys import BlockKey, KeyedTokens, KeyHasher
     from kvtier.layout import KVLayout
     from kvtier.policy.base import Protection
+    from kvtier.service.protocol import LookupReply, Welcome
     from kvtier.store import Payloads
     from kvtier.transfer import JobId, JobStatus, TransferWorker
 
@@ -200,4 +210,98 @@ def open_cache(config: Config, layout: KVLayout, *, model_fingerprint: str) -> C
     return ServiceCache(socket_path, config, layout, model_fingerprint=model_fingerprint)
 
 
-__all__ = ["Cache", "CacheStats", "Fetching", "Loaded", "Promotion", "TierView", "open_cache"]
+# -- the cache as a connector inside another engine holds it ----------------------------------------
+
+
+class NamedBlocks(Protocol):
+    """Blocks by name (SGLang's pages, llama.cpp's saved states): what a connector with its own keys asks for."""
+
+    def named_exists(self, names: Sequence[bytes], namespace: str) -> list[bool]: ...
+
+    def named_load(self, names: Sequence[bytes], namespace: str) -> Loaded:
+        """Pin the leading held ``names``: ``blocks[i]`` is name ``i``'s payload, until released."""
+        ...
+
+    def named_store_from(
+        self, names: Sequence[bytes], fill: Callable[[int, torch.Tensor], object], namespace: str
+    ) -> int:
+        """Store the ``names`` not held: ``fill(i, out)`` writes name ``i``'s payload into its slot; how many."""
+        ...
+
+
+class NodeService(NamedBlocks, Protocol):
+    """The node's cache service, by tokens (it computes the keys with the deployment's secret) or by names.
+
+    Loads are views of the shared host slab and stores fill slots of it,
+    so the engine copies between its own pool and the slab once, with no
+    payload on the socket.
+    """
+
+    welcome: Welcome  # what the service said at connect: its slab's size and slot size among it
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str, *, first_block: int = 0) -> LookupReply: ...
+
+    def load(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        namespace: str,
+        *,
+        start: int = 0,
+        max_blocks: int | None = None,
+        deadline_s: float | None = None,
+    ) -> Loaded: ...
+
+    def store_from(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        fill: Callable[[int, torch.Tensor], object],
+        namespace: str,
+        *,
+        first_block: int = 0,
+        num_blocks: int | None = None,
+    ) -> int: ...
+
+    def stats(self) -> CacheStats | None: ...
+
+
+class ServiceConnection(Protocol):
+    """A link to the node's service that connects again by itself: a service away is a miss, never an error."""
+
+    def client(self) -> NodeService | None:
+        """The live service; None (a miss) while it is away or until the next try is due."""
+        ...
+
+    def unreported_failures(self) -> int:
+        """Failures of the live connection not yet counted (counted when the link drops it)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def connect_service(
+    socket: str | Path,
+    layout: KVLayout,
+    fingerprint: str,
+    *,
+    count_failures: Callable[[int], None],
+    miss_message: str = "serving misses",
+) -> ServiceConnection:
+    """A connector's link to the node's service: :class:`~kvtier.service.cache.ServiceCache`'s own link type."""
+    from kvtier.service.link import ServiceLink
+
+    return ServiceLink(socket, layout, fingerprint, count_failures=count_failures, miss_message=miss_message)
+
+
+__all__ = [
+    "Cache",
+    "CacheStats",
+    "Fetching",
+    "Loaded",
+    "NamedBlocks",
+    "NodeService",
+    "Promotion",
+    "ServiceConnection",
+    "TierView",
+    "connect_service",
+    "open_cache",
+]

@@ -10,17 +10,24 @@ other implementation.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
+import torch
 
-from kvtier.cache import Cache, Fetching, Loaded
+from kvtier.cache import Cache, Fetching, Loaded, NamedBlocks, NodeService, ServiceConnection, connect_service
 from kvtier.fetch import Fetch, LoadHandle
+from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager
 from kvtier.service.cache import ServiceCache, ServiceFetch
-from kvtier.service.client import ClientLoad
+from kvtier.service.client import CacheClient, ClientLoad
+from kvtier.service.link import ServiceLink
 
 PAIRS = [(Cache, CacheManager), (Cache, ServiceCache), (Fetching, Fetch), (Fetching, ServiceFetch)]
 PAIRS += [(Loaded, LoadHandle), (Loaded, ClientLoad)]
+# the connectors' face: the service by tokens or names, over the link the service cache runs on
+PAIRS += [(NamedBlocks, CacheClient), (NamedBlocks, CacheManager), (NodeService, CacheClient)]
+PAIRS += [(ServiceConnection, ServiceLink)]
 
 
 def members(protocol: type) -> dict[str, object]:
@@ -63,3 +70,15 @@ def test_the_seam_names_the_drifts_it_was_made_to_end() -> None:
         assert inspect.signature(impl.pin_for).return_annotation == "int"
         assert not hasattr(impl, "session_prefetch")
     assert inspect.signature(CacheManager.probe).parameters.keys() >= {"prompt"}
+
+
+def test_the_connectors_link_is_the_one_the_service_cache_runs_on(tmp_path: Path) -> None:
+    """One reconnecting link, shared: a fix to reconnection reaches ``kvtier serve`` and every connector alike."""
+    failures: list[int] = []
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype=torch.float32)
+    link = connect_service(tmp_path / "absent.sock", layout, "fp", count_failures=failures.append)
+    assert isinstance(link, ServiceLink)
+    assert inspect.signature(ServiceCache.__init__).parameters.keys() >= {"socket_path"}
+    assert "ServiceLink(" in inspect.getsource(ServiceCache.__init__)
+    assert link.client() is None and failures == [1]  # no service there: a counted miss, never an error
+    link.close()

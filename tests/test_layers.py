@@ -63,7 +63,7 @@ NEVER = {
     "engine": (*CACHE_INSIDE, "kvtier.server", "kvtier.route"),
     "server": (*CACHE_INSIDE, "kvtier.route"),
     "route": ("kvtier.engine", "kvtier.server", "kvtier.manager", "kvtier.tiers.disk", "kvtier.tiers.remote"),
-    "connectors": ("kvtier.engine", "kvtier.server", "kvtier.route", "kvtier.manager", "kvtier.service.server"),
+    "connectors": (*CACHE_INSIDE, "kvtier.engine", "kvtier.server", "kvtier.route"),
     "keys": ("kvtier.engine", "kvtier.server", "kvtier.manager", "kvtier.service"),
 }
 

@@ -62,13 +62,12 @@ import torch
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
 
+from kvtier.cache import NodeService, connect_service
 from kvtier.config import load_config
 from kvtier.connectors.llamacpp_format import Marker, SavedState, StateHeader, pack_state
 from kvtier.connectors.llamacpp_store import MARK_EVERY, SaveOutcome, StateStore
 from kvtier.identity import kv_identity_for
 from kvtier.keys import KeyHasher, Secret
-from kvtier.service.client import CacheClient
-from kvtier.service.link import ServiceLink
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class KVTierLlamaCache(BaseLlamaCache):
         self._flavour = flavour
         self._mark_every = mark_every
         self.counters = Counters()
-        self._link = ServiceLink(
+        self._link = connect_service(
             self.socket, self.layout, self.fingerprint, count_failures=self._count_failures,
             miss_message="llama.cpp states are misses",
         )  # fmt: skip
@@ -159,7 +158,7 @@ class KVTierLlamaCache(BaseLlamaCache):
     def _count_failures(self, n: int) -> None:
         self.counters.service_failures += n
 
-    def _service(self) -> CacheClient | None:
+    def _service(self) -> NodeService | None:
         return self._link.client()
 
     @property

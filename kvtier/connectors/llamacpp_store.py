@@ -43,11 +43,10 @@ import enum
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
-import torch
 
+from kvtier.cache import NamedBlocks
 from kvtier.connectors.llamacpp_format import (
     CHUNK_HEAD,
     FORMAT_VERSION,
@@ -72,28 +71,6 @@ MAX_TRIES = 3  # candidates read before a find gives up: each may cost a state's
 STATE_SLACK_BYTES = 1 << 20  # what a state holds beyond its tokens' KV (headers, llama.cpp's own fields)
 _NAME = b"kvtier-llamacpp-1"
 _GEN_INDEX = struct.Struct("<BI")
-
-
-class Loaded(Protocol):
-    blocks: list[torch.Tensor]
-
-    def release(self) -> None: ...
-
-    def __enter__(self) -> Loaded: ...
-
-    def __exit__(self, *exc: object) -> None: ...
-
-
-class NamedBlocks(Protocol):
-    """Named blocks, as the service's :class:`~kvtier.service.client.CacheClient` and a CacheManager offer them."""
-
-    def named_exists(self, names: Sequence[bytes], namespace: str) -> list[bool]: ...
-
-    def named_load(self, names: Sequence[bytes], namespace: str) -> Loaded: ...
-
-    def named_store_from(
-        self, names: Sequence[bytes], fill: Callable[[int, torch.Tensor], object], namespace: str
-    ) -> int: ...
 
 
 def state_name(position: bytes, generation: int, index: int) -> bytes:

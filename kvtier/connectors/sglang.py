@@ -54,11 +54,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from kvtier.cache import NodeService, ServiceConnection, connect_service
 from kvtier.config import load_config
 from kvtier.connectors.sglang_pages import HostPages, Shard, host_pages, page_names, page_namespace, page_starts
 from kvtier.identity import kv_identity_for
-from kvtier.service.client import CacheClient
-from kvtier.service.link import ServiceLink
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -119,7 +118,7 @@ class KVTierStorage(HiCacheStorage):
         self.pages: HostPages | None = None
         self.fingerprint = ""
         self.counters = dict.fromkeys(("loaded_pages", "stored_pages", "service_failures"), 0)
-        self._link: ServiceLink | None = None  # once the host pool says what a block is
+        self._link: ServiceConnection | None = None  # once the host pool says what a block is
 
     # -- set-up ------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -129,7 +128,7 @@ class KVTierStorage(HiCacheStorage):
         g = pages.geometry
         _, self.fingerprint = kv_identity_for(self.settings.model, g.dtype, g.page_size, self.settings.data_dir)
         self.pages = pages
-        self._link = ServiceLink(
+        self._link = connect_service(
             self.settings.socket, pages.layout, self.fingerprint, count_failures=self._count_failures,
             miss_message="every page is a miss until it answers",
         )  # fmt: skip
@@ -151,7 +150,7 @@ class KVTierStorage(HiCacheStorage):
     def _count_failures(self, n: int) -> None:
         self.counters["service_failures"] += n
 
-    def _service(self) -> CacheClient | None:
+    def _service(self) -> NodeService | None:
         """The live client; None (a miss) before the host pool is registered or while the service is away."""
         return None if self._link is None else self._link.client()
 

@@ -60,13 +60,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.model_executor.models.utils import extract_layer_index
 
+from kvtier.cache import NodeService, connect_service
 from kvtier.config import load_config
 from kvtier.connectors.paged import BlockMap, PagedKV
 from kvtier.connectors.vllm_plan import FailedLoads, RequestPlan, Transfer
 from kvtier.identity import kv_identity_for
 from kvtier.layout import LayoutOrder
-from kvtier.service.client import CacheClient
-from kvtier.service.link import ServiceLink
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -131,7 +130,7 @@ class KVTierConnector(KVConnectorBase_V1):
             model.model, model.dtype, kv_block, config.data_dir, order=LayoutOrder.HEAD_MAJOR
         )
         self._lock = threading.Lock()  # the counters: the saver thread uses them too
-        self._link = ServiceLink(
+        self._link = connect_service(
             self._socket, self._layout, self._fingerprint, count_failures=lambda n: self._count(service_failures=n)
         )
         self._stats = KVTierConnectorStats()
@@ -150,8 +149,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._ended: set[str] = set()  # requests vLLM finished whose blocks wait on our saves
 
     # -- the service ---------------------------------------------------------------------------
-    def _service(self) -> CacheClient | None:
-        """The live client; None (a miss) while the service is away (:class:`ServiceLink` retries)."""
+    def _service(self) -> NodeService | None:
+        """The live client; None (a miss) while the service is away (the link connects again by itself)."""
         return self._link.client()
 
     def _count(self, **counts: int) -> None:
