@@ -45,8 +45,9 @@ from typing import Any
 
 from kvtier.bench import results
 from kvtier.bench.client import stream_completion
+from kvtier.bench.fleet import Proc
 from kvtier.bench.peer.machine import describe
-from kvtier.bench.soak import Server, serving, text_ids
+from kvtier.bench.soak import serving, text_ids
 
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32, the default engine
 FORMAT = 1
@@ -131,7 +132,7 @@ class Turn:
     ttft_s: float
 
 
-def drive(server: Server, stream: Stream, sessions: bool) -> list[Turn]:
+def drive(server: Proc, stream: Stream, sessions: bool) -> list[Turn]:
     """Send the stream in order; with ``sessions``, the next agent prefetches while the current one's turn runs."""
     spec = stream.spec
     order = stream.order()

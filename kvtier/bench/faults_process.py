@@ -14,20 +14,16 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kvtier.bench import procs
+from kvtier.bench import fleet
 from kvtier.bench.faults import Fault, FaultOutcome, fault
+from kvtier.bench.fleet import Proc
 
 READY = "kvtier serving on"  # logged once the model is loaded and the cache is open, just before serving
 START_S = 300.0  # hang guards, never speed assertions
@@ -40,83 +36,31 @@ SIZES: dict[str, Any] = {
 }
 
 
-@dataclass
-class Served:
-    """A running ``kvtier serve``: its process, its port, and every line it has logged so far."""
-
-    process: subprocess.Popen[str]
-    port: int
-    lines: list[str] = field(default_factory=list)
-
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_S)
-        try:
-            data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, data, {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            raw = response.read()
-            return response.status, json.loads(raw) if raw.startswith(b"{") else raw
-        finally:
-            conn.close()
-
-    def stats(self) -> dict[str, Any]:
-        status, body = self.request("GET", "/stats")
-        if status != 200:
-            raise RuntimeError(f"/stats answered {status}")
-        return body
-
-
-def write_config(workdir: Path) -> Path:
+def launch(workdir: Path, where: str = "server") -> Proc:
+    """``kvtier -v serve`` on ``workdir``'s data directory and a free port, its output read through a pipe."""
     tree = {"data_dir": str(workdir / "data"), **SIZES}
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / "kvtier.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
-
-
-def start(config: Path, port: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "-v", "--config", str(config), "serve", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _drain(served: Served) -> None:
-    """Keep reading the server's output (a full pipe would block it), after its ready line."""
-    assert served.process.stdout is not None
-    for line in served.process.stdout:
-        served.lines.append(line.rstrip("\n"))
+    return fleet.start(workdir / where, tree, ["-v", "serve"], watch=True)
 
 
 @contextmanager
-def serving(workdir: Path) -> Iterator[Served]:
-    """``kvtier serve`` on a free port, yielded once it logs that it serves; SIGTERM (then SIGKILL) at the end.
+def serving(workdir: Path) -> Iterator[Proc]:
+    """``kvtier serve``, yielded once it logs that it serves; SIGTERM (then SIGKILL) at the end.
 
     Readiness is the server's own log line, read as it is written: no polling, no sleep.
     """
-    port = procs.free_port()
-    served = Served(start(write_config(workdir), port), port)
+    served = launch(workdir)
     try:
-        assert served.process.stdout is not None
-        for line in served.process.stdout:
-            served.lines.append(line.rstrip("\n"))
-            if READY in line:
-                break
-        else:
-            raise RuntimeError("kvtier serve exited before serving:\n" + "\n".join(served.lines[-20:]))
-        threading.Thread(target=_drain, args=(served,), daemon=True).start()
+        served.wait_for_line(READY)
         yield served
     finally:
-        procs.stop(served.process)
+        served.stop()
 
 
-def _complete(served: Served, prompt: str, max_tokens: int) -> int:
+def _complete(served: Proc, prompt: str, max_tokens: int) -> int:
     """A whole completion; how many tokens came back (0 when it failed)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    status, reply = served.request("POST", "/v1/completions", body)
-    return reply["usage"]["completion_tokens"] if status == 200 else 0
+    reply = served.post("/v1/completions", json=body)
+    return reply.json()["usage"]["completion_tokens"] if reply.status_code == 200 else 0
 
 
 # -- two servers -------------------------------------------------------------------------------------------------------
@@ -124,11 +68,11 @@ def _complete(served: Served, prompt: str, max_tokens: int) -> int:
 def two_servers(workdir: Path) -> FaultOutcome:
     """A second ``kvtier serve`` started on the data directory a first one serves from."""
     with serving(workdir) as first:
-        second = start(workdir / "kvtier.yaml", procs.free_port())
+        second = launch(workdir, "second").process
         out, _ = second.communicate(timeout=START_S)
         said = [line for line in out.splitlines() if "in use by pid" in line]
         first_answers = _complete(first, "The lighthouse keeper", 4)
-        health, _ = first.request("GET", "/health")
+        health = first.get("/health").status_code
     names_first = len(said) == 1 and f"in use by pid {first.process.pid}" in said[0]
     figures = {
         "second_exit_code": second.returncode,
@@ -174,7 +118,7 @@ def stream_then_leave(port: int, n: int) -> int:
     return chunks
 
 
-def settled(served: Served, aborted: int) -> dict[str, Any]:
+def settled(served: Proc, aborted: int) -> dict[str, Any]:
     """/stats once ``aborted`` requests are counted and none is in flight (each poll is one request: the server
     is the clock; the guard only stops a hang)."""
     deadline = time.monotonic() + REQUEST_S

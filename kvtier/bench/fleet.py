@@ -3,6 +3,10 @@
 Each backend gets its own data directory; every process gets the same key
 secret (written into each data directory before it starts), as a deployment
 shares one. Processes stop by PID: SIGTERM, then SIGKILL.
+
+:class:`Proc` is the one handle on a live ``kvtier`` process that every
+bench and live test holds (the soak, the process faults, the server and
+router tests): its URL, its process, its log.
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import yaml
@@ -30,8 +36,13 @@ READY_TIMEOUT_S = 300
 @dataclass
 class Proc:
     url: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[Any]
     log: Path
+    lines: list[str] = field(default_factory=list)  # its output so far, when started with ``watch``
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 0
 
     def get(self, path: str, **kw: Any) -> requests.Response:
         return requests.get(self.url + path, timeout=120, **kw)
@@ -39,8 +50,34 @@ class Proc:
     def post(self, path: str, **kw: Any) -> requests.Response:
         return requests.post(self.url + path, timeout=120, **kw)
 
-    def stop(self) -> None:
-        procs.stop(self.process)
+    def stats(self) -> dict[str, Any]:
+        reply = self.get("/stats")
+        reply.raise_for_status()
+        return reply.json()
+
+    def wait_for_line(self, text: str) -> None:
+        """Read the output of a process started with ``watch`` until a line holds ``text``; then keep draining it.
+
+        A server's own ready line, read as it is written: no polling. Every
+        line also goes to :attr:`log`, and to :attr:`lines`.
+        """
+        if not self._read(text):
+            raise RuntimeError(f"{self.url} exited before saying {text!r}:\n" + "\n".join(self.lines[-20:]))
+        threading.Thread(target=self._read, args=(None,), daemon=True).start()  # a full pipe would block it
+
+    def _read(self, until: str | None) -> bool:
+        assert self.process.stdout is not None, "started without watch"
+        with self.log.open("a") as out:
+            for line in self.process.stdout:
+                self.lines.append(line.rstrip("\n"))
+                out.write(line)
+                out.flush()
+                if until is not None and until in line:
+                    return True
+        return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        procs.stop(self.process, timeout)
 
 
 def data_dir(where: Path, secret: bytes) -> Path:
@@ -54,19 +91,35 @@ def data_dir(where: Path, secret: bytes) -> Path:
     return data
 
 
-def start(where: Path, tree: dict[str, Any], args: list[str], env: dict[str, str] | None = None) -> Proc:
-    """``kvtier --config <tree> <args> --port <free>`` in ``where``, its output in ``where/process.log``."""
+def start(
+    where: Path,
+    tree: dict[str, Any],
+    args: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    cwd: Path | None = None,
+    watch: bool = False,
+) -> Proc:
+    """``kvtier --config <tree> <args> --port <free>`` in ``where``, its output in ``where/process.log``.
+
+    ``cwd``: the directory it runs in (``python -m`` puts it first on
+    ``sys.path``: another checkout's kvtier). ``watch``: its output comes
+    through a pipe, for :meth:`Proc.wait_for_line`.
+    """
     where.mkdir(parents=True, exist_ok=True)
     config = where / "kvtier.yaml"
     config.write_text(yaml.safe_dump(tree))
     port = procs.free_port()
     log = where / "process.log"
+    cmd = [sys.executable, "-m", "kvtier.cli", "--config", str(config), *args, "--port", str(port)]
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "--config", str(config), *args, "--port", str(port)],
-            stdout=out,
+            cmd,
+            stdout=subprocess.PIPE if watch else out,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
+            text=watch,
         )
     return Proc(f"http://127.0.0.1:{port}", process, log)
 

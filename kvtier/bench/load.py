@@ -35,8 +35,9 @@ from typing import Any
 
 from kvtier.bench import results
 from kvtier.bench.client import stream_completion
+from kvtier.bench.fleet import Proc
 from kvtier.bench.peer.machine import describe
-from kvtier.bench.soak import Server, serving, text_ids
+from kvtier.bench.soak import serving, text_ids, wait
 
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32, the default engine: 30 layers x K,V x 3 heads x 64 x 4 B
 GROWTH_LIMIT = 0.05
@@ -132,7 +133,7 @@ def _rss_bytes(pid: int) -> int:
 class Run:
     """The clients and the sampler of one load run; ``samples`` and ``probes`` are appended as they happen."""
 
-    def __init__(self, spec: LoadSpec, server: Server) -> None:
+    def __init__(self, spec: LoadSpec, server: Proc) -> None:
         self.spec = spec
         self.server = server
         self.agents = Agents(spec)
@@ -305,7 +306,7 @@ def run(spec: LoadSpec, progress: Callable[[float, int], None] | None = None) ->
     with tempfile.TemporaryDirectory(prefix="kvtier-load-") as tmp, serving(None, Path(tmp), spec.sections()) as server:
         load = Run(spec, server)
         wall = load.go(progress)
-        server.wait(lambda s: s["engine"]["in_flight"] == 0)
+        wait(server, lambda s: s["engine"]["in_flight"] == 0)
         load._probe()  # the idle look: every client done, nothing in flight
         final = server.stats()
     out = summarize(spec, load.samples, load.probes, wall)

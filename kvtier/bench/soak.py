@@ -23,13 +23,7 @@ fix can be measured against the commit before it in the same run conditions.
 
 from __future__ import annotations
 
-import http.client
-import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,9 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kvtier.bench import results
+from kvtier.bench import fleet, results
 from kvtier.bench.client import stream_completion
 from kvtier.bench.peer.machine import describe
 from kvtier.config import EngineConfig
@@ -60,76 +52,29 @@ class SoakSpec:
     source: Path | None = None  # another kvtier checkout to serve from (before/after figures)
 
 
-@dataclass
-class Server:
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def stats(self) -> dict[str, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            conn.request("GET", "/stats")
-            return json.loads(conn.getresponse().read())
-        finally:
-            conn.close()
-
-    def wait(self, check: Any, timeout_s: float = 600) -> dict[str, Any]:
-        """Poll /stats until ``check(stats)``; each poll is one request, so the server paces it."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.stats()
-            if check(stats):
-                return stats
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not reach the expected state in {timeout_s}s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait(server: fleet.Proc, check: Any, timeout_s: float = 600) -> dict[str, Any]:
+    """Poll /stats until ``check(stats)``; each poll is one request, so the server paces it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.stats()
+        if check(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not reach the expected state in {timeout_s}s")
 
 
 @contextmanager
-def serving(spec: SoakSpec | None, workdir: Path, sections: dict[str, Any] | None = None) -> Iterator[Server]:
+def serving(spec: SoakSpec | None, workdir: Path, sections: dict[str, Any] | None = None) -> Iterator[fleet.Proc]:
     """``kvtier serve`` on a fresh data directory; ``sections``: config sections besides the defaults."""
-    config = workdir / "kvtier.yaml"
-    config.write_text(yaml.safe_dump({"data_dir": str(workdir / "data"), **(sections or {})}))
-    port = _free_port()
-    env = dict(os.environ)
-    cwd = None
-    if spec is not None and spec.source is not None:  # `python -m` puts the working directory first on sys.path
-        cwd = spec.source.resolve()
-        env["PYTHONPATH"] = str(cwd)
-    log = workdir / "server.log"
-    with log.open("wb") as out:
-        cmd = [sys.executable, "-m", "kvtier.cli", "--config", str(config), "serve", "--port", str(port)]
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    server = Server(port, process, log)
+    source = None if spec is None or spec.source is None else spec.source.resolve()
+    env = {} if source is None else {"PYTHONPATH": str(source)}
+    tree = {"data_dir": str(workdir / "data"), **(sections or {})}
+    server = fleet.start(workdir, tree, ["serve"], env, cwd=source)
     try:
-        _wait_started(server)
+        fleet.wait_until(server, fleet.healthy)
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_started(server: Server, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"kvtier serve exited:\n{server.log.read_text()[-4000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", server.port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)  # the server is loading its model: there is nothing to wait on but its port
-    raise RuntimeError("kvtier serve did not start listening")
+        server.stop(timeout=120)  # a write-back cache flushes host memory to disk on the way out
 
 
 def stream_ttft(port: int, prompt: list[int], max_tokens: int = 1) -> float:
@@ -184,7 +129,7 @@ def run(spec: SoakSpec) -> dict[str, Any]:
         long_s: list[float] = []
         long_thread = threading.Thread(target=lambda: long_s.append(stream_ttft(server.port, long_prompt)))
         long_thread.start()
-        server.wait(lambda s: s["engine"]["in_flight"] >= 1)
+        wait(server, lambda s: s["engine"]["in_flight"] >= 1)
         short_with_long = stream_ttft(server.port, short)
         long_thread.join()
         stats = server.stats()["engine"]

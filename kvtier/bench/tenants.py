@@ -33,8 +33,9 @@ import numpy as np
 
 from kvtier.bench import results
 from kvtier.bench.client import stream_completion
+from kvtier.bench.fleet import Proc
 from kvtier.bench.peer.machine import describe
-from kvtier.bench.soak import Server, serving, text_ids
+from kvtier.bench.soak import serving, text_ids
 
 KEYS = {"sk-bench-tenant-a-0123": "a", "sk-bench-tenant-b-0123": "b"}
 ADMIN = "bench-tenants-admin-token-0123456789"
@@ -86,7 +87,7 @@ def ttft(port: int, prompt: list[int], key: str) -> float:
     return got.ttft_s
 
 
-def _stored(server: Server, prompt: list[int], tenant: str, tokens: int, timeout_s: float = 120) -> None:
+def _stored(server: Proc, prompt: list[int], tenant: str, tokens: int, timeout_s: float = 120) -> None:
     """Poll the admin /lookup until ``tenant`` holds ``tokens`` of ``prompt`` (stores land after the answer)."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import procs
 from kvtier.bench.faults import FAULTS, Fault
-from kvtier.bench.faults_process import READY, start, write_config
+from kvtier.bench.faults_process import READY, launch
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +21,8 @@ def test_the_ready_line_is_written_once_connections_are_accepted(tmp_path: Path)
     Before, the line came before uvicorn listened: a supervisor (or the chaos
     run) that connected on seeing it was refused.
     """
-    port = procs.free_port()
-    process = start(write_config(tmp_path), port)
+    server = launch(tmp_path)
+    process = server.process
     try:
         assert process.stdout is not None
         for line in process.stdout:
@@ -32,11 +31,11 @@ def test_the_ready_line_is_written_once_connections_are_accepted(tmp_path: Path)
                 break
         else:
             pytest.fail("kvtier serve exited before it served")
-        with socket.create_connection(("127.0.0.1", port), timeout=30):  # refused if not yet listening
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30):  # refused if not yet listening
             pass
     finally:
         os.kill(process.pid, signal.SIGCONT)
-        procs.stop(process)
+        server.stop()
 
 
 def test_a_second_server_on_one_data_directory_refuses_naming_the_first(tmp_path: Path) -> None:
