@@ -148,3 +148,20 @@ def test_every_module_imports_when_it_is_the_first_one_imported() -> None:
     """A cycle between modules shows only in the order that enters it first (the engines' conftest found one)."""
     done = subprocess.run([sys.executable, "-c", FIRST_IMPORT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr[-2000:]
+
+
+CONNECTOR_IMPORTS = """
+import sys
+import kvtier.cache, kvtier.service.link
+import kvtier.connectors.paged, kvtier.connectors.vllm_plan, kvtier.connectors.sglang_pages
+import kvtier.connectors.llamacpp_format, kvtier.connectors.llamacpp_store
+print(sorted(m for m in ("redis", "lmdb", "kvtier.manager", "kvtier.tiers.disk", "kvtier.tiers.remote", "kvtier.engine")
+             if m in sys.modules))
+"""
+
+
+def test_a_connector_loads_the_seam_and_its_link_not_the_core() -> None:
+    """Inside vLLM, SGLang or llama.cpp only the seam, the link and the connector's own modules load: no tier,
+    no manager, no engine, neither redis nor lmdb (each engine's own modules need its venv; these do not)."""
+    done = subprocess.run([sys.executable, "-c", CONNECTOR_IMPORTS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
