@@ -407,6 +407,12 @@ class BlockDigests:
         more._done[: len(self._done)] = self._done
         return more
 
+    def prefix(self, n: int) -> BlockDigests:
+        """The first ``n`` blocks' digests, those computed so far kept (computed ones stay shared in value)."""
+        head = BlockDigests(self._hasher, self._keys[:n], self._blocks[:n])
+        head._done[:] = self._done[:n]
+        return head
+
 
 @dataclass(frozen=True, eq=False)
 class KeyedTokens:
@@ -438,6 +444,17 @@ class KeyedTokens:
     def blocks(self) -> np.ndarray:
         """The full blocks' token ids, ``[num_blocks, block_size]`` (a view, no copy)."""
         return block_tokens(self.tokens, self.hasher.block_size)
+
+    def prefix(self, n: int) -> KeyedTokens:
+        """The first ``n`` tokens with their full blocks' keys: a slice of this chain, nothing hashed again.
+
+        A prompt-caching breakpoint names a prefix of the request (``cache_control``
+        on a message block); its blocks are this request's first ones.
+        """
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"a prefix of {n} tokens of a {len(self.tokens)}-token sequence")
+        full = n // self.hasher.block_size
+        return KeyedTokens(self.hasher, self.namespace, self.tokens[:n], self.keys[:full], self.digests.prefix(full))
 
     def extend(self, tokens: Sequence[int] | np.ndarray) -> KeyedTokens:
         """``tokens`` (this sequence, then more) keyed: only the new blocks are hashed, chained from the last key.

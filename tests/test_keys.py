@@ -260,3 +260,20 @@ def test_extend_hashes_only_the_new_blocks_and_keeps_the_digests_done(secret: Se
     with pytest.raises(ValueError, match="followed by more"):
         first.extend([99, *range(1, 17)])
     assert first.tokens.flags.writeable is False  # shared by threads (a store job reads it): never changed
+
+
+def test_a_prefix_is_the_chain_cut_with_nothing_hashed_again(secret: Secret) -> None:
+    """A cache_control breakpoint's prefix: the request's own first blocks, keys and digests."""
+    h = hasher(secret)
+    whole = h.keyed(list(range(40)), "ns")  # ten blocks of four
+    _ = whole.digests[1]
+    keys = h.keys
+    h.keys = lambda *a, **k: pytest.fail("a prefix hashed again")  # type: ignore[method-assign]
+    head = whole.prefix(19)
+    h.keys = keys  # type: ignore[method-assign]
+    assert head.tokens.tolist() == list(range(19)) and head.keys == whole.keys[:4] == h.keys(list(range(19)), "ns")
+    assert head.digests._done[1] == whole.digests[1] and len(head.digests) == 4
+    assert head.digests[0] == h.digest(head.keys[0], head.blocks[0])
+    assert whole.prefix(0).keys == [] and whole.prefix(40).keys == whole.keys
+    with pytest.raises(ValueError, match="prefix of 41"):
+        whole.prefix(41)

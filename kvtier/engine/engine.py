@@ -358,4 +358,5 @@ class Engine:
             finish_reason=req.finish_reason,
             ttft_s=req.first_token_at - req.arrival,
             total_s=(req.finished_at or time.perf_counter()) - req.arrival,
+            stop_sequence=req.stop_sequence,
         )

@@ -45,6 +45,7 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None  # the stop string that ended it, where one did
     error: str | None = None
     stored_blocks: int = 0  # leading blocks known to be in kvtier already
     shared_blocks: int = 0  # leading prompt blocks published in the pool for other requests to attach
@@ -139,3 +140,4 @@ class Completion:
     finish_reason: FinishReason
     ttft_s: float
     total_s: float
+    stop_sequence: str | None = None  # the stop string that ended it, where one did

@@ -53,7 +53,8 @@ class Stopping:
         longest = max(map(len, req.params.stop))
         head = req.text[-(longest - 1) :] if longest > 1 else ""
         window = head + piece
-        cuts = [i for i in (window.find(s) for s in req.params.stop) if i >= 0]
-        if not cuts:
+        found = [(i, s) for s in req.params.stop if (i := window.find(s)) >= 0]
+        if not found:
             return piece, False
-        return piece[: max(0, min(cuts) - len(head))], True
+        at, req.stop_sequence = min(found, key=lambda f: f[0])  # the first to complete; at one place, the first given
+        return piece[: max(0, at - len(head))], True

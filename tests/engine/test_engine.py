@@ -150,8 +150,9 @@ def test_stops_on_eos_stop_strings_and_max_tokens(loaded_model: LoadedModel, tmp
     (short,) = engine.generate([ids], SamplingParams(max_tokens=2))
     assert short.finish_reason is FinishReason.LENGTH and short.token_ids == free.token_ids[:2]
     word = free.text.strip().split()[0]
-    (stopped,) = engine.generate([ids], SamplingParams(max_tokens=40, stop=(word,)))
+    (stopped,) = engine.generate([ids], SamplingParams(max_tokens=40, stop=("never said", word)))
     assert stopped.finish_reason is FinishReason.STOP and word not in stopped.text
+    assert stopped.stop_sequence == word and free.stop_sequence is None and short.stop_sequence is None
     assert free.text.startswith(stopped.text)
 
 
