@@ -32,13 +32,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvtier.config import ServerConfig
 from kvtier.engine.engine import Engine
-from kvtier.server import inference, sessions
-from kvtier.server.errors import APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
+from kvtier.server import inference, messages, sessions
+from kvtier.server.errors import MESSAGES_PATH, APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
 from kvtier.server.metrics import StatsCollector, build_report, hardware_report
 from kvtier.server.schemas import (
@@ -52,6 +52,8 @@ from kvtier.server.schemas import (
     Health,
     LookupRequest,
     LookupResponse,
+    MessageResponse,
+    MessagesErrorResponse,
     ModelCard,
     ModelList,
     PinRequest,
@@ -63,6 +65,7 @@ from kvtier.server.schemas import (
 from kvtier.server.state import ServerState
 from kvtier.tiers.base import TierKind
 from kvtier.web.auth import Tenant
+from kvtier.web.messages import MessagesRequest
 from kvtier.web.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -116,7 +119,25 @@ async def _reader(state: State, request: Request, creds: ReadCredentials) -> Non
         raise unauthorized("a token is required: Authorization: Bearer <server.read_token or server.admin_token>")
 
 
+_x_api_key = APIKeyHeader(
+    name="x-api-key", auto_error=False, scheme_name="XAPIKey", description="The Messages API's key header."
+)
+
+
+async def _messages_caller(
+    state: State,
+    key: Annotated[str | None, Depends(_x_api_key)],
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_api_key)],
+) -> Tenant:
+    """The Messages API's clients send their key as ``x-api-key`` (or, with a token, as a bearer header)."""
+    tenant = state.tenants.from_key(key if key is not None else creds.credentials if creds else None)
+    if tenant is None:
+        raise unauthorized("a valid API key is required: x-api-key: <key>")
+    return tenant
+
+
 Caller = Annotated[Tenant, Depends(_caller)]
+MessagesCaller = Annotated[Tenant, Depends(_messages_caller)]
 Admin = Depends(_admin)
 Reader = Depends(_reader)
 
@@ -167,6 +188,34 @@ async def chat_completions(
 ) -> Response | ChatCompletionResponse:
     job = await _turn(state, tenant, request, body.user, await inference.chat_job(state, body, tenant))
     return await _answer(request, state, job, stream=body.stream, chat=True)
+
+
+@router.post(
+    MESSAGES_PATH,
+    response_model=MessageResponse,
+    responses={code: {"model": MessagesErrorResponse} for code in (400, 401, 404, 413, 500, 503)},
+)
+async def create_message(
+    body: MessagesRequest, state: State, tenant: MessagesCaller, request: Request
+) -> Response | MessageResponse:
+    """Anthropic's Messages API; ``cache_control`` marks keep their prefix for the mark's TTL (see messages.py)."""
+    mj = await messages.messages_job(state, body, tenant)
+    user = body.metadata.user_id if body.metadata else None
+    mj = dataclasses.replace(mj, job=await _turn(state, tenant, request, user, mj.job))
+    await messages.retain(state, mj)
+    gone = asyncio.ensure_future(inference.disconnected(request.receive))
+    events = inference.submit(state, mj.job)
+    if body.stream:
+        return StreamingResponse(
+            messages.sse(state, mj, events, gone), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    try:
+        outcome = await inference.run_to_end(state, mj.job, events, gone)
+    finally:
+        gone.cancel()
+    if outcome is None:
+        return Response(status_code=CLIENT_GONE)
+    return messages.response(state, mj, outcome)
 
 
 async def _turn(
@@ -398,7 +447,7 @@ async def lookup(body: LookupRequest, state: State) -> LookupResponse:
 def _cap_max_tokens(schema: dict[str, Any], limit: int) -> None:
     """Show the configured ``server.max_tokens_limit`` as the schema's bound (the models carry a static one)."""
     models = schema.get("components", {}).get("schemas", {})
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest"):
         props = models.get(name, {}).get("properties", {})
         for field in ("max_tokens", "max_completion_tokens"):
             prop = props.get(field)

@@ -66,8 +66,32 @@ class APIError(Exception):
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type.value, "code": self.code, "param": self.param}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, request: Request | None = None) -> JSONResponse:
+        """The OpenAI shape, or (``request`` on the Messages API) Anthropic's: ``{"type": "error", "error": ...}``."""
+        if request is None or not speaks_messages(request):
+            return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        kind = MESSAGES_ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+MESSAGES_PATH = "/v1/messages"
+MESSAGES_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+"""The Messages API's error types by status (its clients raise by status and show the message)."""
+
+
+def speaks_messages(request: Request) -> bool:
+    """A request to the Messages API, which answers errors in its own shape (and a malformed body with 400)."""
+    return request.url.path == MESSAGES_PATH or request.url.path.startswith(MESSAGES_PATH + "/")
 
 
 def unauthorized(message: str) -> APIError:
@@ -122,27 +146,29 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(dict.fromkeys(parts)) or "invalid request", first
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(exc)
-    return APIError(422, message, code=ErrorCode.INVALID_REQUEST, param=param).response()
+    status = 400 if speaks_messages(request) else 422  # the Messages API answers a malformed request with 400
+    return APIError(status, message, code=ErrorCode.INVALID_REQUEST, param=param).response(request)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = ErrorType.NOT_FOUND if exc.status_code == 404 else ErrorType.INVALID_REQUEST
     code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_REQUEST
-    return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
+    error = APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers)
+    return error.response(request)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, "internal server error", type=ErrorType.SERVER, code=ErrorCode.INTERNAL).response()
+    return APIError(500, "internal server error", type=ErrorType.SERVER, code=ErrorCode.INTERNAL).response(request)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -71,6 +71,7 @@ class Outcome:
     finish_reason: FinishReason
     failure: Failure | None = None
     message: str = ""
+    stop_sequence: str | None = None  # the stop string that ended it (the Messages API reports it)
 
     @classmethod
     def of(cls, req: Request) -> Outcome:
@@ -84,6 +85,7 @@ class Outcome:
             finish_reason=req.finish_reason,
             failure=Failure.REJECTED if failed else None,
             message=req.error or "",
+            stop_sequence=req.stop_sequence,
         )
 
     @classmethod

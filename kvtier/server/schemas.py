@@ -126,6 +126,67 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+# -- the Messages API's responses ------------------------------------------------------
+class StopReason(enum.StrEnum):
+    END_TURN = "end_turn"  # the model ended its turn (EOS)
+    MAX_TOKENS = "max_tokens"  # max_tokens, or the context's end
+    STOP_SEQUENCE = "stop_sequence"  # one of stop_sequences (named in stop_sequence)
+
+    @classmethod
+    def of(cls, reason: FinishReason, stop_sequence: str | None) -> StopReason:
+        if reason is FinishReason.LENGTH:
+            return cls.MAX_TOKENS
+        return cls.STOP_SEQUENCE if stop_sequence is not None else cls.END_TURN
+
+
+class CacheCreation(BaseModel):
+    """``cache_creation_input_tokens`` by how long they are kept (the longest mark over each block)."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
+class MessagesUsage(BaseModel):
+    """The prompt in three exact parts (they sum to its length) and the reply's tokens.
+
+    ``cache_read_input_tokens``: served from the KV cache, prefill skipped.
+    ``cache_creation_input_tokens``: computed now and kept by a ``cache_control``
+    mark (whole blocks up to the last breakpoint). ``input_tokens``: the rest.
+    """
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = Field(default_factory=lambda: CacheCreation())
+
+
+class TextContent(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MessageResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[TextContent]
+    model: str
+    stop_reason: StopReason | None
+    stop_sequence: str | None = None
+    usage: MessagesUsage
+
+
+class MessagesErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class MessagesErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: MessagesErrorDetail
+
+
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
     model: str

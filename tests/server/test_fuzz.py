@@ -23,6 +23,7 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/messages"),
     ("GET", "/stats"),
     ("GET", "/metrics"),
     ("POST", "/admin/clear"),

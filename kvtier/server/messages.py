@@ -1,0 +1,201 @@
+"""``POST /v1/messages``: the Messages API's body -> a job for the engine -> its JSON or its event stream.
+
+The request is rendered with the model's own chat template (tools and
+system first, as the API orders a prompt), checked like an OpenAI one, and
+run by the same engine loop. What is this API's own:
+
+* **Breakpoints.** Each ``cache_control`` block names a prefix of the
+  prompt; its tokens are the rendered prompt's tokens shared with the
+  conversation cut just after that block. Every request that carries a
+  breakpoint pins the prefix's full blocks in host memory for the mark's TTL
+  (5 minutes or an hour), so a hit refreshes the promise.
+* **Usage**, counted exactly: ``cache_read_input_tokens`` were served from
+  the KV cache; ``cache_creation_input_tokens`` were computed now and are
+  kept by a mark (whole blocks up to the last breakpoint, less what was
+  read); ``input_tokens`` is the rest. The three sum to the prompt's tokens.
+* **Its event stream**: ``message_start``, one text content block
+  (``content_block_start`` / ``_delta`` / ``_stop``), ``message_delta`` with
+  the stop reason and the usage, ``message_stop``; a failure after the 200
+  is an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+from kvtier.engine.sampling import SamplingParams
+from kvtier.server.errors import APIError
+from kvtier.server.inference import Job, PromptField, check_model, check_prompt, failure_error
+from kvtier.server.loop import ClientGone, Outcome, Stream
+from kvtier.server.schemas import CacheCreation, MessageResponse, MessagesUsage, StopReason, TextContent
+from kvtier.server.state import ServerState
+from kvtier.web.auth import Tenant
+from kvtier.web.messages import MAX_BREAKPOINTS, Breakpoint, CacheTTL, MessagesRequest, rendered
+from kvtier.web.requests import GREEDY_BELOW, MIN_TOP_P
+
+TemplateMessages = list[dict[str, str]]
+
+
+async def _template_ids(
+    state: ServerState, conversation: TemplateMessages, *, add_generation_prompt: bool
+) -> list[int]:
+    try:
+        return await asyncio.to_thread(state.loaded.chat_ids, conversation, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as err:  # the template's own checks (e.g. roles must alternate)
+        raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+async def breakpoint_tokens(state: ServerState, ids: list[int], marks: list[Breakpoint]) -> list[int]:
+    """Each mark's prefix length in ``ids``: the tokens the prompt shares with its conversation cut at the mark.
+
+    The cut conversation renders its last message closed, so the shared run
+    ends at the marked block's end (or, where a byte pair straddles it, a
+    token before).
+    """
+    return [_shared(ids, await _template_ids(state, m.upto, add_generation_prompt=False)) for m in marks]
+
+
+# -- from a body to a job ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class MessagesJob:
+    """A job and the prompt's breakpoints: ``(tokens, ttl seconds)``, fewest tokens first."""
+
+    job: Job
+    breakpoints: list[tuple[int, float]]
+
+    def kept(self) -> list[tuple[int, float]]:
+        """Whole blocks up to each breakpoint, with the longest TTL of the marks at or after it (a block's own)."""
+        size, longest, out = self.job.prompt.hasher.block_size, 0.0, []
+        for tokens, ttl_s in reversed(self.breakpoints):
+            longest = max(longest, ttl_s)
+            out.append((tokens // size * size, longest))
+        return out[::-1]
+
+    def usage(self, outcome: Outcome) -> MessagesUsage:
+        """The prompt's tokens read, created (by TTL) and the rest; created: kept by a mark, not read."""
+        read = outcome.cached_tokens
+        created = {CacheTTL.FIVE_MINUTES: 0, CacheTTL.ONE_HOUR: 0}
+        start = read
+        for end, ttl_s in self.kept():
+            end = min(end, outcome.prompt_tokens)
+            if end > start:
+                created[CacheTTL.ONE_HOUR if ttl_s >= CacheTTL.ONE_HOUR.seconds else CacheTTL.FIVE_MINUTES] += (
+                    end - start
+                )
+                start = end
+        made = sum(created.values())
+        return MessagesUsage(
+            input_tokens=outcome.prompt_tokens - read - made,
+            output_tokens=outcome.completion_tokens,
+            cache_creation_input_tokens=made,
+            cache_read_input_tokens=read,
+            cache_creation=CacheCreation(
+                ephemeral_5m_input_tokens=created[CacheTTL.FIVE_MINUTES],
+                ephemeral_1h_input_tokens=created[CacheTTL.ONE_HOUR],
+            ),
+        )
+
+
+async def messages_job(state: ServerState, body: MessagesRequest, tenant: Tenant) -> MessagesJob:
+    check_model(state, body.model)
+    conversation, marks = rendered(body)
+    if len(marks) > MAX_BREAKPOINTS:
+        raise APIError(
+            400, f"{len(marks)} blocks carry cache_control; at most {MAX_BREAKPOINTS} may", param="cache_control"
+        )
+    ids = await _template_ids(state, conversation, add_generation_prompt=True)
+    check_prompt(state, ids, body.max_tokens, PromptField.MESSAGES)
+    cuts = await breakpoint_tokens(state, ids, marks)
+    temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
+    top_p = 1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P)
+    stop = tuple(body.stop_sequences or ())
+    params = SamplingParams(max_tokens=body.max_tokens, temperature=temperature, top_p=top_p, stop=stop)
+    prompt = state.cache.keyed(ids, tenant.namespace)
+    job = Job(f"msg_{secrets.token_hex(12)}", prompt, params, tenant, include_usage=True)
+    return MessagesJob(job, sorted((n, m.ttl.seconds) for n, m in zip(cuts, marks, strict=True)))
+
+
+async def retain(state: ServerState, mj: MessagesJob) -> None:
+    """Pin each breakpoint's prefix for its TTL from now (cached or about to be: the pins wait for the blocks).
+
+    A block under several marks is kept for the longest of their TTLs: the
+    longest prefix is pinned first, and each shorter one after it with the
+    longest TTL of the marks at or after it, overwriting its own blocks.
+    """
+    for tokens, ttl_s in reversed(mj.kept()):
+        await asyncio.to_thread(state.cache.pin_for, mj.job.prompt.prefix(tokens), ttl_s)
+
+
+# -- answers ----------------------------------------------------------------------------------------
+def response(state: ServerState, mj: MessagesJob, outcome: Outcome) -> MessageResponse:
+    return MessageResponse(
+        id=mj.job.request_id,
+        content=[TextContent(text=outcome.text)] if outcome.text else [],
+        model=state.model_name,
+        stop_reason=StopReason.of(outcome.finish_reason, outcome.stop_sequence),
+        stop_sequence=outcome.stop_sequence,
+        usage=mj.usage(outcome),
+    )
+
+
+def _event(kind: str, payload: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
+async def sse(state: ServerState, mj: MessagesJob, stream: Stream, gone: asyncio.Future[None]) -> AsyncIterator[str]:
+    """The Messages API's event stream of one request; a client that leaves mid-stream aborts it.
+
+    ``message_start`` cannot know yet how much of the prompt the cache
+    serves: it counts the whole prompt as input, and ``message_delta``
+    carries the exact parts (the SDKs take usage from both).
+    """
+    job, ended = mj.job, False
+    opening = MessageResponse(
+        id=job.request_id,
+        content=[],
+        model=state.model_name,
+        stop_reason=None,
+        usage=MessagesUsage(input_tokens=len(job.prompt), output_tokens=0),
+    )
+    try:
+        yield _event("message_start", {"message": opening.model_dump(mode="json")})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        async for event in stream.events(gone):
+            if not isinstance(event, Outcome):
+                if event.text:
+                    yield _event(
+                        "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}}
+                    )
+                continue
+            ended = True
+            if event.failure is not None:
+                error = failure_error(event)
+                yield _event("error", {"error": {"type": "api_error", "message": error.message}})
+                break
+            state.note_outcome(job, event)
+            yield _event("content_block_stop", {"index": 0})
+            reason = StopReason.of(event.finish_reason, event.stop_sequence)
+            delta = {"stop_reason": reason.value, "stop_sequence": event.stop_sequence}
+            yield _event("message_delta", {"delta": delta, "usage": mj.usage(event).model_dump(mode="json")})
+            yield _event("message_stop", {})
+    except ClientGone:
+        pass
+    finally:
+        gone.cancel()
+        if not ended:
+            state.loop.abort(job.request_id)
+
+
+__all__ = ["MessagesJob", "breakpoint_tokens", "messages_job", "response", "retain", "sse"]
