@@ -304,6 +304,14 @@ class EngineConfig(_Section):
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
+class TenantLimits(_Section):
+    """What one tenant's promises may hold (``server.tenants.<name>``)."""
+
+    retain_bytes: ByteSize | None = Field(
+        None, description="Host bytes this tenant's cache_control marks may keep; null: server.retain_bytes."
+    )
+
+
 class ServerConfig(_Section):
     """``kvtier serve``: where it listens, who may call it, and how much one request may ask for."""
 
@@ -334,6 +342,14 @@ class ServerConfig(_Section):
     max_connections: int = Field(
         2048, ge=1, description="Open connections served; requests on connections past it get 503."
     )
+    retain_bytes: ByteSize | None = Field(
+        None,
+        description=(
+            "Host bytes one tenant's cache_control marks may keep; past it, that tenant's oldest marked prefix "
+            "goes first. null: half the host tier."
+        ),
+    )
+    tenants: dict[str, TenantLimits] = Field(default_factory=dict, description="Per tenant name: its own limits.")
 
     @field_validator("host")
     @classmethod
@@ -346,6 +362,14 @@ class ServerConfig(_Section):
     def _check_token(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and len(v.get_secret_value()) < 16:
             raise ValueError("a token needs at least 16 characters")
+        return v
+
+    @field_validator("tenants")
+    @classmethod
+    def _check_tenants(cls, v: dict[str, TenantLimits]) -> dict[str, TenantLimits]:
+        for name in v:
+            if not re.fullmatch(TENANT_NAME, name):
+                raise ValueError(f"tenant name {name!r} must match {TENANT_NAME}")
         return v
 
     @field_validator("api_keys")

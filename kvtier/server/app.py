@@ -58,6 +58,7 @@ from kvtier.server.schemas import (
     ModelList,
     PinRequest,
     PinResponse,
+    RetainedReport,
     SessionPrefetchResponse,
     SessionsReport,
     StatsReport,
@@ -202,7 +203,7 @@ async def create_message(
     mj = await messages.messages_job(state, body, tenant)
     user = body.metadata.user_id if body.metadata else None
     mj = dataclasses.replace(mj, job=await _turn(state, tenant, request, user, mj.job))
-    await messages.retain(state, mj)
+    mj = await messages.retain(state, mj)
     gone = asyncio.ensure_future(inference.disconnected(request.receive))
     events = inference.submit(state, mj.job)
     if body.stream:
@@ -265,6 +266,10 @@ def _report(state: ServerState) -> StatsReport:
     model = state.loaded.model
     out = build_report(state.model_name, state.cache, state.loop.metrics, hardware_report(model.device, model.dtype))
     out.sessions = None if state.sessions is None else sessions.report(state.sessions, None)
+    out.retained = {
+        name: RetainedReport(blocks=r.blocks, bytes=r.bytes, prefixes=r.prefixes, quota_bytes=r.quota_bytes)
+        for name, r in state.retention.report().items()
+    }
     return out
 
 

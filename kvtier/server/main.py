@@ -15,6 +15,7 @@ then serves those very sockets, so nothing can take the port in between.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import logging
 import resource
@@ -33,6 +34,7 @@ from kvtier.server.kv_events import EventFeed
 from kvtier.server.limits import read_timeout_protocol
 from kvtier.server.loop import EngineLoop
 from kvtier.server.metrics import EngineMetrics
+from kvtier.server.retention import Retention, retain_quota
 from kvtier.server.state import ServerState
 from kvtier.sessions import SessionRegistry
 from kvtier.web.auth import AdminToken, Readers, Tenants
@@ -141,6 +143,7 @@ def build_state(config: Config) -> ServerState:
         admin=AdminToken(config.server.admin_token),
         readers=Readers(config.server.admin_token, config.server.read_token),
         created=int(time.time()),
+        retention=Retention(cache, functools.partial(retain_quota, config)),
         events=feed,
         sessions=_sessions(cache, config),
     )

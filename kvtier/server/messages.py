@@ -22,6 +22,7 @@ run by the same engine loop. What is this API's own:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -127,15 +128,20 @@ async def messages_job(state: ServerState, body: MessagesRequest, tenant: Tenant
     return MessagesJob(job, sorted((n, m.ttl.seconds) for n, m in zip(cuts, marks, strict=True)))
 
 
-async def retain(state: ServerState, mj: MessagesJob) -> None:
-    """Pin each breakpoint's prefix for its TTL from now (cached or about to be: the pins wait for the blocks).
+async def retain(state: ServerState, mj: MessagesJob) -> MessagesJob:
+    """Keep each breakpoint's prefix for its TTL from now, within the tenant's quota; the job with those kept.
 
-    A block under several marks is kept for the longest of their TTLs: the
-    longest prefix is pinned first, and each shorter one after it with the
-    longest TTL of the marks at or after it, overwriting its own blocks.
+    The prefixes are pinned whether cached yet or not (the pins wait for the
+    blocks); a block under several marks keeps the longest TTL over it; a
+    mark whose prefix alone exceeds the quota is not kept, and its tokens are
+    then not counted as created.
     """
-    for tokens, ttl_s in reversed(mj.kept()):
-        await asyncio.to_thread(state.cache.pin_for, mj.job.prompt.prefix(tokens), ttl_s)
+    if not mj.breakpoints:
+        return mj
+    marks = [(mj.job.prompt.prefix(tokens), ttl_s) for tokens, ttl_s in mj.kept()]
+    taken = await asyncio.to_thread(state.retention.keep, mj.job.tenant.name, marks)
+    kept = [b for b, (end, _), ok in zip(mj.breakpoints, mj.kept(), taken, strict=True) if ok and end > 0]
+    return dataclasses.replace(mj, breakpoints=kept)
 
 
 # -- answers ----------------------------------------------------------------------------------------

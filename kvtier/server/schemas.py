@@ -436,6 +436,13 @@ class ServiceLinkReport(BaseModel):
     failures: int = Field(description="Calls that found the service away or failing (each a miss).")
 
 
+class RetainedReport(BaseModel):
+    blocks: int = Field(description="Distinct host blocks the tenant's live marks keep.")
+    bytes: int
+    prefixes: int = Field(description="Marked prefixes still within their TTL.")
+    quota_bytes: int = Field(description="What the tenant's marks may keep (server.tenants.<name>.retain_bytes).")
+
+
 class StatsReport(BaseModel):
     model: str
     block_size: int
@@ -448,6 +455,9 @@ class StatsReport(BaseModel):
     remote: RemoteReport | None = Field(None, description="The remote tier's own figures; null when it is off.")
     sessions: SessionsReport | None = Field(None, description="Live agent sessions; null when sessions are off.")
     service: ServiceLinkReport | None = Field(None, description="The cache service link; null when embedded.")
+    retained: dict[str, RetainedReport] = Field(
+        default_factory=dict, description="Per tenant name: what its cache_control marks keep in host memory now."
+    )
 
 
 # -- agent sessions and explain ------------------------------------------------------

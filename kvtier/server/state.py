@@ -10,6 +10,7 @@ from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
+from kvtier.server.retention import Retention
 from kvtier.sessions import SessionRegistry
 from kvtier.web.auth import AdminToken, Readers, Tenants
 
@@ -29,6 +30,7 @@ class ServerState:
     admin: AdminToken
     readers: Readers  # of /stats, /metrics, /dashboard and the schema
     created: int  # unix time the server started, reported as the model's ``created``
+    retention: Retention  # what cache_control marks keep, per tenant
     events: EventFeed | None = None  # block events for a router; None when the tiers live in a cache service
     sessions: SessionRegistry | None = None  # live agent sessions; None when session.enabled is false
 

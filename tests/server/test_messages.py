@@ -17,17 +17,24 @@ import pytest
 import requests
 
 from kvtier.engine.runtime import LoadedModel
-from tests.server.live import B, LiveServer, Reference, running
+from tests.server.live import BLOCK_BYTES, B, LiveServer, Reference, running
 
 KEY, OTHER = "sk-alpha-0123456789abcdef", "sk-beta-0123456789abcdef"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 MAX = 8
+# Small tiers, so that ten times the host tier also overflows the engine's pool and the disk tier: a flood
+# evicts everything a mark does not keep (the pool's resident blocks included).
+SMALL = {
+    "engine": {"pool_bytes": 100 * BLOCK_BYTES, "dtype": "float32"},
+    "host": {"capacity_bytes": "16MiB"},
+    "disk": {"capacity_bytes": "24MiB"},
+}
 SYSTEM = "You are a terse assistant. " * 12  # a few blocks of system prompt, marked for caching
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with running(tmp_path_factory.mktemp("messages"), api_keys={KEY: "alpha", OTHER: "beta"}) as live:
+    with running(tmp_path_factory.mktemp("messages"), SMALL, api_keys={KEY: "alpha", OTHER: "beta"}) as live:
         yield live
 
 
@@ -139,3 +146,31 @@ def test_the_requests_own_mark_keeps_the_whole_prompt_for_the_next_turn(client: 
     again = ask(client, [*convo, {"role": "assistant", "content": first.content[0].text},
                          {"role": "user", "content": "Shorter."}], cache_control={"type": "ephemeral"})  # fmt: skip
     assert again.usage.cache_read_input_tokens >= total(first.usage) // B * B - B  # the first turn's blocks
+
+
+def test_a_marked_prefix_outlives_another_tenants_flood(client: anthropic.Anthropic, server: LiveServer) -> None:
+    """Tenant alpha marks its system prompt; tenant beta then sends ten times the host tier in new prompts.
+
+    Alpha's next turn still reads the whole marked prefix from the cache, while beta's own first prompt,
+    unmarked, was flooded out (the pool and the disk tier overflow too), and /stats shows what alpha keeps
+    (its quota: half the host tier).
+    """
+    system = [{"type": "text", "text": "Alpha's long standing orders. " * 30, "cache_control": {"type": "ephemeral"}}]
+    first = ask(client, [{"role": "user", "content": "Begin."}], system=system)
+    marked = first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
+    assert marked >= 8 * B
+    host_blocks = server.stats()["tiers"]["host"]["capacity_blocks"]
+    openai_beta = server.client(api_key=OTHER)
+    words = ["river", "stone", "lamp", "cedar", "orbit", "violet", "harbor", "quartz", "meadow", "signal", "ember"]
+    flood = [" ".join(f"{words[(i + j) % len(words)]}{i}" for j in range(300)) for i in range(10 * host_blocks // 30)]
+    sent = 0
+    for text in flood:
+        done = openai_beta.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0)
+        sent += done.usage.prompt_tokens
+    assert sent >= 10 * host_blocks * B
+    again = ask(client, [{"role": "user", "content": "Continue."}], system=system)
+    assert again.usage.cache_read_input_tokens >= marked
+    replay = openai_beta.completions.create(model=MODEL, prompt=flood[0], max_tokens=1, temperature=0)
+    assert replay.usage.prompt_tokens_details.cached_tokens < 4 * B  # unmarked: gone
+    retained = server.stats()["retained"]
+    assert retained["alpha"]["blocks"] >= marked // B and retained["alpha"]["quota_bytes"] == 8 * 1024**2
