@@ -74,8 +74,8 @@ class Prompts:
 
     def read(self, endpoint: Endpoint, body: Any, authorization: str | None, session: str | None) -> RoutedPrompt:
         """What routing needs of a request body; a body the backend will refuse gets no keys (it is routed by load)."""
-        user = body.get("user") if isinstance(body, dict) else None
-        session = session or (user if isinstance(user, str) and user else None)
+        named = [body.get(k) for k in ("prompt_cache_key", "user")] if isinstance(body, dict) else []
+        session = session or next((n for n in named if isinstance(n, str) and n), None)  # as the server reads it
         stream = isinstance(body, dict) and body.get("stream") is True
         ids = self._ids(endpoint, body)
         tenant = self.tenants.from_key(_bearer(authorization))

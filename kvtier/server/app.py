@@ -179,7 +179,7 @@ async def _answer(
 async def completions(
     body: CompletionRequest, state: State, tenant: Caller, request: Request
 ) -> Response | CompletionResponse:
-    job = await _turn(state, tenant, request, body.user, await inference.completion_job(state, body, tenant))
+    job = await _turn(state, tenant, request, body.session_name, await inference.completion_job(state, body, tenant))
     return await _answer(request, state, job, stream=body.stream, chat=False)
 
 
@@ -187,7 +187,7 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, state: State, tenant: Caller, request: Request
 ) -> Response | ChatCompletionResponse:
-    job = await _turn(state, tenant, request, body.user, await inference.chat_job(state, body, tenant))
+    job = await _turn(state, tenant, request, body.session_name, await inference.chat_job(state, body, tenant))
     return await _answer(request, state, job, stream=body.stream, chat=True)
 
 

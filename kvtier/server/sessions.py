@@ -58,7 +58,10 @@ _STATS_KEY = secrets.token_bytes(16)
 
 
 def session_of(request: Request, user: str | None) -> str | None:
-    """The session a request names: the header, else the body's ``user``; None for an anonymous request."""
+    """The session a request names: the header, else the body's; None for an anonymous request.
+
+    A body names it by ``prompt_cache_key`` or ``user`` (OpenAI), or ``metadata.user_id`` (the Messages API).
+    """
     given = request.headers.get(HEADER) or user
     if given is not None and not 0 < len(given) <= MAX_ID:
         raise APIError(400, f"a session id has 1 to {MAX_ID} characters", param=HEADER)

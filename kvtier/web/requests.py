@@ -94,6 +94,14 @@ class _Generation(RequestBody):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is served.")
     user: SessionId | None = Field(None, description="The agent session (X-Session-ID wins); scoped by tenant.")
+    prompt_cache_key: SessionId | None = Field(
+        None, description="OpenAI's cache key: requests that share it are one session (before user; the header wins)."
+    )
+
+    @property
+    def session_name(self) -> str | None:
+        """The session the body names: its ``prompt_cache_key``, else its ``user``."""
+        return self.prompt_cache_key or self.user
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
