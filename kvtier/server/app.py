@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated, Any
@@ -40,6 +40,7 @@ from kvtier.engine.engine import Engine
 from kvtier.server import inference, messages, sessions
 from kvtier.server.errors import MESSAGES_PATH, APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
+from kvtier.server.loop import Outcome, Stream
 from kvtier.server.metrics import StatsCollector, build_report, hardware_report
 from kvtier.server.schemas import (
     ChatCompletionResponse,
@@ -155,24 +156,32 @@ async def list_models(state: State, _: Caller) -> ModelList:
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client that left
 
 
-async def _answer(
-    request: Request, state: ServerState, job: inference.Job, *, stream: bool, chat: bool
-) -> Response | CompletionResponse | ChatCompletionResponse:
-    """Run ``job``; if its client disconnects first, the request is aborted in the engine within a step."""
+async def _run(
+    request: Request,
+    state: ServerState,
+    job: inference.Job,
+    stream: Callable[[Stream, asyncio.Future[None]], AsyncIterator[str]] | None,
+    respond: Callable[[Outcome], Any],
+) -> Any:
+    """Run ``job``: its event stream (``stream``), or ``respond(outcome)``; a client that leaves first aborts it."""
     gone = asyncio.ensure_future(inference.disconnected(request.receive))
     events = inference.submit(state, job)
-    if stream:
-        body = inference.sse(state, job, events, gone, chat=chat)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    if stream is not None:
+        return StreamingResponse(stream(events, gone), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         outcome = await inference.run_to_end(state, job, events, gone)
     finally:
         gone.cancel()
-    if outcome is None:
-        return Response(status_code=CLIENT_GONE)
-    if chat:
-        return inference.chat_response(state, job, outcome)
-    return inference.completion_response(state, job, outcome)
+    return Response(status_code=CLIENT_GONE) if outcome is None else respond(outcome)
+
+
+async def _answer(
+    request: Request, state: ServerState, job: inference.Job, *, stream: bool, chat: bool
+) -> Response | CompletionResponse | ChatCompletionResponse:
+    """An OpenAI route's answer: chunks ending ``data: [DONE]``, or one completion."""
+    sse = functools.partial(inference.sse, state, job, chat=chat) if stream else None
+    respond = inference.chat_response if chat else inference.completion_response
+    return await _run(request, state, job, sse, functools.partial(respond, state, job))
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
@@ -204,19 +213,8 @@ async def create_message(
     user = body.metadata.user_id if body.metadata else None
     mj = dataclasses.replace(mj, job=await _turn(state, tenant, request, user, mj.job))
     mj = await messages.retain(state, mj)
-    gone = asyncio.ensure_future(inference.disconnected(request.receive))
-    events = inference.submit(state, mj.job)
-    if body.stream:
-        return StreamingResponse(
-            messages.sse(state, mj, events, gone), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-    try:
-        outcome = await inference.run_to_end(state, mj.job, events, gone)
-    finally:
-        gone.cancel()
-    if outcome is None:
-        return Response(status_code=CLIENT_GONE)
-    return messages.response(state, mj, outcome)
+    sse = functools.partial(messages.sse, state, mj) if body.stream else None
+    return await _run(request, state, mj.job, sse, functools.partial(messages.response, state, mj))
 
 
 async def _turn(
