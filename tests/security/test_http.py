@@ -28,7 +28,7 @@ READ = "read-token-for-tests-0123456789"
 
 class Access(enum.Enum):
     OPEN = "anyone"
-    API_KEY = "a tenant's API key (the OpenAI routes' own auth, with server.api_keys set)"
+    API_KEY = "a tenant's API key (the OpenAI routes' own auth, and the Messages API's, with server.api_keys set)"
     READ = "the read token or the admin token; on these GET routes, also as the cookie /dashboard?token= sets"
     ADMIN = "the admin token"
 
@@ -46,6 +46,7 @@ ACCESS = {
     "/v1/models": Access.API_KEY,
     "/v1/completions": Access.API_KEY,
     "/v1/chat/completions": Access.API_KEY,
+    "/v1/messages": Access.API_KEY,  # as x-api-key (the Messages API's header) or bearer
     "/v1/sessions": Access.API_KEY,
     "/v1/sessions/{session_id:path}/prefetch": Access.API_KEY,
     "/v1/cache/explain": Access.API_KEY,
@@ -96,14 +97,16 @@ REFUSED = {
 # token itself, and still opens no admin route, no POST, and no inference.
 OTHERS = {
     Access.OPEN: {},
-    Access.READ: {"a tenant's API key": bearer(KEY)},
+    Access.READ: {"a tenant's API key": bearer(KEY), "a tenant's API key as x-api-key": {"x-api-key": KEY}},
     Access.API_KEY: {
         "the admin token": bearer(ADMIN),
+        "the admin token as x-api-key": {"x-api-key": ADMIN},
         "the read token": bearer(READ),
         "the admin token as the dashboard's cookie": {"Cookie": f"{TOKEN_COOKIE}={ADMIN}"},
     },
     Access.ADMIN: {
         "a tenant's API key": bearer(KEY),
+        "a tenant's API key as x-api-key": {"x-api-key": KEY},
         "the read token": bearer(READ),
         "the admin token as the dashboard's cookie": {"Cookie": f"{TOKEN_COOKIE}={ADMIN}"},
     },
