@@ -45,6 +45,7 @@ script's own ``bench`` mode all drive ``serve`` processes with it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -327,10 +328,7 @@ def run_workload(args: argparse.Namespace) -> int:
     workload.log(f"decode {d['max_tokens']} tokens at context {len(d['prompt'])}")
     decode_run(llm, d["prompt"], d["max_tokens"])  # warm-up
     runs = [decode_run(llm, d["prompt"], d["max_tokens"]) for _ in range(w["reps"])]
-    traces = []
-    for trace in w["traces"]:
-        workload.log(f"trace {trace['name']}: {len(trace['turns'])} turns x {w['trace_reps']}")
-        traces.append({"name": trace["name"], "cases": trace_cases(llm, trace["turns"], w["trace_reps"])})
+    traces = workload.traces(w, functools.partial(trace_cases, llm))
     workload.write_result(
         args.result,
         engine="llama-cpp-python",

@@ -39,6 +39,7 @@ Neither mode imports kvtier: the connector is loaded by vLLM from
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -202,10 +203,7 @@ def run_workload(args: argparse.Namespace) -> int:
 
     decode_once()  # warm-up
     runs = [decode_once() for _ in range(w["reps"])]
-    traces = []
-    for trace in w["traces"]:
-        workload.log(f"trace {trace['name']}: {len(trace['turns'])} turns x {w['trace_reps']}")
-        traces.append({"name": trace["name"], "cases": trace_cases(llm, trace["turns"], w["trace_reps"])})
+    traces = workload.traces(w, functools.partial(trace_cases, llm))
     workload.write_result(
         args.result,
         engine="vllm-cpu",

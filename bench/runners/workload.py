@@ -124,6 +124,15 @@ def write_result(path: Path, **fields: Any) -> None:
     path.write_text(json.dumps({"schema": RESULT_SCHEMA, **fields}))
 
 
+def traces(w: dict[str, Any], cases: Callable[[list[list[int]], int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every trace of the workload, ``cases(turns, reps)`` timing it in an engine: the result's ``traces``."""
+    out = []
+    for trace in w["traces"]:
+        log(f"trace {trace['name']}: {len(trace['turns'])} turns x {w['trace_reps']}")
+        out.append({"name": trace["name"], "cases": cases(trace["turns"], w["trace_reps"])})
+    return out
+
+
 def decode_result(spec: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``decode`` part of a result, from the workload's decode spec and each run's measurement."""
     return {

@@ -15,6 +15,7 @@ prompt takes a while), never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import secrets
@@ -87,9 +88,15 @@ async def prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
 
 async def chat_ids(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
     """A conversation's ids; without ``add_generation_prompt``, the prefix any continuation of it starts with."""
-    plain = as_template_messages(messages)
+    return await template_ids(state, as_template_messages(messages), add_generation_prompt=add_generation_prompt)
+
+
+async def template_ids(
+    state: ServerState, conversation: list[dict[str, str]], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """The chat template's ids for plain role/content messages, on a worker thread; its refusal is a 400."""
     try:
-        return await asyncio.to_thread(state.loaded.chat_ids, plain, add_generation_prompt=add_generation_prompt)
+        return await asyncio.to_thread(state.loaded.chat_ids, conversation, add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as err:  # the template's own checks (e.g. roles must alternate)
         raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
 
@@ -303,36 +310,51 @@ class _Chunks:
         return _event(chunk.model_dump_json())
 
 
-async def sse(
-    state: ServerState, job: Job, stream: Stream, gone: asyncio.Future[None], *, chat: bool
+async def ending(
+    state: ServerState, job: Job, gone: asyncio.Future[None], body: AsyncIterator[str]
 ) -> AsyncIterator[str]:
-    """The response body of a streamed request; a failure after the 200 is sent is an ``error`` event.
+    """A streamed response's ``body``, relayed; a client that leaves before its end aborts the request.
 
-    A client that leaves mid-stream (noticed by ``gone``, or by a write to
-    its closed connection ending this generator) aborts the request.
+    A client gone is noticed by ``gone`` (the body's events end with
+    :class:`ClientGone`) or by a write to its closed connection closing this
+    generator; either way the engine drops the request within a step. An
+    abort of a request that already ended is a no-op.
     """
-    chunks = _Chunks(state, job, chat)
-    ended = False
+    finished = False
     try:
-        opening = chunks.opening()
-        if opening is not None:
-            yield opening
-        async for event in stream.events(gone):
-            if not isinstance(event, Outcome):
-                yield chunks.text(event.text)
-                continue
-            ended = True
-            if event.failure is not None:
-                yield _event(json.dumps(failure_error(event).body()))
-            else:
-                state.note_outcome(job, event)
-                yield chunks.finish(Finish.of(event.finish_reason))
-                if job.include_usage:
-                    yield chunks.usage(usage(event))
-        yield DONE
+        async with contextlib.aclosing(body):
+            async for chunk in body:
+                yield chunk
+        finished = True
     except ClientGone:
         pass
     finally:
         gone.cancel()
-        if not ended:
+        if not finished:
             state.loop.abort(job.request_id)
+
+
+def sse(state: ServerState, job: Job, stream: Stream, gone: asyncio.Future[None], *, chat: bool) -> AsyncIterator[str]:
+    """The response body of a streamed request; a failure after the 200 is sent is an ``error`` event."""
+    return ending(state, job, gone, _chunks_of(state, job, stream, gone, chat))
+
+
+async def _chunks_of(
+    state: ServerState, job: Job, stream: Stream, gone: asyncio.Future[None], chat: bool
+) -> AsyncIterator[str]:
+    chunks = _Chunks(state, job, chat)
+    opening = chunks.opening()
+    if opening is not None:
+        yield opening
+    async for event in stream.events(gone):
+        if not isinstance(event, Outcome):
+            yield chunks.text(event.text)
+            continue
+        if event.failure is not None:
+            yield _event(json.dumps(failure_error(event).body()))
+        else:
+            state.note_outcome(job, event)
+            yield chunks.finish(Finish.of(event.finish_reason))
+            if job.include_usage:
+                yield chunks.usage(usage(event))
+    yield DONE

@@ -29,33 +29,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
+import numpy as np
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.server.errors import APIError
-from kvtier.server.inference import Job, PromptField, check_model, check_prompt, failure_error
-from kvtier.server.loop import ClientGone, Outcome, Stream
+from kvtier.server.inference import Job, PromptField, check_model, check_prompt, ending, failure_error, template_ids
+from kvtier.server.loop import Outcome, Stream
 from kvtier.server.schemas import CacheCreation, MessageResponse, MessagesUsage, StopReason, TextContent
 from kvtier.server.state import ServerState
 from kvtier.web.auth import Tenant
 from kvtier.web.messages import MAX_BREAKPOINTS, Breakpoint, CacheTTL, MessagesRequest, rendered
 from kvtier.web.requests import GREEDY_BELOW, MIN_TOP_P
 
-TemplateMessages = list[dict[str, str]]
-
-
-async def _template_ids(
-    state: ServerState, conversation: TemplateMessages, *, add_generation_prompt: bool
-) -> list[int]:
-    try:
-        return await asyncio.to_thread(state.loaded.chat_ids, conversation, add_generation_prompt=add_generation_prompt)
-    except jinja2.TemplateError as err:  # the template's own checks (e.g. roles must alternate)
-        raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
-
 
 def _shared(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share (vectorised: a transcript runs to 100k tokens)."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 async def breakpoint_tokens(state: ServerState, ids: list[int], marks: list[Breakpoint]) -> list[int]:
@@ -65,7 +56,7 @@ async def breakpoint_tokens(state: ServerState, ids: list[int], marks: list[Brea
     ends at the marked block's end (or, where a byte pair straddles it, a
     token before).
     """
-    return [_shared(ids, await _template_ids(state, m.upto, add_generation_prompt=False)) for m in marks]
+    return [_shared(ids, await template_ids(state, m.upto, add_generation_prompt=False)) for m in marks]
 
 
 # -- from a body to a job ---------------------------------------------------------------------
@@ -116,7 +107,7 @@ async def messages_job(state: ServerState, body: MessagesRequest, tenant: Tenant
         raise APIError(
             400, f"{len(marks)} blocks carry cache_control; at most {MAX_BREAKPOINTS} may", param="cache_control"
         )
-    ids = await _template_ids(state, conversation, add_generation_prompt=True)
+    ids = await template_ids(state, conversation)
     check_prompt(state, ids, body.max_tokens, PromptField.MESSAGES)
     cuts = await breakpoint_tokens(state, ids, marks)
     temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
@@ -138,9 +129,10 @@ async def retain(state: ServerState, mj: MessagesJob) -> MessagesJob:
     """
     if not mj.breakpoints:
         return mj
-    marks = [(mj.job.prompt.prefix(tokens), ttl_s) for tokens, ttl_s in mj.kept()]
+    ends = mj.kept()
+    marks = [(mj.job.prompt.prefix(tokens), ttl_s) for tokens, ttl_s in ends]
     taken = await asyncio.to_thread(state.retention.keep, mj.job.tenant.name, marks)
-    kept = [b for b, (end, _), ok in zip(mj.breakpoints, mj.kept(), taken, strict=True) if ok and end > 0]
+    kept = [b for b, (end, _), ok in zip(mj.breakpoints, ends, taken, strict=True) if ok and end > 0]
     return dataclasses.replace(mj, breakpoints=kept)
 
 
@@ -160,14 +152,20 @@ def _event(kind: str, payload: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
 
 
-async def sse(state: ServerState, mj: MessagesJob, stream: Stream, gone: asyncio.Future[None]) -> AsyncIterator[str]:
+def sse(state: ServerState, mj: MessagesJob, stream: Stream, gone: asyncio.Future[None]) -> AsyncIterator[str]:
     """The Messages API's event stream of one request; a client that leaves mid-stream aborts it.
 
     ``message_start`` cannot know yet how much of the prompt the cache
     serves: it counts the whole prompt as input, and ``message_delta``
     carries the exact parts (the SDKs take usage from both).
     """
-    job, ended = mj.job, False
+    return ending(state, mj.job, gone, _events(state, mj, stream, gone))
+
+
+async def _events(
+    state: ServerState, mj: MessagesJob, stream: Stream, gone: asyncio.Future[None]
+) -> AsyncIterator[str]:
+    job = mj.job
     opening = MessageResponse(
         id=job.request_id,
         content=[],
@@ -175,33 +173,23 @@ async def sse(state: ServerState, mj: MessagesJob, stream: Stream, gone: asyncio
         stop_reason=None,
         usage=MessagesUsage(input_tokens=len(job.prompt), output_tokens=0),
     )
-    try:
-        yield _event("message_start", {"message": opening.model_dump(mode="json")})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        async for event in stream.events(gone):
-            if not isinstance(event, Outcome):
-                if event.text:
-                    yield _event(
-                        "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}}
-                    )
-                continue
-            ended = True
-            if event.failure is not None:
-                error = failure_error(event)
-                yield _event("error", {"error": {"type": "api_error", "message": error.message}})
-                break
-            state.note_outcome(job, event)
-            yield _event("content_block_stop", {"index": 0})
-            reason = StopReason.of(event.finish_reason, event.stop_sequence)
-            delta = {"stop_reason": reason.value, "stop_sequence": event.stop_sequence}
-            yield _event("message_delta", {"delta": delta, "usage": mj.usage(event).model_dump(mode="json")})
-            yield _event("message_stop", {})
-    except ClientGone:
-        pass
-    finally:
-        gone.cancel()
-        if not ended:
-            state.loop.abort(job.request_id)
+    yield _event("message_start", {"message": opening.model_dump(mode="json")})
+    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    async for event in stream.events(gone):
+        if not isinstance(event, Outcome):
+            if event.text:
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
+            continue
+        if event.failure is not None:
+            error = failure_error(event)
+            yield _event("error", {"error": {"type": "api_error", "message": error.message}})
+            return
+        state.note_outcome(job, event)
+        yield _event("content_block_stop", {"index": 0})
+        reason = StopReason.of(event.finish_reason, event.stop_sequence)
+        delta = {"stop_reason": reason.value, "stop_sequence": event.stop_sequence}
+        yield _event("message_delta", {"delta": delta, "usage": mj.usage(event).model_dump(mode="json")})
+        yield _event("message_stop", {})
 
 
 __all__ = ["MessagesJob", "breakpoint_tokens", "messages_job", "response", "retain", "sse"]
