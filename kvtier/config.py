@@ -571,6 +571,11 @@ class SessionConfig(_Section):
         8192, ge=1, description="Leading transcript tokens remembered per session (for prefetch and explain)."
     )
     eviction_log: int = Field(65536, ge=0, description="Recent evictions remembered for /v1/cache/explain.")
+    warm_next_turn: bool = Field(
+        True,
+        description="When a chat or Messages turn of a session ends, prefill its next prompt's known start "
+        "(prompt, reply, the next message's opening) in the engine's idle time.",
+    )
 
 
 class Config(_Section):

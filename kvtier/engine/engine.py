@@ -66,6 +66,26 @@ from kvtier.tiers.base import TierKind
 __all__ = ["Completion", "Engine", "FinishReason", "Request", "StepOutput"]
 
 
+class _Interrupted(Exception):
+    """A forward abandoned between two layers (:meth:`Engine.step`'s ``interrupt``)."""
+
+
+def _layer_ready(
+    onboarding: LayerwiseLoad | None, interrupt: Callable[[], bool] | None
+) -> Callable[[int], None] | None:
+    """What the forward calls before each layer: wait for that layer's copies, after asking whether to stop."""
+    if interrupt is None:
+        return onboarding.wait if onboarding is not None else None
+
+    def ready(layer: int) -> None:
+        if interrupt():
+            raise _Interrupted
+        if onboarding is not None:
+            onboarding.wait(layer)
+
+    return ready
+
+
 class Engine:
     def __init__(
         self,
@@ -174,7 +194,15 @@ class Engine:
         return bool(self._waiting or self._running)
 
     # -- one scheduler step ------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, *, interrupt: Callable[[], bool] | None = None) -> list[StepOutput]:
+        """One forward over the batch; ``interrupt``, asked before each layer, abandons it when True.
+
+        An abandoned forward advances nothing (a table's token count moves
+        only once every layer ran; K/V written past it are written again), so
+        the step can simply be taken again. The server passes ``interrupt``
+        only while the batch is background work (warming a session's next
+        turn): a request that arrives then waits for one layer, not one step.
+        """
         self.publisher.reap()
         batch = self._running + self._admit()  # admission order: the oldest first
         if not batch:
@@ -186,10 +214,13 @@ class Engine:
         onboarding = LayerwiseLoad(self.pool, loads, self._onboard, self.admission.sliding_layers) if loads else None
         started = time.perf_counter()
         try:
-            logits = self.model(seqs, self.pool, layer_ready=onboarding.wait if onboarding else None)
+            logits = self.model(seqs, self.pool, layer_ready=_layer_ready(onboarding, interrupt))
+        except _Interrupted:
+            self._running = batch  # admitted and planned, nothing computed: the next step takes them again
+            return []
         finally:
             if onboarding is not None:
-                onboarding.finish()
+                onboarding.finish()  # copies already under way land: admission counted them as cached
         if self.verifier is not None:
             offer_served(self.verifier, self.pool, batch)
         now = time.perf_counter()
@@ -229,6 +260,10 @@ class Engine:
                 self.publisher.publish(req)
                 if req.table.num_tokens < len(req.prompt_ids):
                     continue  # more chunks to come: this row's logits are not a next token
+                if req.params.max_tokens == 0:  # a prefill alone: what it leaves is KV, in the pool and the tiers
+                    req.finish_reason = FinishReason.LENGTH
+                    outputs.append(StepOutput(req.id, [], "", True, FinishReason.LENGTH))
+                    continue
                 req.first_token_at = now
             outputs.append(self.stopping.advance(req, req.sampler(row)))
         return outputs

@@ -160,3 +160,26 @@ def chat_ids(
     for piece, from_template in chat.render_pieces(messages, add_generation_prompt=add_generation_prompt):
         ids += (tok.encode if from_template else tok.encode_text)(piece, False)
     return ids
+
+
+def next_turn_ids(
+    tok: Tokenizer, chat: ChatTemplate, messages: list[dict[str, str]], reply: str, *, role: str = "user"
+) -> list[int]:
+    """The ids every next turn of this conversation starts with, whatever that turn's message says.
+
+    That is the conversation, the assistant's ``reply`` as the template
+    writes it in history (not as it was generated: the next request resends
+    it as text), and the template's opening of a ``role`` message. The
+    template renders the next message with a placeholder content and the
+    prompt is cut there, so the opening is the template's own text. Ids as
+    :func:`chat_ids` gives them for the whole next prompt, up to that cut.
+    """
+    turn = [*messages, {"role": "assistant", "content": reply}, {"role": role, "content": ""}]
+    pieces = chat.render_pieces(turn, add_generation_prompt=False)
+    head = pieces[: max(i for i, (_, from_template) in enumerate(pieces) if not from_template)]
+    if not any(tok.has_control_text(m["content"]) for m in turn):
+        return tok.encode("".join(piece for piece, _ in head), False)
+    ids: list[int] = []
+    for piece, from_template in head:
+        ids += (tok.encode if from_template else tok.encode_text)(piece, False)
+    return ids

@@ -40,7 +40,7 @@ from kvtier.engine.engine import Engine
 from kvtier.server import inference, messages, sessions
 from kvtier.server.errors import MESSAGES_PATH, APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
-from kvtier.server.loop import Outcome, Stream
+from kvtier.server.loop import EngineUnavailable, Outcome, Stream
 from kvtier.server.metrics import StatsCollector, build_report, hardware_report
 from kvtier.server.schemas import (
     ChatCompletionResponse,
@@ -63,6 +63,7 @@ from kvtier.server.schemas import (
     SessionPrefetchResponse,
     SessionsReport,
     StatsReport,
+    WarmingReport,
 )
 from kvtier.server.state import ServerState
 from kvtier.tiers.base import TierKind
@@ -407,6 +408,19 @@ async def clear(state: State, body: ClearRequest | None = None) -> ClearResponse
         else:
             dropped[kind] = await asyncio.to_thread(state.cache.clear, kind)
     return ClearResponse(dropped_blocks=dropped)
+
+
+@router.post("/admin/settle", response_model=WarmingReport, responses=ERRORS, dependencies=[Admin])
+async def settle(state: State) -> WarmingReport:
+    """Return once the engine has nothing left to do: every finished turn's warm handed over and run, no request,
+    no verification; then warming's counters. What tests and benchmarks wait on instead of sleeping."""
+    if state.warmer is not None:
+        await asyncio.to_thread(state.warmer.settle)
+    try:
+        await asyncio.wrap_future(state.loop.idle())
+    except EngineUnavailable as err:
+        raise APIError(503, str(err), type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN) from None
+    return state.loop.metrics.engine_report().warming
 
 
 @router.post("/admin/pin", response_model=PinResponse, responses=ERRORS, dependencies=[Admin])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import json
 import secrets
@@ -66,6 +67,7 @@ class Job:
     tenant: Tenant
     include_usage: bool
     session: str | None = None  # the agent session it is a turn of (kvtier.server.sessions)
+    conversation: list[dict[str, str]] | None = None  # a chat's messages as the template reads them: its next turn
 
 
 # -- from a body to a job ---------------------------------------------------------------------
@@ -191,10 +193,12 @@ async def completion_job(state: ServerState, body: CompletionRequest, tenant: Te
 
 async def chat_job(state: ServerState, body: ChatCompletionRequest, tenant: Tenant) -> Job:
     check_model(state, body.model)
-    ids = await chat_ids(state, body.messages)
+    conversation = as_template_messages(body.messages)
+    ids = await template_ids(state, conversation)
     requested = body.requested_max_tokens()
     max_tokens = requested if requested is not None else default_chat_max_tokens(state, len(ids))
-    return _job(state, "chatcmpl", ids, body, max_tokens, tenant)
+    job = _job(state, "chatcmpl", ids, body, max_tokens, tenant)
+    return dataclasses.replace(job, conversation=conversation)
 
 
 def default_chat_max_tokens(state: ServerState, prompt_tokens: int) -> int:
@@ -208,7 +212,8 @@ def default_chat_max_tokens(state: ServerState, prompt_tokens: int) -> int:
 def submit(state: ServerState, job: Job) -> Stream:
     stream = Stream()
     try:
-        state.loop.submit(Submission(job.request_id, job.prompt, job.params, stream))
+        session = None if job.session is None else (job.tenant.namespace, job.session)
+        state.loop.submit(Submission(job.request_id, job.prompt, job.params, stream, session))
     except EngineUnavailable as err:
         raise APIError(503, str(err), type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN) from None
     return stream

@@ -15,6 +15,10 @@ between two steps, so the request leaves the batch within one step and its
 pages, pins and fetch are given back. What it computed so far is stored and
 kept, which is what the client's retry wants.
 
+Idle time is given to warming sessions' next turns (:mod:`kvtier.server.warming`):
+a warm runs only while no request waits or runs, and one that arrives stops it
+before the forward's next layer.
+
 Failures: what belongs to one request (a prompt that does not fit) is
 refused before or at admission and ends only that request. A step that
 raises leaves the batch in an unknown state: every request in flight fails,
@@ -42,6 +46,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.verify import VerifyCounters
 from kvtier.keys import KeyedTokens
 from kvtier.server.metrics import EngineMetrics, PoolSnapshot
+from kvtier.server.warming import SessionKey, Warming, WarmTurn
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +147,7 @@ class Submission:
     prompt: KeyedTokens
     params: SamplingParams
     stream: Stream
+    session: SessionKey | None = None  # the agent session it is a turn of: its warm, if any, is moot
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,11 @@ class _Abort:
 class _Call:
     fn: Callable[[Engine], Any]
     future: Future[Any] = field(default_factory=Future)
+
+
+@dataclass(eq=False)
+class _WhenIdle:
+    future: Future[None] = field(default_factory=Future)
 
 
 _STOP = object()
@@ -209,6 +220,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._prefetch_before = PrefetchCounters()  # engines replaced after a failed step: counters never go back
         self._verify_before = VerifyCounters()
+        self._warming = Warming()
+        self._idle_waiters: list[Future[None]] = []
         self._publish()
 
     # -- the HTTP side (any thread) ------------------------------------------------------
@@ -235,6 +248,22 @@ class EngineLoop:
         if self.alive:
             self._inbox.put(_Abort(request_id))
 
+    def warm(self, turn: WarmTurn) -> None:
+        """Prefill ``turn`` in the engine's idle time (see :mod:`kvtier.server.warming`)."""
+        if self.alive:
+            self._inbox.put(turn)
+
+    def idle(self) -> Future[None]:
+        """Resolves once the engine thread has nothing left to do: no request, no warm, no verification.
+
+        What tests and benchmarks wait on instead of sleeping.
+        """
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running")
+        command = _WhenIdle()
+        self._inbox.put(command)
+        return command.future
+
     def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
         """Run ``fn(engine)`` on the engine thread between two steps (admin actions on the device tier)."""
         if not self.alive:
@@ -245,13 +274,26 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
-        while self._take(block=not self._engine.has_unfinished() and not self._engine.verify_pending):
+        while self._take(block=not self._busy()):
             if self._engine.has_unfinished():
                 self._step()
+            elif self._warming.pending:
+                self._start_warm()  # only with nothing waiting or running, like verification; warms first
             elif self._engine.verify_pending:
                 self._verify()  # one chunk, only with nothing waiting or running: new requests come first
+            if not self._busy():
+                self._tell_idle()
         self._fail_all(Failure.SHUTDOWN, "the server is shutting down")
+        self._tell_idle()
         self._engine.close()
+
+    def _busy(self) -> bool:
+        return self._engine.has_unfinished() or self._warming.pending or self._engine.verify_pending
+
+    def _tell_idle(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for future in waiters:
+            future.set_result(None)
 
     def _take(self, block: bool) -> bool:
         """Run every queued command, first waiting for one when the engine is idle; False: stop."""
@@ -267,8 +309,13 @@ class EngineLoop:
                 self._call(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, WarmTurn):
+                self._warming.queue(command)
+            elif isinstance(command, _WhenIdle):
+                self._idle_waiters.append(command.future)
             else:
                 assert isinstance(command, Submission)
+                self._stop_warms(command.session)
                 self._admit(command)
 
     def _admit(self, sub: Submission) -> None:
@@ -279,6 +326,25 @@ class EngineLoop:
             return
         self._subs[sub.request_id] = sub
         self.metrics.set_in_flight(len(self._subs))
+
+    def _start_warm(self) -> None:
+        taken = self._warming.next()
+        if taken is None:
+            return
+        request_id, turn = taken
+        try:
+            self._engine.add_request(turn.prompt, SamplingParams(max_tokens=0), request_id=request_id)
+        except ValueError:  # a prompt past the context: the engine refuses it before it starts
+            self._warming.ended(request_id, FinishReason.ERROR)
+        self._publish()
+
+    def _stop_warms(self, session: SessionKey | None) -> None:
+        """A request arrived: the warms in the engine give way (their work so far is stored); see warming.py."""
+        running = self._warming.arrived(session)
+        for request_id in running:
+            self._engine.abort(request_id)
+        if running:
+            self._collect()
 
     def _abort(self, request_id: str) -> None:
         self._subs.pop(request_id, None)
@@ -298,12 +364,14 @@ class EngineLoop:
         engine = self._engine
         computed, skipped = engine.prefill_tokens_computed, engine.prefill_tokens_skipped
         onboarded, full = engine.onboarded_bytes, engine.onboarded_full_bytes
+        background = not self._subs  # only warms in the engine: anything arriving stops the forward
         started = time.perf_counter()
         try:
-            outputs = engine.step()
+            outputs = engine.step(interrupt=self._arrived if background else None)
         except Exception:  # the thread's last line of defence; see the module docstring
             log.exception("engine step failed: failing %d requests and rebuilding the engine", len(self._subs))
             self._fail_all(Failure.INTERNAL, "internal engine error")
+            self._warming.lost()
             self._prefetch_before = _plus(self._prefetch_before, engine.prefetch_counters)
             self._verify_before = _plus(self._verify_before, _verify_counters(engine))
             try:
@@ -320,6 +388,8 @@ class EngineLoop:
             batch=len(outputs),
             onboarded=(engine.onboarded_bytes - onboarded, engine.onboarded_full_bytes - full),
         )
+        if background:
+            self._warming.computed(engine.prefill_tokens_computed - computed)
         for out in outputs:
             sub = self._subs.get(out.request_id)
             if sub is not None and out.text:
@@ -327,6 +397,10 @@ class EngineLoop:
         self._collect()
         self.metrics.set_in_flight(len(self._subs))
         self._publish()
+
+    def _arrived(self) -> bool:
+        """Whether a command waits in the inbox (asked between layers of a warm's forward)."""
+        return not self._inbox.empty()
 
     def _verify(self) -> None:
         self._engine.verify_idle()
@@ -336,6 +410,8 @@ class EngineLoop:
         """Hand every request that ended (aborted ones too: they are counted) its outcome."""
         engine = self._engine
         for req in engine.collect_finished():
+            if self._warming.ended(req.id, req.finish_reason):
+                continue  # a warm is nobody's request: counted apart, never in the request metrics
             self.metrics.observe_finished(req, engine.block_size)
             sub = self._subs.pop(req.id, None)
             if sub is not None:
@@ -353,6 +429,7 @@ class EngineLoop:
         self.metrics.set_prefetch(_plus(self._prefetch_before, engine.prefetch_counters))
         self.metrics.set_speculation(engine.speculation)
         self.metrics.set_verify(_plus(self._verify_before, _verify_counters(engine)))
+        self.metrics.set_warming(self._warming.counters)
         self.metrics.set_pool(
             PoolSnapshot(
                 num_blocks=engine.pool.num_blocks,

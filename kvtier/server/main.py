@@ -36,6 +36,7 @@ from kvtier.server.loop import EngineLoop
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.retention import Retention, retain_quota
 from kvtier.server.state import ServerState
+from kvtier.server.warming import Warmer
 from kvtier.sessions import SessionRegistry
 from kvtier.web.auth import AdminToken, Readers, Tenants
 from kvtier.web.listen import listen_sockets
@@ -133,6 +134,8 @@ def build_state(config: Config) -> ServerState:
     cache = open_cache(loaded, config)
     feed = _event_feed(cache, config)
     loop = EngineLoop(lambda: _engine(loaded, config, cache, feed), EngineMetrics())
+    sessions = _sessions(cache, config)
+    warm = sessions is not None and config.session.warm_next_turn and loaded.chat is not None
     return ServerState(
         config=config,
         model_name=config.server.model_name or loaded.path.stem,
@@ -145,7 +148,8 @@ def build_state(config: Config) -> ServerState:
         created=int(time.time()),
         retention=Retention(cache, functools.partial(retain_quota, config)),
         events=feed,
-        sessions=_sessions(cache, config),
+        sessions=sessions,
+        warmer=Warmer(loaded, cache, config.session.ttl_s, loop.warm) if warm else None,
     )
 
 
@@ -170,6 +174,8 @@ def serve(config: Config) -> int:
         try:
             server.run(sockets=sockets)
         finally:
+            if state.warmer is not None:
+                state.warmer.close()
             state.loop.stop()
             state.cache.close(config.cache.flush_on_exit_s)
     return 0 if server.started else 1

@@ -115,7 +115,7 @@ async def messages_job(state: ServerState, body: MessagesRequest, tenant: Tenant
     stop = tuple(body.stop_sequences or ())
     params = SamplingParams(max_tokens=body.max_tokens, temperature=temperature, top_p=top_p, stop=stop)
     prompt = state.cache.keyed(ids, tenant.namespace)
-    job = Job(f"msg_{secrets.token_hex(12)}", prompt, params, tenant, include_usage=True)
+    job = Job(f"msg_{secrets.token_hex(12)}", prompt, params, tenant, include_usage=True, conversation=conversation)
     return MessagesJob(job, sorted((n, m.ttl.seconds) for n, m in zip(cuts, marks, strict=True)))
 
 

@@ -46,7 +46,9 @@ from kvtier.server.schemas import (
     StatsReport,
     TierReport,
     VerifyReport,
+    WarmingReport,
 )
+from kvtier.server.warming import WarmCounters
 from kvtier.stats import (
     LATENCY_BUCKETS_S,
     TIER_COUNTERS,
@@ -106,6 +108,7 @@ class EngineMetrics:
         self._prefetch = PrefetchCounters()
         self._speculation = SpeculationCounters()
         self._verify = VerifyCounters()
+        self._warming = WarmCounters()
 
     def observe_step(
         self,
@@ -154,6 +157,11 @@ class EngineMetrics:
         with self._lock:
             self._verify = copy
 
+    def set_warming(self, counters: WarmCounters) -> None:
+        copy = dataclasses.replace(counters)
+        with self._lock:
+            self._warming = copy
+
     def set_speculation(self, counters: SpeculationCounters) -> None:
         """Takes a copy, like :meth:`set_prefetch`."""
         copy = dataclasses.replace(counters)
@@ -176,6 +184,7 @@ class EngineMetrics:
                 prefetch=PrefetchReport.model_validate(dataclasses.asdict(self._prefetch)),
                 speculation=_speculation_report(self._speculation),
                 verify=VerifyReport.model_validate(dataclasses.asdict(self._verify)),
+                warming=WarmingReport.model_validate(dataclasses.asdict(self._warming)),
             )
 
     def device_report(self) -> TierReport:
@@ -386,6 +395,10 @@ def _cost_families(report: StatsReport) -> Iterator[Metric]:
     verify = report.engine.verify
     for name, field in VerifyReport.model_fields.items():
         yield CounterMetricFamily(f"kvtier_verify_{name}", field.description or name, getattr(verify, name))
+    warming = report.engine.warming
+    for name, field in WarmingReport.model_fields.items():
+        family = GaugeMetricFamily if name == "running" else CounterMetricFamily
+        yield family(f"kvtier_warming_{name}", field.description or name, getattr(warming, name))
 
 
 def _remote_families(report: StatsReport) -> Iterator[Metric]:

@@ -315,6 +315,20 @@ class PrefetchReport(BaseModel):
     )
 
 
+class WarmingReport(BaseModel):
+    """Sessions' next turns prefilled in idle time (:mod:`kvtier.server.warming`), since the server started."""
+
+    queued: int = Field(description="Finished turns whose next prompt was handed to the engine to warm.")
+    started: int = Field(description="Warm prefills put into the engine (an interrupted one again when resumed).")
+    finished: int = Field(description="Warm prefills that reached the end of their prompt.")
+    interrupted: int = Field(description="Warm prefills a request's arrival stopped (queued again to resume).")
+    superseded: int = Field(description="Warms dropped because their session's next turn arrived first.")
+    expired: int = Field(description="Warms dropped because their session's TTL passed before the engine was idle.")
+    failed: int = Field(description="Warms the engine refused or lost.")
+    tokens: int = Field(description="Prompt tokens warm prefills computed.")
+    running: int = Field(description="Warm prefills in the engine now.")
+
+
 class VerifyReport(BaseModel):
     """Shadow verification (:class:`kvtier.engine.verify.VerifyCounters`), since the server started."""
 
@@ -354,6 +368,7 @@ class EngineReport(BaseModel):
     prefetch: PrefetchReport
     speculation: SpeculationReport | None = None
     verify: VerifyReport
+    warming: WarmingReport
 
 
 class TierCostReport(BaseModel):

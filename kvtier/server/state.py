@@ -11,6 +11,7 @@ from kvtier.engine.runtime import LoadedModel
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
 from kvtier.server.retention import Retention
+from kvtier.server.warming import Warmer
 from kvtier.sessions import SessionRegistry
 from kvtier.web.auth import AdminToken, Readers, Tenants
 
@@ -33,8 +34,13 @@ class ServerState:
     retention: Retention  # what cache_control marks keep, per tenant
     events: EventFeed | None = None  # block events for a router; None when the tiers live in a cache service
     sessions: SessionRegistry | None = None  # live agent sessions; None when session.enabled is false
+    warmer: Warmer | None = None  # sessions' next turns prefilled in idle time; None: session.warm_next_turn off
 
     def note_outcome(self, job: Job, outcome: Outcome) -> None:
-        """A finished turn's prompt and cached tokens count toward its session's hit rate."""
-        if job.session is not None and self.sessions is not None:
-            self.sessions.served(job.tenant.namespace, job.session, outcome.prompt_tokens, outcome.cached_tokens)
+        """A finished turn's prompt and cached tokens count toward its session's hit rate; its next turn is warmed."""
+        if job.session is None or self.sessions is None:
+            return
+        namespace = job.tenant.namespace
+        self.sessions.served(namespace, job.session, outcome.prompt_tokens, outcome.cached_tokens)
+        if self.warmer is not None and job.conversation is not None:
+            self.warmer.after((namespace, job.session), job.conversation, outcome.text)

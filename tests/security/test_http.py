@@ -53,6 +53,7 @@ ACCESS = {
     "/v1/kv-events": Access.ADMIN,
     "/admin/clear": Access.ADMIN,
     "/admin/pin": Access.ADMIN,
+    "/admin/settle": Access.ADMIN,
     "/lookup": Access.ADMIN,
 }
 MARKER = "Zq7Plum4412Marker"  # typed by a client; must never come back out
