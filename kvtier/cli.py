@@ -272,6 +272,7 @@ def _bench_agents(args: argparse.Namespace) -> int:
         disk=args.disk,
         disk_io=args.disk_io,
         spec=not args.no_spec,
+        warm=not args.no_warm,
     )
     result = agents.run(spec, progress=None if args.json else lambda what: print(f"  {what}...", file=sys.stderr))
     path, png = agents.save(result, Path(args.out))
@@ -603,6 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--disk", action="store_true", help="a disk tier under host that holds every transcript")
     ag.add_argument("--disk-io", choices=["buffered", "direct"], default="buffered", help="disk.io with --disk")
     ag.add_argument("--no-spec", action="store_true", help="skip half (b), prompt-lookup decoding")
+    ag.add_argument("--no-warm", action="store_true", help="skip part (c), the next turn warmed while a tool runs")
     tn = command(
         "tenants",
         _bench_tenants,

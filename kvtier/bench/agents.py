@@ -37,6 +37,7 @@ import json
 import statistics
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -48,6 +49,7 @@ from kvtier.bench.client import stream_completion
 from kvtier.bench.fleet import Proc
 from kvtier.bench.peer.machine import describe
 from kvtier.bench.soak import serving, text_ids
+from kvtier.bench.warm import WarmSpec, run_warm
 
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32, the default engine
 FORMAT = 1
@@ -66,6 +68,7 @@ class AgentsSpec:
     disk: bool = False  # a disk tier under host that holds every transcript
     disk_io: str = "buffered"  # disk.io for both runs; "direct": a disk tier the page cache does not hold
     spec: bool = True  # include prompt-lookup decoding's run_spec (half b)
+    warm: bool = True  # include the next turn warmed while a tool runs (part c, kvtier.bench.warm)
 
     @property
     def longest(self) -> int:
@@ -214,6 +217,8 @@ def run(spec: AgentsSpec, progress: Callable[[str], None] | None = None) -> dict
         if progress is not None:
             progress("spec")
         result["spec"] = run_spec_half()
+    if spec.warm:
+        result["warm"] = run_warm(WarmSpec(), time.sleep, progress)  # the pause is the tool's run, simulated
     return result
 
 
@@ -238,6 +243,14 @@ def table(result: dict[str, Any]) -> str:
     spec = result.get("spec")
     if spec is not None:
         lines.append(f"  spec: {json.dumps({k: v for k, v in spec.items() if not isinstance(v, list)})}")
+    warm = result.get("warm")
+    if warm is not None:
+        later, ratio = warm["later_turn_ttft_s"], warm["concurrent_ttft_ratio"]
+        lines.append(
+            f"  warm: later turns {later['plain']:.3f} s -> {later['warm']:.3f} s, {warm['warm_speedup']:.2f}x "
+            f"(target 2x); arrival during a warm {'n/a' if ratio is None else f'{ratio:.3f}x'} (target <= 1.1); "
+            f"same output {warm['same_output']}"
+        )
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated, Any
@@ -40,7 +40,7 @@ from kvtier.engine.engine import Engine
 from kvtier.server import inference, messages, sessions
 from kvtier.server.errors import MESSAGES_PATH, APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
-from kvtier.server.loop import EngineUnavailable, Outcome, Stream
+from kvtier.server.loop import Arrival, EngineUnavailable, Outcome, Stream
 from kvtier.server.metrics import StatsCollector, build_report, hardware_report
 from kvtier.server.schemas import (
     ChatCompletionResponse,
@@ -157,16 +157,29 @@ async def list_models(state: State, _: Caller) -> ModelList:
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client that left
 
 
+def _arrival(state: State) -> Iterator[Arrival]:
+    """An inference request from its first line: idle work in the engine holds still until it is submitted."""
+    arrival = state.loop.expect()
+    try:
+        yield arrival
+    finally:
+        arrival.done()  # a request refused before it reached the engine
+
+
+Arriving = Annotated[Arrival, Depends(_arrival)]
+
+
 async def _run(
     request: Request,
     state: ServerState,
     job: inference.Job,
+    arrival: Arrival,
     stream: Callable[[Stream, asyncio.Future[None]], AsyncIterator[str]] | None,
     respond: Callable[[Outcome], Any],
 ) -> Any:
     """Run ``job``: its event stream (``stream``), or ``respond(outcome)``; a client that leaves first aborts it."""
     gone = asyncio.ensure_future(inference.disconnected(request.receive))
-    events = inference.submit(state, job)
+    events = inference.submit(state, job, arrival)
     if stream is not None:
         return StreamingResponse(stream(events, gone), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
@@ -177,28 +190,28 @@ async def _run(
 
 
 async def _answer(
-    request: Request, state: ServerState, job: inference.Job, *, stream: bool, chat: bool
+    request: Request, state: ServerState, job: inference.Job, arrival: Arrival, *, stream: bool, chat: bool
 ) -> Response | CompletionResponse | ChatCompletionResponse:
     """An OpenAI route's answer: chunks ending ``data: [DONE]``, or one completion."""
     sse = functools.partial(inference.sse, state, job, chat=chat) if stream else None
     respond = inference.chat_response if chat else inference.completion_response
-    return await _run(request, state, job, sse, functools.partial(respond, state, job))
+    return await _run(request, state, job, arrival, sse, functools.partial(respond, state, job))
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
 async def completions(
-    body: CompletionRequest, state: State, tenant: Caller, request: Request
+    body: CompletionRequest, state: State, tenant: Caller, request: Request, arrival: Arriving
 ) -> Response | CompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.completion_job(state, body, tenant))
-    return await _answer(request, state, job, stream=body.stream, chat=False)
+    return await _answer(request, state, job, arrival, stream=body.stream, chat=False)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
 async def chat_completions(
-    body: ChatCompletionRequest, state: State, tenant: Caller, request: Request
+    body: ChatCompletionRequest, state: State, tenant: Caller, request: Request, arrival: Arriving
 ) -> Response | ChatCompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.chat_job(state, body, tenant))
-    return await _answer(request, state, job, stream=body.stream, chat=True)
+    return await _answer(request, state, job, arrival, stream=body.stream, chat=True)
 
 
 @router.post(
@@ -207,7 +220,7 @@ async def chat_completions(
     responses={code: {"model": MessagesErrorResponse} for code in (400, 401, 404, 413, 500, 503)},
 )
 async def create_message(
-    body: MessagesRequest, state: State, tenant: MessagesCaller, request: Request
+    body: MessagesRequest, state: State, tenant: MessagesCaller, request: Request, arrival: Arriving
 ) -> Response | MessageResponse:
     """Anthropic's Messages API; ``cache_control`` marks keep their prefix for the mark's TTL (see messages.py)."""
     mj = await messages.messages_job(state, body, tenant)
@@ -215,7 +228,7 @@ async def create_message(
     mj = dataclasses.replace(mj, job=await _turn(state, tenant, request, user, mj.job))
     mj = await messages.retain(state, mj)
     sse = functools.partial(messages.sse, state, mj) if body.stream else None
-    return await _run(request, state, mj.job, sse, functools.partial(messages.response, state, mj))
+    return await _run(request, state, mj.job, arrival, sse, functools.partial(messages.response, state, mj))
 
 
 async def _turn(

@@ -30,7 +30,7 @@ from starlette.types import Message
 from kvtier.engine.sampling import SamplingParams
 from kvtier.keys import KeyedTokens
 from kvtier.server.errors import APIError, ErrorCode, ErrorType
-from kvtier.server.loop import ClientGone, EngineUnavailable, Failure, Outcome, Stream, Submission
+from kvtier.server.loop import Arrival, ClientGone, EngineUnavailable, Failure, Outcome, Stream, Submission
 from kvtier.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -209,11 +209,11 @@ def default_chat_max_tokens(state: ServerState, prompt_tokens: int) -> int:
 
 
 # -- running it ------------------------------------------------------------------------------------
-def submit(state: ServerState, job: Job) -> Stream:
+def submit(state: ServerState, job: Job, arrival: Arrival | None = None) -> Stream:
     stream = Stream()
     try:
         session = None if job.session is None else (job.tenant.namespace, job.session)
-        state.loop.submit(Submission(job.request_id, job.prompt, job.params, stream, session))
+        state.loop.submit(Submission(job.request_id, job.prompt, job.params, stream, session), arrival)
     except EngineUnavailable as err:
         raise APIError(503, str(err), type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN) from None
     return stream

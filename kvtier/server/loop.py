@@ -161,12 +161,31 @@ class _Call:
     future: Future[Any] = field(default_factory=Future)
 
 
+class Arrival:
+    """A request on its way to the engine, from its route's first line to its submission.
+
+    While any is on its way, warms hold still (a warm's forward stops at the
+    next layer and none starts): the request's own tokenizing and keying then
+    has the cores to itself. :meth:`done` is idempotent; submitting calls it.
+    """
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop = loop
+        self._open = True
+
+    def done(self) -> None:
+        if self._open:
+            self._open = False
+            self._loop._landed()
+
+
 @dataclass(eq=False)
 class _WhenIdle:
     future: Future[None] = field(default_factory=Future)
 
 
 _STOP = object()
+_WAKE = object()  # every arrival landed: whatever waited on them goes on
 
 
 @dataclass(frozen=True)
@@ -221,6 +240,8 @@ class EngineLoop:
         self._prefetch_before = PrefetchCounters()  # engines replaced after a failed step: counters never go back
         self._verify_before = VerifyCounters()
         self._warming = Warming()
+        self._expected = 0  # arrivals on their way (Arrival); read by the engine thread, no lock needed to read
+        self._expected_lock = threading.Lock()
         self._idle_waiters: list[Future[None]] = []
         self._publish()
 
@@ -238,10 +259,25 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, sub: Submission) -> None:
+    def expect(self) -> Arrival:
+        """A request is coming: warms hold still until it is submitted (or :meth:`Arrival.done` says it is not)."""
+        with self._expected_lock:
+            self._expected += 1
+        return Arrival(self)
+
+    def _landed(self) -> None:
+        with self._expected_lock:
+            self._expected -= 1
+            last = self._expected == 0
+        if last:
+            self._inbox.put(_WAKE)
+
+    def submit(self, sub: Submission, arrival: Arrival | None = None) -> None:
         if not self.alive:
             raise EngineUnavailable("the engine is not running")
         self._inbox.put(sub)
+        if arrival is not None:
+            arrival.done()  # after the put: the engine never sees neither the arrival nor the request
 
     def abort(self, request_id: str) -> None:
         """Take a request out of the engine between two steps (its client went away); a no-op once it ended."""
@@ -274,7 +310,9 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
-        while self._take(block=not self._busy()):
+        while self._take(block=not self._busy() or self._yielding()):
+            if self._yielding():
+                continue  # only warms in the engine and a request on its way: wait for it, computing nothing
             if self._engine.has_unfinished():
                 self._step()
             elif self._warming.pending:
@@ -289,6 +327,10 @@ class EngineLoop:
 
     def _busy(self) -> bool:
         return self._engine.has_unfinished() or self._warming.pending or self._engine.verify_pending
+
+    def _yielding(self) -> bool:
+        """Idle work only (warms, verification) and a request on its way: hold still until it lands."""
+        return self._expected > 0 and not self._subs
 
     def _tell_idle(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -305,6 +347,8 @@ class EngineLoop:
             block = False
             if command is _STOP:
                 return False
+            if command is _WAKE:
+                continue
             if isinstance(command, _Call):
                 self._call(command)
             elif isinstance(command, _Abort):
@@ -399,8 +443,8 @@ class EngineLoop:
         self._publish()
 
     def _arrived(self) -> bool:
-        """Whether a command waits in the inbox (asked between layers of a warm's forward)."""
-        return not self._inbox.empty()
+        """Whether a request is on its way or a command waits (asked between layers of a warm's forward)."""
+        return self._expected > 0 or not self._inbox.empty()
 
     def _verify(self) -> None:
         self._engine.verify_idle()
