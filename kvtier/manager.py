@@ -229,12 +229,19 @@ class CacheManager:
         Cached or not yet (see :mod:`kvtier.pins`); :meth:`clear` ignores
         them: an explicit clear means clear. A tier this cache does not
         evict (none here, or the remote) pins nothing: 0.
+
+        A promise (``ttl_s > 0``, either tier) is written through: the
+        blocks in host now are copied to disk before this returns, whatever
+        ``cache.write_mode``, and those stored later as they are stored
+        (:class:`~kvtier.writes.Moment` ``RETAINED``).
         """
         if tier not in self._evicts:
             return 0
         keys = self._own(prompt).keys
         with self._lock:
             self._pins.keep(keys, ttl_s, tier)
+        if ttl_s > 0:
+            self.stores.retain(keys)
         return len(keys)
 
     def ttl_pinned(self) -> int:
