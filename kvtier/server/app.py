@@ -265,8 +265,8 @@ def _report(state: ServerState) -> StatsReport:
     out = build_report(state.model_name, state.cache, state.loop.metrics, hardware_report(model.device, model.dtype))
     out.sessions = None if state.sessions is None else sessions.report(state.sessions, None)
     out.retained = {
-        name: RetainedReport(blocks=r.blocks, bytes=r.bytes, prefixes=r.prefixes, quota_bytes=r.quota_bytes)
-        for name, r in state.retention.report().items()
+        name: {tier: RetainedReport(**dataclasses.asdict(r)) for tier, r in tiers.items()}
+        for name, tiers in state.retention.report().items()
     }
     return out
 
