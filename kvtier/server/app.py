@@ -189,6 +189,7 @@ async def completions(
     body: CompletionRequest, state: State, tenant: Caller, request: Request
 ) -> Response | CompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.completion_job(state, body, tenant))
+    await inference.retain(state, job, body.prompt_cache_retention)
     return await _answer(request, state, job, stream=body.stream, chat=False)
 
 
@@ -197,6 +198,7 @@ async def chat_completions(
     body: ChatCompletionRequest, state: State, tenant: Caller, request: Request
 ) -> Response | ChatCompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.chat_job(state, body, tenant))
+    await inference.retain(state, job, body.prompt_cache_retention)
     return await _answer(request, state, job, stream=body.stream, chat=True)
 
 

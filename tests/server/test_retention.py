@@ -137,6 +137,17 @@ def test_disk_promises_have_a_quota_of_their_own_per_tenant(tmp_path: Path) -> N
     assert tiers == {"a1": (), "a2": (D,) * 4, "b1": (D,) * 4, "marked": (H,) * 4}
 
 
+def test_a_day_long_promise_is_kept_on_disk_or_in_host_memory_where_there_is_none(tmp_path: Path) -> None:
+    with_disk, r, _ = setup(tmp_path / "disk", {"a": 4}, disk_blocks=16)
+    assert r.lasting_tier() is D
+    with_disk.close()
+    without, r, _ = setup(tmp_path / "host", {"a": 4})
+    assert r.lasting_tier() is H
+    assert r.keep("a", [(without.keyed(prompt(2 * BLOCK, 80), "ns"), DAY)], r.lasting_tier()) == [True]
+    assert without.ttl_pinned() == 2 and set(r.report()["a"]) == {H}
+    without.close()
+
+
 def test_the_disk_quota_defaults_to_half_the_disk_tier_and_is_zero_without_one(tmp_path: Path) -> None:
     cfg = load_config(environ={"KVTIER_DATA_DIR": str(tmp_path)})
     tree = cfg.model_dump()
