@@ -454,7 +454,9 @@ class StatsReport(BaseModel):
     hardware: HardwareReport | None = None
     tiers: dict[TierKind, TierReport]
     pinned_blocks: int = Field(description="Host blocks pinned by loads in progress.")
-    ttl_pinned_blocks: int = Field(description="Keys under a live /admin/pin.")
+    ttl_pinned_blocks: int = Field(
+        description="Keys under a live TTL pin in any tier: /admin/pin, cache_control marks, prompt_cache_retention."
+    )
     engine: EngineReport
     break_even: BreakEvenReport
     remote: RemoteReport | None = Field(None, description="The remote tier's own figures; null when it is off.")
