@@ -185,11 +185,17 @@ class Cache(Protocol):
         """Tell ``sink`` of every key entering or leaving this process's tiers; False when they are not here."""
         ...
 
-    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> int:
-        """Keep ``prompt``'s full blocks out of host eviction for ``ttl_s`` seconds (0: unpin); how many."""
+    def pin_for(self, prompt: KeyedTokens, ttl_s: float, *, tier: TierKind = TierKind.HOST) -> int:
+        """Keep ``prompt``'s full blocks out of ``tier``'s eviction for ``ttl_s`` seconds (0: unpin); how many.
+
+        ``tier``: host memory, or disk (the owned tier under it); a pin on a
+        tier the cache does not run pins nothing and answers 0.
+        """
         ...
 
-    def ttl_pinned(self) -> int: ...
+    def ttl_pinned(self) -> int:
+        """Keys under a live TTL pin of any tier (cached or not)."""
+        ...
 
     def clear(self, kind: TierKind | None = None) -> int: ...
 

@@ -310,6 +310,11 @@ class TenantLimits(_Section):
     retain_bytes: ByteSize | None = Field(
         None, description="Host bytes this tenant's cache_control marks may keep; null: server.retain_bytes."
     )
+    retain_disk_bytes: ByteSize | None = Field(
+        None,
+        description="Disk bytes this tenant's day-long promises (prompt_cache_retention: 24h) may keep; "
+        "null: server.retain_disk_bytes.",
+    )
 
 
 class ServerConfig(_Section):
@@ -347,6 +352,13 @@ class ServerConfig(_Section):
         description=(
             "Host bytes one tenant's cache_control marks may keep; past it, that tenant's oldest marked prefix "
             "goes first. null: half the host tier."
+        ),
+    )
+    retain_disk_bytes: ByteSize | None = Field(
+        None,
+        description=(
+            "Disk bytes one tenant's day-long promises (OpenAI's prompt_cache_retention: 24h) may keep pinned on "
+            "disk; past it, that tenant's oldest such prompt goes first. null: half the disk tier (0 without one)."
         ),
     )
     tenants: dict[str, TenantLimits] = Field(default_factory=dict, description="Per tenant name: its own limits.")

@@ -66,7 +66,7 @@ class Eviction:
         if short <= 0:
             return True
         host = tier is self.tiers.host
-        exclude = self.pins.exclude() if host else frozenset()
+        exclude = self.pins.exclude(tier.kind)
         protection = self.protect(tier.capacity_blocks) if host and self.protect else NO_PROTECTION
         policy = self.policies[tier.kind]
         victims = policy.ranked_victims(short, exclude, protection)

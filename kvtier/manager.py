@@ -101,6 +101,7 @@ class CacheManager:
         self.disk: DiskTier | None = self._tiers.find(TierKind.DISK)  # type: ignore[assignment]
         self.remote: RemoteTier | None = self._tiers.find(TierKind.REMOTE)  # type: ignore[assignment]
         self.tiers: list[Tier] = self._tiers.local
+        self._evicts = frozenset(t.kind for t in self.tiers)  # the tiers a TTL pin can protect
         self._lock = self._tiers.lock
         self._clock = clock
         self._pins = Pins(clock)
@@ -222,15 +223,25 @@ class CacheManager:
         with self._lock:
             return self._pins.count(key)
 
-    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> int:
-        """Keep the full blocks of ``prompt`` out of host eviction for ``ttl_s`` seconds (0: unpin); how many.
+    def pin_for(self, prompt: KeyedTokens, ttl_s: float, *, tier: TierKind = TierKind.HOST) -> int:
+        """Keep the full blocks of ``prompt`` out of ``tier``'s eviction for ``ttl_s`` seconds (0: unpin); how many.
 
         Cached or not yet (see :mod:`kvtier.pins`); :meth:`clear` ignores
-        them: an explicit clear means clear.
+        them: an explicit clear means clear. A tier this cache does not
+        evict (none here, or the remote) pins nothing: 0.
+
+        A promise (``ttl_s > 0``, either tier) is written through: the
+        blocks in host now are copied to disk before this returns, whatever
+        ``cache.write_mode``, and those stored later as they are stored
+        (:class:`~kvtier.writes.Moment` ``RETAINED``).
         """
+        if tier not in self._evicts:
+            return 0
         keys = self._own(prompt).keys
         with self._lock:
-            self._pins.keep(keys, ttl_s)
+            self._pins.keep(keys, ttl_s, tier)
+        if ttl_s > 0:
+            self.stores.retain(keys)
         return len(keys)
 
     def ttl_pinned(self) -> int:

@@ -7,6 +7,13 @@ once the last lets go. A TTL pin is a retention promise with an expiry (a
 shared system prompt kept warm whatever the traffic): set again, it moves
 the expiry; it covers keys whether or not they are cached yet.
 
+A TTL pin names the tier it protects: host memory (a prefix kept warm) or
+an owned tier under it (disk: a prefix kept for a day, which host may
+drop and promote again). The pins of one tier never protect a block in
+another, so a day-long disk promise does not fill host memory, and letting
+a host promise go leaves the disk one standing. Read pins are host-only:
+host is where every block being copied sits.
+
 Not thread-safe on its own: the manager calls it with its lock held, the
 same lock under which eviction reads :meth:`Pins.exclude`.
 """
@@ -17,13 +24,14 @@ from collections import Counter
 from collections.abc import Callable, Container, Iterable
 
 from kvtier.keys import BlockKey
+from kvtier.tiers.base import TierKind
 
 
 class Pins:
     def __init__(self, clock: Callable[[], float]) -> None:
         """``clock`` tells the time TTL pins expire by (tests step it instead of sleeping)."""
         self._reads: Counter[BlockKey] = Counter()
-        self._ttl: dict[BlockKey, float] = {}  # key -> expiry on self._clock
+        self._ttl: dict[TierKind, dict[BlockKey, float]] = {}  # tier -> key -> expiry on self._clock
         self._clock = clock
 
     # -- read pins --------------------------------------------------------------------
@@ -47,27 +55,44 @@ class Pins:
         return len(self._reads)
 
     # -- TTL pins -----------------------------------------------------------------------
-    def keep(self, keys: Iterable[BlockKey], ttl_s: float) -> None:
-        """Keep ``keys`` for ``ttl_s`` seconds from now (``ttl_s=0`` lets them go); expiry is lazy."""
+    def keep(self, keys: Iterable[BlockKey], ttl_s: float, kind: TierKind) -> None:
+        """Keep ``keys`` in the tier of ``kind`` for ``ttl_s`` seconds from now (``ttl_s=0`` lets them go).
+
+        Expiry is lazy. Setting a pin again moves its expiry either way: the
+        longest promise over a block is its caller's to keep (the server's
+        retention registry pins the longest last).
+        """
         if ttl_s < 0:
             raise ValueError("ttl_s must be >= 0")
-        self._ttl.update(dict.fromkeys(keys, self._clock() + ttl_s))
+        self._ttl.setdefault(kind, {}).update(dict.fromkeys(keys, self._clock() + ttl_s))
         self._expire()
 
     def kept(self) -> int:
-        """Keys under a live TTL pin (cached or not)."""
+        """Keys under a live TTL pin of any tier (cached or not)."""
         self._expire()
-        return len(self._ttl)
+        return len(set().union(*self._ttl.values()))
+
+    def kept_among(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """Those of ``keys`` under a live TTL pin of any tier: the blocks someone promised to keep."""
+        self._expire()
+        if not any(self._ttl.values()):
+            return []
+        return [k for k in keys if any(k in pins for pins in self._ttl.values())]
 
     def _expire(self) -> None:
         now = self._clock()
-        for key in [k for k, until in self._ttl.items() if until <= now]:
-            del self._ttl[key]
+        for pins in self._ttl.values():
+            for key in [k for k, until in pins.items() if until <= now]:
+                del pins[key]
 
     # -- what eviction asks ---------------------------------------------------------------
-    def exclude(self) -> Container[BlockKey]:
-        """Host keys eviction must skip: read pins, then live TTL pins."""
-        if not self._ttl:
+    def exclude(self, kind: TierKind) -> Container[BlockKey]:
+        """Keys eviction from the tier of ``kind`` must skip: its live TTL pins, and in host the read pins too."""
+        ttl = self._ttl.get(kind)
+        if ttl:
+            self._expire()
+        if kind is not TierKind.HOST:
+            return ttl.keys() if ttl else frozenset()
+        if not ttl:
             return self._reads
-        self._expire()
-        return self._reads.keys() | self._ttl.keys()
+        return self._reads.keys() | ttl.keys()

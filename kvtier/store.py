@@ -32,6 +32,9 @@ Fill = Callable[[int, torch.Tensor], object]
 Payloads = Sequence[torch.Tensor] | torch.Tensor | Fill
 """What a store copies: ``payloads[j]`` for block ``first_block + j``, or a :data:`Fill` (a copy out of a pool)."""
 
+_Blocks = list[tuple[BlockKey, BlockRecord]]
+_Copies = list[tuple[Moment, _Blocks]]  # host blocks each moment's takers below host are owed
+
 
 @dataclass
 class StorePlan:
@@ -134,8 +137,10 @@ class Stores:
         """Publish (``success``) or discard the plan's blocks; returns how many were indexed.
 
         Published blocks are copied at once to the tiers under host that take
-        a copy at store (write-through, ``remote.write_on: store``), pinned
-        meanwhile, with the lock released.
+        a copy at store (write-through, ``remote.write_on: store``), and those
+        under a live TTL pin to the tiers that take a retained block: the
+        promise usually comes first (a request is pinned at admission and
+        stored after its prefill). Pinned meanwhile, with the lock released.
         """
         if plan.done:
             raise RuntimeError("store plan completed twice")
@@ -149,16 +154,56 @@ class Stores:
             for key, record in zip(plan.keys, plan.records, strict=True):
                 host.commit(key)
                 self.eviction.inserted(TierKind.HOST, key, record.parent)
-            through = bool(plan.keys) and self.eviction.copies_at(Moment.STORED)
-            if through:
-                self.pins.pin(plan.keys)  # keep the slots alive while the tiers below read them, lock released
-        if through:
-            try:
-                self.eviction.copy_down(Moment.STORED, list(zip(plan.keys, plan.records, strict=True)))
-            finally:
-                with self.tiers.lock:
-                    self.pins.unpin(plan.keys)
+            copies = self._owed(list(zip(plan.keys, plan.records, strict=True)))
+            held = self._hold(copies)
+        self._copy(copies, held)
         return len(plan.keys)
+
+    def retain(self, keys: Sequence[BlockKey]) -> None:
+        """Copy the host blocks among ``keys``, just promised to be kept, to the tiers that take a retained block.
+
+        The blocks not in host yet are copied when they are stored
+        (:meth:`complete` sees their pin); both look under the lock, so a
+        block committed while the promise is made is caught by one of the two.
+        An owned tier that holds a block already is not written again.
+        """
+        if not self.eviction.copies_at(Moment.RETAINED):
+            return
+        host = self.tiers.host
+        with self.tiers.lock:
+            blocks = [(k, r) for k in keys if (r := host.record(k)) is not None]
+            copies = [(Moment.RETAINED, blocks)] if blocks else []
+            held = self._hold(copies)
+        self._copy(copies, held)
+
+    def _owed(self, blocks: _Blocks) -> _Copies:
+        """The copies just-published ``blocks`` owe the tiers below: all at store, the promised ones at retain."""
+        owed: _Copies = []
+        if blocks and self.eviction.copies_at(Moment.STORED):
+            owed.append((Moment.STORED, blocks))
+        if blocks and self.eviction.copies_at(Moment.RETAINED):
+            kept = set(self.pins.kept_among(k for k, _ in blocks))
+            promised = [(k, r) for k, r in blocks if k in kept]
+            if promised:
+                owed.append((Moment.RETAINED, promised))
+        return owed
+
+    def _hold(self, copies: _Copies) -> list[BlockKey]:
+        """Read-pin (lock held) the host blocks ``copies`` read, so their slots outlive the lock's release."""
+        keys = list(dict.fromkeys(k for _, blocks in copies for k, _ in blocks))
+        self.pins.pin(keys)
+        return keys
+
+    def _copy(self, copies: _Copies, held: list[BlockKey]) -> None:
+        """Run ``copies`` with the lock released, then let go of the read pins :meth:`_hold` took."""
+        if not held:
+            return
+        try:
+            for moment, blocks in copies:
+                self.eviction.copy_down(moment, blocks)
+        finally:
+            with self.tiers.lock:
+                self.pins.unpin(held)
 
     def withdraw(self, plan: StorePlan) -> list[int]:
         """Discard a plan whose filler may still be writing: its keys free for others, its slots withheld.

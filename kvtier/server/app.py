@@ -203,6 +203,7 @@ async def completions(
     body: CompletionRequest, state: State, tenant: Caller, request: Request, arrival: Arriving
 ) -> Response | CompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.completion_job(state, body, tenant))
+    await inference.retain(state, job, body.prompt_cache_retention)
     return await _answer(request, state, job, arrival, stream=body.stream, chat=False)
 
 
@@ -211,6 +212,7 @@ async def chat_completions(
     body: ChatCompletionRequest, state: State, tenant: Caller, request: Request, arrival: Arriving
 ) -> Response | ChatCompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.chat_job(state, body, tenant))
+    await inference.retain(state, job, body.prompt_cache_retention)
     return await _answer(request, state, job, arrival, stream=body.stream, chat=True)
 
 
@@ -279,8 +281,8 @@ def _report(state: ServerState) -> StatsReport:
     out = build_report(state.model_name, state.cache, state.loop.metrics, hardware_report(model.device, model.dtype))
     out.sessions = None if state.sessions is None else sessions.report(state.sessions, None)
     out.retained = {
-        name: RetainedReport(blocks=r.blocks, bytes=r.bytes, prefixes=r.prefixes, quota_bytes=r.quota_bytes)
-        for name, r in state.retention.report().items()
+        name: {tier: RetainedReport(**dataclasses.asdict(r)) for tier, r in tiers.items()}
+        for name, tiers in state.retention.report().items()
     }
     return out
 

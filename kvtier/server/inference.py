@@ -52,6 +52,7 @@ from kvtier.web.requests import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    PromptCacheRetention,
     as_template_messages,
 )
 
@@ -206,6 +207,25 @@ def default_chat_max_tokens(state: ServerState, prompt_tokens: int) -> int:
     limits = state.loop.limits
     room = min(limits.context_length, limits.pool_blocks * limits.block_size) - prompt_tokens
     return max(1, min(state.config.server.max_tokens_limit, room))
+
+
+async def retain(state: ServerState, job: Job, retention: PromptCacheRetention | None) -> bool:
+    """``prompt_cache_retention: "24h"``: keep the prompt's full blocks for a day from now; whether they are kept.
+
+    On disk, within the tenant's disk quota (``retain_disk_bytes``), where
+    the cache runs a disk tier; a node without one keeps them in host
+    memory within the host quota (``retain_bytes``) instead
+    (:meth:`~kvtier.server.retention.Retention.lasting_tier`). Pinned before
+    the run, as a ``cache_control`` mark is: the blocks the run stores are
+    written to disk as they are stored, those cached already at once. A
+    prompt larger than the quota is not kept; the request is served all
+    the same. ``"in_memory"`` promises nothing.
+    """
+    if retention is None or not retention.seconds:
+        return False
+    r = state.retention
+    (kept,) = await asyncio.to_thread(r.keep, job.tenant.name, [(job.prompt, retention.seconds)], r.lasting_tier())
+    return kept
 
 
 # -- running it ------------------------------------------------------------------------------------

@@ -366,7 +366,7 @@ def _engine_families(report: StatsReport) -> Iterator[Metric]:
     saved = e.prefill_seconds_saved_estimate
     yield GaugeMetricFamily("kvtier_prefill_seconds_saved_estimate", "Skipped tokens x prefill s/token.", saved)
     yield GaugeMetricFamily("kvtier_pinned_blocks", "Host blocks pinned by loads in progress.", report.pinned_blocks)
-    yield GaugeMetricFamily("kvtier_ttl_pinned_blocks", "Keys under a live admin pin.", report.ttl_pinned_blocks)
+    yield GaugeMetricFamily("kvtier_ttl_pinned_blocks", "Keys under a live TTL pin.", report.ttl_pinned_blocks)
 
 
 def _cost_families(report: StatsReport) -> Iterator[Metric]:

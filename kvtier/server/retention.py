@@ -1,22 +1,29 @@
-"""Prefixes that ``cache_control`` marks promised to keep, per tenant, within each tenant's quota.
+"""Prefixes that clients were promised are kept, per tenant and per tier, within each tenant's quotas.
 
-A mark is a promise: the prompt up to it stays in host memory for the
-mark's TTL from its last use. The cache keeps it with a TTL pin
-(:meth:`kvtier.cache.Cache.pin_for`), which eviction skips whatever
-another client sends; this registry is the account behind those pins, so
-that a promise cannot grow without bound and one tenant cannot take host
-memory from another:
+A promise keeps a prompt's prefix in one tier for a TTL from its last use:
+a ``cache_control`` mark (``POST /v1/messages``) in host memory for five
+minutes or an hour; OpenAI's ``prompt_cache_retention: "24h"`` on disk for
+a day. The cache keeps it with a TTL pin on that tier
+(:meth:`kvtier.cache.Cache.pin_for`), which eviction skips whatever another
+client sends, and writes the prefix through to disk either way. This
+registry is the account behind those pins, so that a promise cannot grow
+without bound and one tenant cannot take another's room. Each tier's
+promises are accounted apart, with the tenant's own quota there
+(:func:`retain_quota`); within one tier:
 
 * each tenant's kept prefixes are remembered, oldest use first, with when
   their promise ends;
-* a tenant may keep ``retain_bytes`` of blocks (its own limit, or the
-  server's); past it, its oldest prefix is let go (unpinned), then the next,
+* a tenant may keep ``retain_bytes`` of blocks in host memory and
+  ``retain_disk_bytes`` on disk (its own limits, or the server's); past
+  one, its oldest prefix in that tier is let go (unpinned), then the next,
   never another tenant's: tenants' prefixes never share a block (their
   namespaces differ), so one tenant's release cannot touch another's;
 * a block under several live prefixes is kept for the longest of their
   promises: releasing a prefix pins the tenant's other live ones again.
 
 What is let go is not evicted at once: it becomes ordinary cache again.
+A prefix kept in both tiers (marked, and retained for a day) holds two
+promises; letting one go leaves the other standing.
 """
 
 from __future__ import annotations
@@ -30,15 +37,20 @@ from dataclasses import dataclass
 from kvtier.cache import Cache
 from kvtier.config import Config
 from kvtier.keys import BlockKey, KeyedTokens
+from kvtier.tiers.base import TierKind
+
+RETAINING = (TierKind.HOST, TierKind.DISK)
+"""The tiers a promise can name: those the cache evicts by its own policy."""
 
 
-def retain_quota(config: Config, tenant: str) -> int:
-    """The host bytes ``tenant``'s marks may keep: its own limit, the server's, or half the host tier."""
-    own = config.server.tenants.get(tenant)
-    if own is not None and own.retain_bytes is not None:
-        return int(own.retain_bytes)
-    if config.server.retain_bytes is not None:
-        return int(config.server.retain_bytes)
+def retain_quota(config: Config, tenant: str, tier: TierKind) -> int:
+    """The bytes ``tenant``'s promises may keep in ``tier``: its own limit, the server's, or half the tier (0: none)."""
+    for limits in (config.server.tenants.get(tenant), config.server):
+        own = None if limits is None else (limits.retain_disk_bytes if tier is TierKind.DISK else limits.retain_bytes)
+        if own is not None:
+            return int(own)
+    if tier is TierKind.DISK:
+        return int(config.disk.capacity_bytes) // 2 if config.disk.enabled else 0
     return int(config.host.capacity_bytes) // 2
 
 
@@ -50,7 +62,7 @@ class _Kept:
 
 @dataclass(frozen=True)
 class TenantRetention:
-    """One tenant's promises now: distinct blocks kept, their bytes, and the prefixes that keep them."""
+    """One tenant's promises in one tier now: distinct blocks kept, their bytes, and the prefixes that keep them."""
 
     blocks: int
     bytes: int
@@ -58,34 +70,49 @@ class TenantRetention:
     quota_bytes: int
 
 
+_Prefixes = OrderedDict[tuple[BlockKey, ...], _Kept]  # one tenant's in one tier, least recently used first
+
+
 class Retention:
     def __init__(
         self,
         cache: Cache,
-        quota_bytes: Callable[[str], int],
+        quota_bytes: Callable[[str, TierKind], int],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``quota_bytes(tenant name)``: the host bytes that tenant's marks may keep."""
+        """``quota_bytes(tenant name, tier)``: the bytes that tenant's promises may keep in that tier."""
         self._cache = cache
         self._quota = quota_bytes
         self._clock = clock
         self._block_bytes = cache.layout.block_bytes
-        self._kept: dict[str, OrderedDict[tuple[BlockKey, ...], _Kept]] = {}
+        self._kept: dict[tuple[str, TierKind], _Prefixes] = {}
         self._lock = threading.Lock()  # request handlers keep prefixes from worker threads
 
-    def keep(self, tenant: str, marks: list[tuple[KeyedTokens, float]]) -> list[bool]:
-        """Keep each ``(prefix, ttl_s)`` of one request for its TTL from now; which ones are kept.
+    def lasting_tier(self) -> TierKind:
+        """Where a promise of a day is kept: disk, where the cache runs one; else host memory, under its quota.
+
+        A day is longer than host memory should be held for a prompt, and
+        disk is where the cache keeps blocks across host pressure (and a
+        restart); a node without a disk tier still keeps the promise, in
+        the only tier it has.
+        """
+        return TierKind.DISK if any(t.kind is TierKind.DISK for t in self._cache.tiers) else TierKind.HOST
+
+    def keep(self, tenant: str, marks: list[tuple[KeyedTokens, float]], tier: TierKind = TierKind.HOST) -> list[bool]:
+        """Keep each ``(prefix, ttl_s)`` of one request in ``tier`` for its TTL from now; which ones are kept.
 
         A promise is never shortened: a prefix kept already keeps the later
         of its two ends. A prefix whose blocks alone exceed the tenant's quota
-        is not kept; otherwise the tenant's least recently used prefixes are
-        let go until the quota holds.
+        in that tier is not kept; otherwise the tenant's least recently used
+        prefixes there are let go until the quota holds.
         """
-        quota = self._quota(tenant) // self._block_bytes
+        if tier not in RETAINING:
+            raise ValueError(f"a promise keeps blocks in host or disk, not {tier.value}")
+        quota = self._quota(tenant, tier) // self._block_bytes
         with self._lock:
             now = self._clock()
-            kept = self._kept.setdefault(tenant, OrderedDict())
+            kept = self._kept.setdefault((tenant, tier), OrderedDict())
             self._expire(kept, now)
             for prefix, ttl_s in marks:
                 if not prefix.keys or len(prefix.keys) > quota:
@@ -95,41 +122,43 @@ class Retention:
                 kept[name] = _Kept(prefix, max(now + ttl_s, before.until if before else now))  # the newest use, last
             while self._blocks(kept) > quota:
                 _, oldest = kept.popitem(last=False)
-                self._cache.pin_for(oldest.prefix, 0)
-            self._pin(kept, now)
+                self._cache.pin_for(oldest.prefix, 0, tier=tier)
+            self._pin(kept, now, tier)
             return [tuple(p.keys) in kept if p.keys else False for p, _ in marks]
 
-    def report(self) -> dict[str, TenantRetention]:
-        """Every tenant that keeps something now."""
+    def report(self) -> dict[str, dict[TierKind, TenantRetention]]:
+        """Every tenant that keeps something now, by the tiers it keeps something in."""
         with self._lock:
             now = self._clock()
-            out = {}
-            for tenant, kept in self._kept.items():
+            out: dict[str, dict[TierKind, TenantRetention]] = {}
+            for (tenant, tier), kept in self._kept.items():
                 self._expire(kept, now)
                 if kept:
                     blocks = self._blocks(kept)
-                    quota = self._quota(tenant)
-                    out[tenant] = TenantRetention(blocks, blocks * self._block_bytes, len(kept), quota)
+                    quota = self._quota(tenant, tier)
+                    out.setdefault(tenant, {})[tier] = TenantRetention(
+                        blocks, blocks * self._block_bytes, len(kept), quota
+                    )
             return out
 
     @staticmethod
-    def _blocks(kept: OrderedDict[tuple[BlockKey, ...], _Kept]) -> int:
+    def _blocks(kept: _Prefixes) -> int:
         return len({k for name in kept for k in name})
 
     @staticmethod
-    def _expire(kept: OrderedDict[tuple[BlockKey, ...], _Kept], now: float) -> None:
+    def _expire(kept: _Prefixes, now: float) -> None:
         """Promises past their TTL end by themselves (their pins expire in the cache at the same moment)."""
         for name in [n for n, k in kept.items() if k.until <= now]:
             del kept[name]
 
-    def _pin(self, kept: OrderedDict[tuple[BlockKey, ...], _Kept], now: float) -> None:
-        """Pin the tenant's live prefixes, the longest promise last, so a block keeps the longest promise over it.
+    def _pin(self, kept: _Prefixes, now: float, tier: TierKind) -> None:
+        """Pin the tenant's live prefixes in ``tier``, the longest promise last, so a block keeps the longest one.
 
         Prefixes of one conversation share their leading blocks; pinning them
         in any other order (or releasing one) would cut another's promise short.
         """
         for k in sorted(kept.values(), key=lambda k: k.until):
-            self._cache.pin_for(k.prefix, k.until - now)
+            self._cache.pin_for(k.prefix, k.until - now, tier=tier)
 
 
-__all__ = ["Retention", "TenantRetention", "retain_quota"]
+__all__ = ["RETAINING", "Retention", "TenantRetention", "retain_quota"]

@@ -452,10 +452,15 @@ class ServiceLinkReport(BaseModel):
 
 
 class RetainedReport(BaseModel):
-    blocks: int = Field(description="Distinct host blocks the tenant's live marks keep.")
+    """What one tenant's promises keep in one tier now."""
+
+    blocks: int = Field(description="Distinct blocks the tenant's live promises keep in this tier.")
     bytes: int
-    prefixes: int = Field(description="Marked prefixes still within their TTL.")
-    quota_bytes: int = Field(description="What the tenant's marks may keep (server.tenants.<name>.retain_bytes).")
+    prefixes: int = Field(description="Promised prefixes still within their TTL.")
+    quota_bytes: int = Field(
+        description="What the tenant's promises may keep here (server.tenants.<name>.retain_bytes in host, "
+        "retain_disk_bytes on disk)."
+    )
 
 
 class StatsReport(BaseModel):
@@ -464,14 +469,20 @@ class StatsReport(BaseModel):
     hardware: HardwareReport | None = None
     tiers: dict[TierKind, TierReport]
     pinned_blocks: int = Field(description="Host blocks pinned by loads in progress.")
-    ttl_pinned_blocks: int = Field(description="Keys under a live /admin/pin.")
+    ttl_pinned_blocks: int = Field(
+        description="Keys under a live TTL pin in any tier: /admin/pin, cache_control marks, prompt_cache_retention."
+    )
     engine: EngineReport
     break_even: BreakEvenReport
     remote: RemoteReport | None = Field(None, description="The remote tier's own figures; null when it is off.")
     sessions: SessionsReport | None = Field(None, description="Live agent sessions; null when sessions are off.")
     service: ServiceLinkReport | None = Field(None, description="The cache service link; null when embedded.")
-    retained: dict[str, RetainedReport] = Field(
-        default_factory=dict, description="Per tenant name: what its cache_control marks keep in host memory now."
+    retained: dict[str, dict[TierKind, RetainedReport]] = Field(
+        default_factory=dict,
+        description=(
+            "Per tenant name, per tier it keeps something in: host, what its cache_control marks keep (and its "
+            'prompt_cache_retention "24h" prompts where there is no disk tier); disk, its "24h" prompts.'
+        ),
     )
 
 

@@ -307,9 +307,9 @@ class ServiceCache:
     def ttl_pinned(self) -> int:
         return self._last_stats.ttl_pinned_blocks
 
-    def pin_for(self, prompt: KeyedTokens, ttl_s: float) -> int:
+    def pin_for(self, prompt: KeyedTokens, ttl_s: float, *, tier: TierKind = TierKind.HOST) -> int:
         c = self._client()
-        return 0 if c is None else c.pin(prompt.tokens, prompt.namespace, ttl_s)
+        return 0 if c is None else c.pin(prompt.tokens, prompt.namespace, ttl_s, tier=tier)
 
     def observe(self, sink: BlockEventSink) -> bool:
         """The tiers are the service's, shared by every client: this process has no events of its own to tell."""

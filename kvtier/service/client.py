@@ -293,8 +293,11 @@ class CacheClient:
         reply = self._ask(p.Probe(_raw(tokens), namespace))
         return reply if isinstance(reply, p.LookupReply) else p.LookupReply(0, [], p.Miss.ABSENT)
 
-    def pin(self, tokens: Sequence[int] | np.ndarray, namespace: str, ttl_s: float) -> int:
-        reply = self._ask(p.Pin(_raw(tokens), namespace, ttl_s))
+    def pin(
+        self, tokens: Sequence[int] | np.ndarray, namespace: str, ttl_s: float, *, tier: TierKind = TierKind.HOST
+    ) -> int:
+        """TTL-pin the full blocks of ``tokens`` in the service's ``tier`` (0 unpins); how many (0: no such tier)."""
+        reply = self._ask(p.Pin(_raw(tokens), namespace, ttl_s, p.to_wire(p.Tier, tier)))
         return reply.n if isinstance(reply, p.Count) else 0
 
     def clear(self, tier: TierKind | None = None) -> int:

@@ -182,12 +182,19 @@ class Probe(_Msg):
     namespace: str
 
 
-class Pin(_Msg):
-    """Keep the full blocks of ``tokens`` out of host eviction for ``ttl_s`` seconds (0 unpins)."""
+class Pin(_Msg, omit_defaults=True):
+    """Keep the full blocks of ``tokens`` out of ``tier``'s eviction for ``ttl_s`` seconds (0 unpins).
+
+    ``tier`` came without a version bump: it has a default, so an older
+    client's pin (no such field) is a host pin, and a host pin is encoded
+    without it (``omit_defaults``), so an older service still takes it. Only
+    a disk pin sent to an older service is refused there, a miss like any.
+    """
 
     tokens: bytes
     namespace: str
     ttl_s: Seconds
+    tier: Tier = Tier.HOST
 
 
 class Clear(_Msg):

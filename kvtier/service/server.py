@@ -187,7 +187,8 @@ class _Connection:
                 r = m.probe(m.keyed(_tokens(msg.tokens), msg.namespace))
                 return _lookup_reply(r)
             case p.Pin():
-                return p.Count(m.pin_for(m.keyed(_tokens(msg.tokens), msg.namespace), msg.ttl_s))
+                prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
+                return p.Count(m.pin_for(prompt, msg.ttl_s, tier=to_wire(TierKind, msg.tier)))
             case p.Clear():
                 return p.Count(m.clear(None if msg.tier is None else to_wire(TierKind, msg.tier)))
             case p.Stats():

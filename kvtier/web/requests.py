@@ -77,6 +77,18 @@ def as_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role.value, "content": m.text()} for m in messages]
 
 
+class PromptCacheRetention(enum.StrEnum):
+    """OpenAI's ``prompt_cache_retention``: how long the prompt is promised to stay cached."""
+
+    IN_MEMORY = "in_memory"  # no promise: the cache keeps what its policies keep
+    DAY = "24h"  # the whole prompt's full blocks, kept for a day from this request
+
+    @property
+    def seconds(self) -> float:
+        """The promise's TTL; 0: none."""
+        return 86400.0 if self is PromptCacheRetention.DAY else 0.0
+
+
 class StreamOptions(RequestBody):
     include_usage: bool = False
 
@@ -96,6 +108,13 @@ class _Generation(RequestBody):
     user: SessionId | None = Field(None, description="The agent session (X-Session-ID wins); scoped by tenant.")
     prompt_cache_key: SessionId | None = Field(
         None, description="OpenAI's cache key: requests that share it are one session (before user; the header wins)."
+    )
+    prompt_cache_retention: PromptCacheRetention | None = Field(
+        None,
+        description=(
+            '"24h": the prompt\'s full blocks are kept for a day from this request, on disk (in host memory where '
+            'the server has no disk tier), within the tenant\'s quota. "in_memory" (or none): no promise.'
+        ),
     )
 
     @property

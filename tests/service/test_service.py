@@ -25,6 +25,7 @@ import torch
 
 from kvtier.errors import DiskLockedError, KVTierError
 from kvtier.service import CacheClient, CacheService, ServiceUnavailable, protocol
+from kvtier.service.cache import ServiceCache
 from kvtier.service.client import ServiceRefused
 from kvtier.service.server import ServiceRunningError, group_id
 from kvtier.tiers import native
@@ -429,6 +430,37 @@ def test_requests_out_of_bounds_are_refused_in_one_line_and_the_connection_goes_
     assert c.lookup(tokens, "default", first_block=3).cached_blocks == 3  # the end of the prompt is a place
     assert c.lookup(tokens, "default").cached_blocks == 3  # the same connection still answers
     c.close()
+
+
+def test_a_disk_pin_crosses_the_socket_and_holds_in_the_services_disk_tier(
+    service: CacheService, tmp_path: Path
+) -> None:
+    """The server's cache (ServiceCache) -> CacheClient -> Pin(tier=disk) -> the service's manager."""
+    cfg = make_config(tmp_path / "engine", cache={"service": f"unix://{service.socket_path}"})
+    cache = ServiceCache(service.socket_path, cfg, toy_layout(), model_fingerprint=FINGERPRINT)
+    try:
+        system = cache.keyed(prompt(2 * BLOCK, seed=50))
+        assert cache.store(system, blocks(2, seed=50)) == 2
+        assert cache.pin_for(system, 60.0, tier=TierKind.DISK) == 2
+        assert service.manager.ttl_pinned() == 2
+        for seed in range(60, 100):  # 80 blocks through a 16-block host and a 32-block disk
+            cache.store(cache.keyed(prompt(2 * BLOCK, seed), "other"), blocks(2, seed))
+        held = service.manager.keyed(system.tokens)
+        assert service.manager.probe(held).tiers == (TierKind.DISK, TierKind.DISK)
+        assert cache.pin_for(system, 0, tier=TierKind.DISK) == 2 and service.manager.ttl_pinned() == 0
+    finally:
+        cache.close()
+
+
+def test_a_host_pin_is_framed_as_before_the_tier_field_and_an_old_pin_is_a_host_pin() -> None:
+    """The tier field came without a version bump: either side may still be the older one."""
+    raw = prompt(BLOCK, seed=51).astype("<i4").tobytes()
+    host = msgspec.msgpack.decode(msgspec.msgpack.encode(protocol.Pin(raw, "default", 5.0)))
+    assert host == {"type": "Pin", "tokens": raw, "namespace": "default", "ttl_s": 5.0}  # what an old service takes
+    old = msgspec.msgpack.encode({"type": "Pin", "tokens": raw, "namespace": "default", "ttl_s": 5.0})
+    assert msgspec.msgpack.decode(old, type=protocol.Request) == protocol.Pin(raw, "default", 5.0, protocol.Tier.HOST)
+    disk = msgspec.msgpack.encode(protocol.Pin(raw, "default", 5.0, protocol.Tier.DISK))
+    assert msgspec.msgpack.decode(disk)["tier"] == "disk"
 
 
 def test_clients_past_max_clients_are_turned_away_and_admitted_once_one_leaves(tmp_path: Path) -> None:
