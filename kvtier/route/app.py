@@ -31,7 +31,7 @@ from kvtier.route.answer import Bounds, Shape
 from kvtier.route.backends import Backend, Fleet, health_loop
 from kvtier.route.choice import make_chooser
 from kvtier.route.index import RoutedPrefixes
-from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt
+from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt, caller_key
 from kvtier.route.proxy import Counts, Outgoing, Proxy, forward, passed_headers, unavailable
 from kvtier.route.subscribe import follow, follow_vllm
 from kvtier.web.listen import listen_sockets
@@ -70,9 +70,8 @@ def _body(raw: bytes) -> Any:
 async def _infer(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
     raw = await request.body()
     headers = request.headers
-    prompt = await asyncio.to_thread(
-        state.prompts.read, endpoint, _body(raw), headers.get("authorization"), headers.get(SESSION_HEADER)
-    )
+    key, session = caller_key(endpoint, headers), headers.get(SESSION_HEADER)
+    prompt = await asyncio.to_thread(state.prompts.read, endpoint, _body(raw), key, session)
     ranking = state.fleet.rank(prompt)
     outgoing = Outgoing(http.HTTPMethod.POST, endpoint.value, raw, passed_headers(headers), Shape.CHOICES)
     return await _forward(state, ranking.order if ranking else [], prompt, outgoing)

@@ -181,7 +181,7 @@ class Unkeyed:
 
     block_size = 16
 
-    def read(self, endpoint: Endpoint, body: Any, authorization: str | None, session: str | None) -> RoutedPrompt:
+    def read(self, endpoint: Endpoint, body: Any, key: str | None, session: str | None) -> RoutedPrompt:
         return RoutedPrompt(0, [], session, False)
 
     def agrees(self, root: str, block_size: int) -> bool:
