@@ -9,8 +9,10 @@ something other than an answer costs only a retry elsewhere
   route's list (:class:`Shape`): a cut-off body, an HTML page or another
   object is :class:`Broken`;
 * an event stream is held up to its first event with output (a chat stream
-  opens with a chunk naming the role before its prompt is prefilled), up
-  to ``MAX_OPENING_BYTES``; one that ends before is :class:`Broken`.
+  opens with a chunk naming the role, a Messages stream with
+  ``message_start`` and ``content_block_start``, before the prompt is
+  prefilled), up to ``MAX_OPENING_BYTES``; one that ends before is
+  :class:`Broken`.
 
 Time is bounded twice: ``route.first_byte_timeout_s`` from sending the
 request to that first output (an unstreamed answer's first byte), then
@@ -18,7 +20,9 @@ request to that first output (an unstreamed answer's first byte), then
 starting with ``:``) is no data event, so a backend that only trickles
 those misses its bound like a silent one (:class:`Stalled`). Once a
 stream is relayed, a backend that falls silent past the idle bound has its
-stream ended for the client with an error event in OpenAI's shape.
+stream ended for the client with an error event. The router's own errors
+speak the route's API (:class:`Dialect`): OpenAI's shape on its routes,
+Anthropic's on ``/v1/messages``, whose clients raise by that shape.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import enum
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
@@ -37,11 +42,25 @@ MAX_ANSWER_BYTES = 64 * 1024**2  # an unstreamed answer held whole to be checked
 MAX_OPENING_BYTES = 1024**2  # an event stream held before its first output: openings and comments are small
 
 
+class Dialect(enum.Enum):
+    """The API a route speaks, which the router's own errors must speak too: its clients parse that shape."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
 class Shape(enum.StrEnum):
-    """The list a complete answer of a route holds (``choices`` of a completion, ``data`` of a model list)."""
+    """The list a complete answer of a route holds (``choices`` of a completion, ``data`` of a model list,
+    ``content`` of a Messages API message, whose ``type`` must also be ``"message"``)."""
 
     CHOICES = "choices"
     DATA = "data"
+    CONTENT = "content"
+
+    @property
+    def dialect(self) -> Dialect:
+        """The API whose answer this is, so the one the router's own errors on the route speak."""
+        return Dialect.ANTHROPIC if self is Shape.CONTENT else Dialect.OPENAI
 
 
 class _Choices(msgspec.Struct):
@@ -52,23 +71,44 @@ class _Data(msgspec.Struct):
     data: list[msgspec.Raw]
 
 
-_SHAPES = {Shape.CHOICES: msgspec.json.Decoder(_Choices), Shape.DATA: msgspec.json.Decoder(_Data)}
+class _Message(msgspec.Struct):
+    type: Literal["message"]  # an error object has a ``type`` too ("error"): a message must say it is one
+    content: list[msgspec.Raw]
+
+
+_SHAPES = {
+    Shape.CHOICES: msgspec.json.Decoder(_Choices),
+    Shape.DATA: msgspec.json.Decoder(_Data),
+    Shape.CONTENT: msgspec.json.Decoder(_Message),
+}
 
 
 class Refusal(enum.Enum):
-    """The router's own error answers: (HTTP status, OpenAI error type, code)."""
+    """The router's own error answers: (HTTP status, OpenAI error type, OpenAI code, Anthropic error type).
 
-    NO_BACKEND = (503, "service_unavailable", "no_backend")
-    BAD_ANSWER = (502, "bad_gateway", "bad_backend_answer")
-    TIMED_OUT = (504, "gateway_timeout", "backend_timeout")
+    Anthropic's types are the API's own for these statuses (its SDK names
+    ``overloaded_error`` and ``timeout_error``; a bad gateway is an ``api_error``).
+    """
+
+    NO_BACKEND = (503, "service_unavailable", "no_backend", "overloaded_error")
+    BAD_ANSWER = (502, "bad_gateway", "bad_backend_answer", "api_error")
+    TIMED_OUT = (504, "gateway_timeout", "backend_timeout", "timeout_error")
 
     @property
     def status(self) -> int:
         return self.value[0]
 
-    def body(self, message: str) -> bytes:
-        _, kind, code = self.value
+    def body(self, message: str, dialect: Dialect) -> bytes:
+        _, kind, code, anthropic = self.value
+        if dialect is Dialect.ANTHROPIC:
+            return json.dumps({"type": "error", "error": {"type": anthropic, "message": message}}).encode()
         return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+    def event(self, message: str, dialect: Dialect) -> bytes:
+        """The error as the events that end a stream: OpenAI's data event and ``[DONE]``; Anthropic's ``error``."""
+        if dialect is Dialect.ANTHROPIC:
+            return b"event: error\ndata: " + self.body(message, dialect) + b"\n\n"
+        return b"data: " + self.body(message, dialect) + b"\n\n" + b"data: [DONE]\n\n"
 
 
 class Stalled(Exception):
@@ -106,7 +146,7 @@ async def _next(chunks: AsyncIterator[bytes], by: float) -> bytes | None:
 
 
 def of_shape(body: bytes, shape: Shape) -> bool:
-    """Whether ``body`` is a complete JSON object holding the list ``shape`` names."""
+    """Whether ``body`` is a complete JSON object holding the list ``shape`` names (and, for a message, saying so)."""
     try:
         _SHAPES[shape].decode(body)
     except (msgspec.DecodeError, RecursionError):
@@ -125,30 +165,55 @@ async def whole(chunks: AsyncIterator[bytes], by: float, idle_s: float) -> bytes
     return bytes(body)
 
 
+OPENINGS = frozenset({b"message_start", b"content_block_start", b"ping"})
+"""Named events that hold no output: a Messages stream's opening, and the API's keep-alive."""
+
+
 def carries_output(events: bytes) -> bool:
     """Whether these server-sent events hold generated text, an end, or an error: more than the opening.
 
-    A chat stream opens with a chunk that only names the role, sent before
-    the prompt is even prefilled; a backend that dies during its prefill
-    has sent that much and no more. Holding such openings back keeps the
-    request retryable until the backend has really answered.
+    A chat stream opens with a chunk that only names the role, and a
+    Messages stream with ``message_start`` and ``content_block_start``,
+    sent before the prompt is even prefilled; a backend that dies during
+    its prefill has sent that much and no more. Holding such openings back
+    keeps the request retryable until the backend has really answered.
+    A named event (``event:`` line) is judged by its name, any name but an
+    opening's being output; an unnamed one by its data, as a chat chunk.
     """
     for event in events.split(b"\n\n"):
-        if not event.startswith(b"data: "):
-            continue
-        data = event[len(b"data: ") :]
-        if data.strip() == b"[DONE]":
-            return True
-        try:
-            chunk = json.loads(data)
-        except (ValueError, RecursionError):
-            return True  # not JSON: not an opening kvtier knows, so it is the answer
-        choices = chunk.get("choices") if isinstance(chunk, dict) else None
-        if not isinstance(choices, list) or not choices:
-            return True  # an error event, or usage alone
-        if any(not isinstance(c, dict) or _has_output(c) for c in choices):
+        name, data = _fields(event)
+        if name is not None:
+            if name not in OPENINGS:
+                return True
+        elif data is not None and _data_has_output(data):
             return True
     return False
+
+
+def _fields(event: bytes) -> tuple[bytes | None, bytes | None]:
+    """An event's name and data (its data lines joined, as the SSE spec joins them); comments skipped."""
+    name, data = None, []
+    for line in event.split(b"\n"):
+        field, _, value = line.partition(b":")
+        value = value.removeprefix(b" ")
+        if field == b"event":
+            name = value.strip()
+        elif field == b"data":
+            data.append(value)
+    return name, b"\n".join(data) if data else None
+
+
+def _data_has_output(data: bytes) -> bool:
+    if data.strip() == b"[DONE]":
+        return True
+    try:
+        chunk = json.loads(data)
+    except (ValueError, RecursionError):
+        return True  # not JSON: not an opening kvtier knows, so it is the answer
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return True  # an error event, or usage alone
+    return any(not isinstance(c, dict) or _has_output(c) for c in choices)
 
 
 def _has_output(choice: dict) -> bool:
@@ -209,15 +274,14 @@ class Lines:
         return b"\n" if self._open else b""
 
 
-def _silence() -> bytes:
-    message = "the backend sent nothing for longer than route.idle_timeout_s; the answer is cut short"
-    return b"data: " + Refusal.TIMED_OUT.body(message) + b"\n\n" + b"data: [DONE]\n\n"
+SILENCE = "the backend sent nothing for longer than route.idle_timeout_s; the answer is cut short"
 
 
 async def relayed(
-    first: bytes, rest: AsyncIterator[bytes], idle_s: float, on_silence: Callable[[], None]
+    first: bytes, rest: AsyncIterator[bytes], idle_s: float, on_silence: Callable[[], None], dialect: Dialect
 ) -> AsyncIterator[bytes]:
-    """An event stream as it arrives, unchanged; past ``idle_s`` without a data event, an error event and the end.
+    """An event stream as it arrives, unchanged; past ``idle_s`` without a data event, an error event in
+    ``dialect`` and the end.
 
     ``on_silence`` is called then, before the error event is sent.
     """
@@ -230,7 +294,7 @@ async def relayed(
             chunk = await _next(rest, by)
         except Stalled:
             on_silence()
-            yield lines.closing() + _silence()
+            yield lines.closing() + Refusal.TIMED_OUT.event(SILENCE, dialect)
             return
         if chunk is None:
             return

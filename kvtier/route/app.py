@@ -1,4 +1,5 @@
-"""The router's HTTP surface: the backends' OpenAI routes, forwarded; ``/health``, ``/stats``, ``/metrics``.
+"""The router's HTTP surface: the backends' OpenAI routes and Messages API, forwarded; ``/health``, ``/stats``,
+``/metrics``.
 
 Each inference request is read (tokens, block keys, session) on a worker
 thread, ranked by the policy on the event loop, and forwarded
@@ -31,7 +32,7 @@ from kvtier.route.answer import Bounds, Shape
 from kvtier.route.backends import Backend, Fleet, health_loop
 from kvtier.route.choice import make_chooser
 from kvtier.route.index import RoutedPrefixes
-from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt
+from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt, caller_key
 from kvtier.route.proxy import Counts, Outgoing, Proxy, forward, passed_headers, unavailable
 from kvtier.route.subscribe import follow, follow_vllm
 from kvtier.web.listen import listen_sockets
@@ -47,6 +48,8 @@ class RouterState:
 
 
 NO_PROMPT = RoutedPrompt(0, [], None, False)  # a request that is no prompt (the model list): nothing to prefill
+ANSWERS = {Endpoint.CHAT: Shape.CHOICES, Endpoint.COMPLETIONS: Shape.CHOICES, Endpoint.MESSAGES: Shape.CONTENT}
+"""The shape of each inference route's complete answer, and so the dialect of the router's errors there."""
 
 
 def build_state(config: Config, backends: list[str]) -> RouterState:
@@ -70,11 +73,10 @@ def _body(raw: bytes) -> Any:
 async def _infer(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
     raw = await request.body()
     headers = request.headers
-    prompt = await asyncio.to_thread(
-        state.prompts.read, endpoint, _body(raw), headers.get("authorization"), headers.get(SESSION_HEADER)
-    )
+    key, session = caller_key(endpoint, headers), headers.get(SESSION_HEADER)
+    prompt = await asyncio.to_thread(state.prompts.read, endpoint, _body(raw), key, session)
     ranking = state.fleet.rank(prompt)
-    outgoing = Outgoing(http.HTTPMethod.POST, endpoint.value, raw, passed_headers(headers), Shape.CHOICES)
+    outgoing = Outgoing(http.HTTPMethod.POST, endpoint.value, raw, passed_headers(headers), ANSWERS[endpoint])
     return await _forward(state, ranking.order if ranking else [], prompt, outgoing)
 
 
@@ -89,7 +91,7 @@ async def _forward(state: RouterState, order: list[str], prompt: RoutedPrompt, o
     if not order:
         state.counts.requests += 1
         state.counts.failed += 1
-        return unavailable("no backend is up")
+        return unavailable("no backend is up", outgoing.shape.dialect)
     assert state.proxy is not None
     return await forward(state.proxy, order, prompt, outgoing)
 
@@ -208,6 +210,10 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _infer(state, request, Endpoint.COMPLETIONS)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _infer(state, request, Endpoint.MESSAGES)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -6,8 +6,9 @@ not of the route's shape, an event stream that ends before output, or a
 backend that misses ``route.first_byte_timeout_s`` is tried on the next
 backend in the ranking (up to ``route.retries`` more), since nothing has
 reached the client yet. In an event stream the first byte that counts is
-the first event with output: the opening chunk a chat stream sends before
-prefill is held back until then. After it the answer is committed: its
+the first event with output: the opening a stream sends before prefill (a
+chat stream's role chunk, a Messages stream's ``message_start``) is held
+back until then. After it the answer is committed: its
 chunks go to the client as they arrive, unchanged (the router never
 re-encodes an SSE stream), and the router holds no more of it than the
 chunk in hand. An answer that is not a stream is held whole, to be checked.
@@ -21,13 +22,15 @@ A refused or reset connection, or a missed bound, takes the backend out at
 once (:meth:`~kvtier.route.backends.Fleet.take_out`): the next requests do
 not wait for the health loop to notice. A broken answer or a 5xx leaves it
 in. When every candidate failed, the last one's failure names the answer:
-503 (none answered), 502 (a broken answer) or 504 (none in time).
+503 (none answered), 502 (a broken answer) or 504 (none in time), in the
+route's own error shape (:class:`~kvtier.route.answer.Dialect`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import http
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,11 +38,33 @@ from dataclasses import dataclass
 import httpx2 as httpx
 from starlette.responses import Response, StreamingResponse
 
-from kvtier.route.answer import Bounds, Broken, Refusal, Shape, Stalled, deadline, of_shape, opening, relayed, whole
+from kvtier.route.answer import (
+    Bounds,
+    Broken,
+    Dialect,
+    Refusal,
+    Shape,
+    Stalled,
+    deadline,
+    of_shape,
+    opening,
+    relayed,
+    whole,
+)
 from kvtier.route.backends import Backend, Fleet
 from kvtier.route.prompt import RoutedPrompt
 
-PASSED_HEADERS = ("authorization", "content-type", "x-session-id", "x-request-id")
+# The caller's credentials go with the question (the backends' tenants decide): a bearer token, or the Messages
+# API's x-api-key, with the version headers its clients send.
+PASSED_HEADERS = (
+    "authorization",
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+    "content-type",
+    "x-session-id",
+    "x-request-id",
+)
 RELAYED_HEADERS = ("content-type", "cache-control")
 BACKEND_HEADER = "X-Kvtier-Backend"
 # Reads are bounded by route.first_byte_timeout_s and route.idle_timeout_s (kvtier.route.answer), not here.
@@ -83,12 +108,12 @@ def passed_headers(incoming: Mapping[str, str]) -> dict[str, str]:
     return {**passed, "accept-encoding": "identity"}  # what is checked and relayed is what the backend wrote
 
 
-def refused(refusal: Refusal, message: str) -> Response:
-    return Response(refusal.body(message), status_code=refusal.status, media_type="application/json")
+def refused(refusal: Refusal, message: str, dialect: Dialect) -> Response:
+    return Response(refusal.body(message, dialect), status_code=refusal.status, media_type="application/json")
 
 
-def unavailable(message: str) -> Response:
-    return refused(Refusal.NO_BACKEND, message)
+def unavailable(message: str, dialect: Dialect) -> Response:
+    return refused(Refusal.NO_BACKEND, message, dialect)
 
 
 class Failed(enum.Enum):
@@ -198,24 +223,25 @@ def _silent(proxy: Proxy, backend: Backend) -> None:
     proxy.fleet.take_out(backend, "silent past route.idle_timeout_s in the middle of an answer")
 
 
-async def _relay(proxy: Proxy, backend: Backend, answer: Answer) -> AsyncIterator[bytes]:
+async def _relay(proxy: Proxy, backend: Backend, answer: Answer, dialect: Dialect) -> AsyncIterator[bytes]:
     assert answer.rest is not None
+    silent = functools.partial(_silent, proxy, backend)
     try:
-        async for chunk in relayed(answer.first, answer.rest, proxy.bounds.idle_s, lambda: _silent(proxy, backend)):
+        async for chunk in relayed(answer.first, answer.rest, proxy.bounds.idle_s, silent, dialect):
             yield chunk
     finally:
         await answer.response.aclose()
         backend.open_requests -= 1
 
 
-def _response(proxy: Proxy, backend: Backend, answer: Answer) -> Response:
+def _response(proxy: Proxy, backend: Backend, answer: Answer, dialect: Dialect) -> Response:
     headers = {k: v for k, v in answer.response.headers.items() if k.lower() in RELAYED_HEADERS}
     headers[BACKEND_HEADER] = backend.url
     status = answer.response.status_code
     if answer.rest is None:
         backend.open_requests -= 1
         return Response(answer.first, status_code=status, headers=headers)
-    return StreamingResponse(_relay(proxy, backend, answer), status_code=status, headers=headers)
+    return StreamingResponse(_relay(proxy, backend, answer, dialect), status_code=status, headers=headers)
 
 
 async def forward(proxy: Proxy, order: Sequence[str], prompt: RoutedPrompt, request: Outgoing) -> Response:
@@ -234,6 +260,6 @@ async def forward(proxy: Proxy, order: Sequence[str], prompt: RoutedPrompt, requ
             continue
         backend.requests += 1
         proxy.fleet.routed(backend, prompt)
-        return _response(proxy, backend, got)
+        return _response(proxy, backend, got, request.shape.dialect)
     counts.failed += 1
-    return refused(*LAST_WORD[last])
+    return refused(*LAST_WORD[last], request.shape.dialect)

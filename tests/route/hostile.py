@@ -35,6 +35,12 @@ from kvtier.route.prompt import Endpoint, RoutedPrompt
 from kvtier.route.proxy import Counts
 from tests.helpers import make_config
 
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+QUESTIONS: dict[str, dict[str, Any]] = {  # the smallest body each inference route takes
+    CHAT: {"messages": [{"role": "user", "content": "Hello"}]},
+    MESSAGES: {"max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]},
+}
 ROOT = "ab" * 16  # the key chain's root the router agrees on (a backend's event stream opens with it)
 BOUND_S = 10.0  # how long a test waits for an event; only a router that never acts reaches it
 JSON = "application/json"
@@ -113,6 +119,40 @@ def chat_event(text: str) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
+def message_answer(text: str = "hi") -> dict[str, Any]:
+    """A whole Messages API answer, as ``kvtier serve`` writes one."""
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "toy",
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 3, "output_tokens": 1},
+    }
+
+
+def message_event(kind: str, **payload: Any) -> bytes:
+    """One event of a Messages stream: its name on an ``event:`` line, then its data."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode()
+
+
+def text_event(text: str) -> bytes:
+    return message_event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+
+
+MESSAGES_OPENING = message_event(
+    "message_start", message={**message_answer(), "content": [], "stop_reason": None}
+) + message_event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+"""What a Messages stream sends before its prompt is prefilled."""
+MESSAGES_ENDING = (
+    message_event("content_block_stop", index=0)
+    + message_event("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None}, usage={})
+    + message_event("message_stop")
+)
+
+
 STATS = {"engine": {"in_flight": 0}}
 
 
@@ -181,7 +221,7 @@ class Unkeyed:
 
     block_size = 16
 
-    def read(self, endpoint: Endpoint, body: Any, authorization: str | None, session: str | None) -> RoutedPrompt:
+    def read(self, endpoint: Endpoint, body: Any, key: str | None, session: str | None) -> RoutedPrompt:
         return RoutedPrompt(0, [], session, False)
 
     def agrees(self, root: str, block_size: int) -> bool:
@@ -214,8 +254,11 @@ class Router:
 
     async def chat(self, **body: Any) -> httpx.Response:
         """The router's whole answer to a chat request (a trickle that never ends fails the test at the bound)."""
-        messages = [{"role": "user", "content": "Hello"}]
-        return await within(self.client.post(self.url + "/v1/chat/completions", json={"messages": messages, **body}))
+        return await self.ask(CHAT, **body)
+
+    async def ask(self, path: str, **body: Any) -> httpx.Response:
+        """The router's whole answer to a request on the inference route ``path``, ``body`` over its smallest."""
+        return await within(self.client.post(self.url + path, json={**QUESTIONS[path], **body}))
 
 
 @contextlib.asynccontextmanager

@@ -3,17 +3,23 @@ with the small tiers of the server tests."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from kvtier.bench import fleet as processes
 from kvtier.bench.fleet import Proc
+from kvtier.config import load_config
+from kvtier.route.prompt import Prompts
 from tests.server.live import ADMIN, SIZES
 
-__all__ = ["Fleet", "Proc", "fleet"]
+__all__ = ["Fleet", "Proc", "fleet", "held"]
 
 
 @dataclass
@@ -23,6 +29,35 @@ class Fleet:
 
     def stats(self) -> dict[str, Any]:
         return self.router.get("/stats").json()
+
+    def prompts(self) -> Prompts:
+        """The router's own prompt reader, from its config file: the keys it computes for a request."""
+        return Prompts(load_config(self.router.log.parent / "kvtier.yaml"))
+
+    def indexed(self, backend: Proc) -> dict[str, int]:
+        """Keys per tier the router's index holds for ``backend``."""
+        return next(b["indexed_by_tier"] for b in self.stats()["backends"] if b["url"] == backend.url)
+
+    def agree(self, backend: Proc, timeout_s: float = 10) -> dict[str, int]:
+        """The router's index of ``backend`` once it matches what the backend holds (fails after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            want, got = {t: len(k) for t, k in held(backend).items() if k}, self.indexed(backend)
+            if want == got or time.monotonic() > deadline:
+                assert got == want
+                return got
+            time.sleep(0.1)
+
+
+def held(backend: Proc) -> dict[str, list[str]]:
+    """Keys (hex) per tier from a fresh subscription's snapshot: what the backend holds now."""
+    with requests.get(
+        backend.url + "/v1/kv-events", headers={"Authorization": f"Bearer {ADMIN}"}, stream=True, timeout=30
+    ) as response:
+        lines = response.iter_lines()
+        next(lines)  # hello
+        snapshot = json.loads(next(lines))
+    return snapshot["tiers"]
 
 
 @contextmanager

@@ -56,7 +56,7 @@ def test_second_turn_lands_on_the_backend_holding_its_prefix(two: Fleet) -> None
         ]
     assert len(set(first.values())) == 2  # new prompts spread over both backends
     for backend in two.backends:  # the first turns' stored events reached the router
-        _agree(two, backend)
+        two.agree(backend)
     for i, messages in turns.items():
         answer = chat(two.router, messages)
         assert answer.headers[BACKEND] == first[i]
@@ -118,41 +118,16 @@ def test_a_requests_prefill_leaves_the_queue_at_its_first_output(two: Fleet) -> 
     assert _load(two, r.headers[BACKEND]) == (0, 0)
 
 
-def _backend_counts(backend: Proc) -> dict[str, int]:
-    """Keys per tier from a fresh subscription's snapshot: what the backend holds now."""
-    with requests.get(
-        backend.url + "/v1/kv-events", headers={"Authorization": f"Bearer {ADMIN}"}, stream=True, timeout=30
-    ) as response:
-        lines = response.iter_lines()
-        next(lines)  # hello
-        snapshot = json.loads(next(lines))
-    return {tier: len(keys) for tier, keys in snapshot["tiers"].items() if keys}
-
-
-def _router_counts(two: Fleet, backend: Proc) -> dict[str, int]:
-    return next(b["indexed_by_tier"] for b in two.stats()["backends"] if b["url"] == backend.url)
-
-
-def _agree(two: Fleet, backend: Proc, timeout_s: float = 10) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        want, got = _backend_counts(backend), _router_counts(two, backend)
-        if want == got or time.monotonic() > deadline:
-            assert got == want
-            return got
-        time.sleep(0.1)
-
-
 def test_events_keep_the_index_right_through_evictions_and_clears(two: Fleet) -> None:
     for i in range(10, 16):  # more than the 12-block host tiers hold: host evicts, demoting to disk
         chat(two.router, conversation(i))
     for backend in two.backends:
-        counts = _agree(two, backend)
+        counts = two.agree(backend)
         assert counts.get("disk", 0) > 0 and counts.get("host", 0) <= 12
     backend = two.backends[0]
     cleared = backend.post("/admin/clear", json={"tier": "host"}, headers={"Authorization": f"Bearer {ADMIN}"})
     assert cleared.status_code == 200
-    assert "host" not in _agree(two, backend)
+    assert "host" not in two.agree(backend)
 
 
 def test_backend_killed_mid_run_loses_no_request(two: Fleet) -> None:
