@@ -54,7 +54,7 @@ class WarmSpec:
     tool_chars: int = 120  # a short tool result beside the transcript
     files_per_agent: int = 2  # demo files in a session's first message (~800 tokens)
     pause_s: tuple[float, float] = (0.5, 2.0)
-    trials: int = 8
+    trials: int = 20
     reps: int = 2
     seed: int = 7
 

@@ -29,6 +29,7 @@ pages were reserved at admission anyway, nothing reads past
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -255,17 +256,19 @@ class Engine:
                 outputs.append(self.drafting.verify(req, drafts[req], [next(rows) for _ in range(n)]))
                 continue
             row = next(rows)
-            if req.prefilling:
+            first = req.prefilling
+            if first:
                 self.prefill_tokens_computed += n
                 self.publisher.publish(req)
                 if req.table.num_tokens < len(req.prompt_ids):
                     continue  # more chunks to come: this row's logits are not a next token
                 if req.params.max_tokens == 0:  # a prefill alone: what it leaves is KV, in the pool and the tiers
                     req.finish_reason = FinishReason.LENGTH
-                    outputs.append(StepOutput(req.id, [], "", True, FinishReason.LENGTH))
+                    outputs.append(StepOutput(req.id, [], "", True, FinishReason.LENGTH, req.cached_tokens))
                     continue
                 req.first_token_at = now
-            outputs.append(self.stopping.advance(req, req.sampler(row)))
+            out = self.stopping.advance(req, req.sampler(row))
+            outputs.append(dataclasses.replace(out, cached_tokens=req.cached_tokens) if first else out)
         return outputs
 
     def _plan(self, batch: list[Request], drafts: dict[Request, list[int]]) -> list[tuple[Request, int]]:

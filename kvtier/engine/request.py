@@ -127,6 +127,7 @@ class StepOutput:
     text: str  # new this step (stop strings already cut)
     finished: bool
     finish_reason: FinishReason | None = None
+    cached_tokens: int | None = None  # with a request's first token: its prompt tokens served from cache
 
 
 @dataclass(frozen=True)

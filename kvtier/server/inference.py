@@ -373,7 +373,8 @@ async def _chunks_of(
         yield opening
     async for event in stream.events(gone):
         if not isinstance(event, Outcome):
-            yield chunks.text(event.text)
+            if event.text:
+                yield chunks.text(event.text)
             continue
         if event.failure is not None:
             yield _event(json.dumps(failure_error(event).body()))

@@ -63,6 +63,7 @@ class Failure(enum.StrEnum):
 class Delta:
     text: str
     num_tokens: int
+    cached_tokens: int | None = None  # on the first: the prompt tokens the cache served (the rest were computed)
 
 
 @dataclass(frozen=True)
@@ -436,8 +437,8 @@ class EngineLoop:
             self._warming.computed(engine.prefill_tokens_computed - computed)
         for out in outputs:
             sub = self._subs.get(out.request_id)
-            if sub is not None and out.text:
-                sub.stream.put(Delta(out.text, len(out.token_ids)))
+            if sub is not None and (out.text or out.cached_tokens is not None):
+                sub.stream.put(Delta(out.text, len(out.token_ids), out.cached_tokens))
         self._collect()
         self.metrics.set_in_flight(len(self._subs))
         self._publish()

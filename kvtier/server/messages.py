@@ -75,13 +75,16 @@ class MessagesJob:
             out.append((tokens // size * size, longest))
         return out[::-1]
 
-    def usage(self, outcome: Outcome) -> MessagesUsage:
-        """The prompt's tokens read, created (by TTL) and the rest; created: kept by a mark, not read."""
-        read = outcome.cached_tokens
+    def usage(self, read: int, output_tokens: int) -> MessagesUsage:
+        """The prompt's tokens read (``read``: served from the cache), created (by TTL) and the rest.
+
+        Created: computed now and kept by a mark, so not read.
+        """
+        prompt_tokens = len(self.job.prompt)
         created = {CacheTTL.FIVE_MINUTES: 0, CacheTTL.ONE_HOUR: 0}
         start = read
         for end, ttl_s in self.kept():
-            end = min(end, outcome.prompt_tokens)
+            end = min(end, prompt_tokens)
             if end > start:
                 created[CacheTTL.ONE_HOUR if ttl_s >= CacheTTL.ONE_HOUR.seconds else CacheTTL.FIVE_MINUTES] += (
                     end - start
@@ -89,8 +92,8 @@ class MessagesJob:
                 start = end
         made = sum(created.values())
         return MessagesUsage(
-            input_tokens=outcome.prompt_tokens - read - made,
-            output_tokens=outcome.completion_tokens,
+            input_tokens=prompt_tokens - read - made,
+            output_tokens=output_tokens,
             cache_creation_input_tokens=made,
             cache_read_input_tokens=read,
             cache_creation=CacheCreation(
@@ -144,7 +147,7 @@ def response(state: ServerState, mj: MessagesJob, outcome: Outcome) -> MessageRe
         model=state.model_name,
         stop_reason=StopReason.of(outcome.finish_reason, outcome.stop_sequence),
         stop_sequence=outcome.stop_sequence,
-        usage=mj.usage(outcome),
+        usage=mj.usage(outcome.cached_tokens, outcome.completion_tokens),
     )
 
 
@@ -155,28 +158,30 @@ def _event(kind: str, payload: dict[str, Any]) -> str:
 def sse(state: ServerState, mj: MessagesJob, stream: Stream, gone: asyncio.Future[None]) -> AsyncIterator[str]:
     """The Messages API's event stream of one request; a client that leaves mid-stream aborts it.
 
-    ``message_start`` cannot know yet how much of the prompt the cache
-    serves: it counts the whole prompt as input, and ``message_delta``
-    carries the exact parts (the SDKs take usage from both).
+    ``message_start`` waits for the engine's first word on the request (its
+    first token, which carries how much of the prompt the cache served), so
+    its usage splits the prompt exactly as the final ``message_delta`` does.
     """
     return ending(state, mj.job, gone, _events(state, mj, stream, gone))
+
+
+def _opening(state: ServerState, mj: MessagesJob, read: int, output_tokens: int) -> str:
+    usage = mj.usage(read, output_tokens)
+    message = MessageResponse(id=mj.job.request_id, content=[], model=state.model_name, stop_reason=None, usage=usage)
+    return _event("message_start", {"message": message.model_dump(mode="json")}) + _event(
+        "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+    )
 
 
 async def _events(
     state: ServerState, mj: MessagesJob, stream: Stream, gone: asyncio.Future[None]
 ) -> AsyncIterator[str]:
-    job = mj.job
-    opening = MessageResponse(
-        id=job.request_id,
-        content=[],
-        model=state.model_name,
-        stop_reason=None,
-        usage=MessagesUsage(input_tokens=len(job.prompt), output_tokens=0),
-    )
-    yield _event("message_start", {"message": opening.model_dump(mode="json")})
-    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    job, opened = mj.job, False
     async for event in stream.events(gone):
         if not isinstance(event, Outcome):
+            if not opened:
+                yield _opening(state, mj, event.cached_tokens or 0, event.num_tokens)
+                opened = True
             if event.text:
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
             continue
@@ -184,11 +189,14 @@ async def _events(
             error = failure_error(event)
             yield _event("error", {"error": {"type": "api_error", "message": error.message}})
             return
+        if not opened:  # it ended at its first step: the outcome's counts are the opening's
+            yield _opening(state, mj, event.cached_tokens, 0)
         state.note_outcome(job, event)
         yield _event("content_block_stop", {"index": 0})
         reason = StopReason.of(event.finish_reason, event.stop_sequence)
         delta = {"stop_reason": reason.value, "stop_sequence": event.stop_sequence}
-        yield _event("message_delta", {"delta": delta, "usage": mj.usage(event).model_dump(mode="json")})
+        usage = mj.usage(event.cached_tokens, event.completion_tokens)
+        yield _event("message_delta", {"delta": delta, "usage": usage.model_dump(mode="json")})
         yield _event("message_stop", {})
 
 

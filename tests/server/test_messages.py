@@ -72,9 +72,13 @@ def test_a_message_equals_the_uncached_engine_plain_and_streamed(
     assert total(done.usage) == len(ids) and done.usage.output_tokens == len(ref.token_ids)
 
     with client.messages.stream(model=MODEL, max_tokens=MAX, messages=convo, extra_body=GREEDY) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    opening = events[0].message.usage  # type: ignore[union-attr]
+    split = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert [getattr(opening, k) for k in split] == [getattr(final.usage, k) for k in split]  # exact from the start
     assert {"content_block_start", "content_block_stop", "message_delta"} <= set(kinds)
     assert final.content[0].text == ref.text and final.stop_reason == done.stop_reason
     assert total(final.usage) == len(ids) and final.usage.output_tokens == len(ref.token_ids)
