@@ -203,6 +203,7 @@ async def completions(
     body: CompletionRequest, state: State, tenant: Caller, request: Request, arrival: Arriving
 ) -> Response | CompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.completion_job(state, body, tenant))
+    await inference.renew(state, job)
     await inference.retain(state, job, body.prompt_cache_retention)
     return await _answer(request, state, job, arrival, stream=body.stream, chat=False)
 
@@ -212,6 +213,7 @@ async def chat_completions(
     body: ChatCompletionRequest, state: State, tenant: Caller, request: Request, arrival: Arriving
 ) -> Response | ChatCompletionResponse:
     job = await _turn(state, tenant, request, body.session_name, await inference.chat_job(state, body, tenant))
+    await inference.renew(state, job)
     await inference.retain(state, job, body.prompt_cache_retention)
     return await _answer(request, state, job, arrival, stream=body.stream, chat=True)
 
@@ -228,6 +230,7 @@ async def create_message(
     mj = await messages.messages_job(state, body, tenant)
     user = body.metadata.user_id if body.metadata else None
     mj = dataclasses.replace(mj, job=await _turn(state, tenant, request, user, mj.job))
+    await inference.renew(state, mj.job)
     mj = await messages.retain(state, mj)
     sse = functools.partial(messages.sse, state, mj) if body.stream else None
     return await _run(request, state, mj.job, arrival, sse, functools.partial(messages.response, state, mj))

@@ -228,6 +228,12 @@ async def retain(state: ServerState, job: Job, retention: PromptCacheRetention |
     return kept
 
 
+async def renew(state: ServerState, job: Job) -> None:
+    """A prompt that starts with prefixes its tenant was promised renews those promises (see Retention.used)."""
+    if state.retention.holds(job.tenant.name):
+        await asyncio.to_thread(state.retention.used, job.tenant.name, job.prompt)
+
+
 # -- running it ------------------------------------------------------------------------------------
 def submit(state: ServerState, job: Job, arrival: Arrival | None = None) -> Stream:
     stream = Stream()

@@ -58,6 +58,7 @@ def retain_quota(config: Config, tenant: str, tier: TierKind) -> int:
 class _Kept:
     prefix: KeyedTokens
     until: float  # on the registry's clock
+    ttl_s: float  # what each use renews it for
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,42 @@ class Retention:
                     continue
                 name = tuple(prefix.keys)
                 before = kept.pop(name, None)
-                kept[name] = _Kept(prefix, max(now + ttl_s, before.until if before else now))  # the newest use, last
+                until, ttl = (before.until, max(before.ttl_s, ttl_s)) if before else (now, ttl_s)
+                kept[name] = _Kept(prefix, max(now + ttl_s, until), ttl)  # the newest use, last
             while self._blocks(kept) > quota:
                 _, oldest = kept.popitem(last=False)
                 self._cache.pin_for(oldest.prefix, 0, tier=tier)
             self._pin(kept, now, tier)
             return [tuple(p.keys) in kept if p.keys else False for p, _ in marks]
+
+    def holds(self, tenant: str) -> bool:
+        """Whether ``tenant`` keeps anything (a cheap look before :meth:`used`)."""
+        return any(self._kept.get((tenant, tier)) for tier in RETAINING)
+
+    def used(self, tenant: str, prompt: KeyedTokens) -> int:
+        """A request of ``tenant`` sent ``prompt``: each kept prefix it starts with is renewed; how many.
+
+        Using a kept prefix refreshes its promise, as a mark on it would: its
+        TTL runs again from now (never shortened) and it becomes the tenant's
+        most recently used, the last to go past the quota.
+        """
+        keys = prompt.keys
+        renewed = 0
+        with self._lock:
+            now = self._clock()
+            for tier in RETAINING:
+                kept = self._kept.get((tenant, tier))
+                if not kept:
+                    continue
+                self._expire(kept, now)
+                hits = [name for name in kept if len(name) <= len(keys) and tuple(keys[: len(name)]) == name]
+                for name in hits:
+                    k = kept.pop(name)
+                    kept[name] = _Kept(k.prefix, max(k.until, now + k.ttl_s), k.ttl_s)
+                if hits:
+                    self._pin(kept, now, tier)
+                    renewed += len(hits)
+        return renewed
 
     def report(self) -> dict[str, dict[TierKind, TenantRetention]]:
         """Every tenant that keeps something now, by the tiers it keeps something in."""

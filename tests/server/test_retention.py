@@ -160,3 +160,23 @@ def test_the_disk_quota_defaults_to_half_the_disk_tier_and_is_zero_without_one(t
     assert retain_quota(cfg.model_validate(tree), "anyone", D) == 0
     tree["server"] |= {"retain_disk_bytes": 8 * 1024**2}
     assert retain_quota(cfg.model_validate(tree), "anyone", D) == 8 * 1024**2
+
+
+def test_using_a_kept_prefix_renews_its_promise_and_its_place(tmp_path: Path) -> None:
+    """A request that starts with a kept prefix (marked or not) refreshes it: TTL from now, last to go."""
+    m, r, clock = setup(tmp_path, {"a": 8})
+    system, other = m.keyed(prompt(4 * BLOCK, 60), "ns"), m.keyed(prompt(4 * BLOCK, 61), "ns")
+    r.keep("a", [(system, FIVE_MIN)])
+    clock.now += 1
+    r.keep("a", [(other, FIVE_MIN)])
+    clock.now += FIVE_MIN - 10  # both promises end in 10 s (system's in 9)
+    longer = m.keyed(np.concatenate([prompt(4 * BLOCK, 60), prompt(3 * BLOCK, 62)]), "ns")
+    assert r.used("a", longer) == 1 and r.used("b", longer) == 0  # system's, and only for its own tenant
+    assert r.used("a", m.keyed(prompt(4 * BLOCK, 63), "ns")) == 0  # a prompt that starts elsewhere renews nothing
+    clock.now += 60  # past the first promises: the renewed one stands, the other ended
+    assert r.report()["a"][H].prefixes == 1 and m.ttl_pinned() == 4
+    assert r.keep("a", [(m.keyed(prompt(4 * BLOCK, 64), "ns"), FIVE_MIN)]) == [True]
+    clock.now += 1
+    r.used("a", longer)  # system is the most recently used again: a newer prefix past the quota goes before it
+    assert r.keep("a", [(m.keyed(prompt(4 * BLOCK, 65), "ns"), FIVE_MIN)]) == [True]
+    assert r.used("a", longer) == 1  # still kept
