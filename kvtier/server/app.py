@@ -431,11 +431,13 @@ async def clear(state: State, body: ClearRequest | None = None) -> ClearResponse
 @router.post("/admin/settle", response_model=WarmingReport, responses=ERRORS, dependencies=[Admin])
 async def settle(state: State) -> WarmingReport:
     """Return once the engine has nothing left to do: every finished turn's warm handed over and run, no request,
-    no verification; then warming's counters. What tests and benchmarks wait on instead of sleeping."""
+    no verification, every block it offered the cache stored (below host too, where a store copies it); then
+    warming's counters. What tests and benchmarks wait on instead of sleeping."""
     if state.warmer is not None:
         await asyncio.to_thread(state.warmer.settle)
     try:
         await asyncio.wrap_future(state.loop.idle())
+        await asyncio.wrap_future(state.loop.call(lambda engine: engine.drain_stores()))
     except EngineUnavailable as err:
         raise APIError(503, str(err), type=ErrorType.UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN) from None
     return state.loop.metrics.engine_report().warming

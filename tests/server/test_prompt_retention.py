@@ -9,8 +9,7 @@ worker: the checks wait for them with a deadline.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import anthropic
@@ -37,16 +36,6 @@ def client(server: LiveServer) -> openai.OpenAI:
     return server.client(api_key=KEY)
 
 
-def until(fetch: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 30.0) -> T:
-    """``fetch()`` again until ``done`` holds or the deadline passes; its last answer."""
-    deadline = time.monotonic() + timeout_s
-    value = fetch()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        value = fetch()
-    return value
-
-
 def below_host(server: LiveServer, body: dict[str, Any]) -> dict[str, Any]:
     """Where ``body``'s prompt is once host memory is cleared: what only disk holds of it."""
     server.admin_post("/admin/clear", {"tier": "host"}).raise_for_status()
@@ -56,9 +45,9 @@ def below_host(server: LiveServer, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def stored(server: LiveServer, body: dict[str, Any]) -> int:
-    """Wait until the prompt's full blocks are cached (the run's stores landed); their count."""
-    look = lambda: server.admin_post("/lookup", {**body, "tenant": "alpha"}).json()  # noqa: E731
-    found = until(look, lambda r: r["cached_tokens"] == r["prompt_tokens"] // B * B)
+    """The prompt's full blocks, cached once the run's stores landed (``/admin/settle`` waits for them)."""
+    server.admin_post("/admin/settle").raise_for_status()
+    found = server.admin_post("/lookup", {**body, "tenant": "alpha"}).json()
     assert found["cached_tokens"] == found["prompt_tokens"] // B * B > 0
     return found["cached_tokens"] // B
 
@@ -75,8 +64,9 @@ def test_a_24h_prompt_is_written_to_disk_and_pinned_there(server: LiveServer, cl
     body = {"messages": messages}
     blocks = stored(server, body)
     assert blocks == done.usage.prompt_tokens // B
-    disk = until(lambda: below_host(server, body), lambda r: r["tiers"] == {"disk": blocks * B})
-    assert disk["tiers"] == {"disk": blocks * B}  # written through, though write-back would have waited
+    assert below_host(server, body)["tiers"] == {
+        "disk": blocks * B
+    }  # written through, though write-back would have waited
     stats = server.stats()
     assert stats["retained"]["alpha"] == {
         "disk": {"blocks": blocks, "bytes": blocks * BLOCK_BYTES, "prefixes": 1, "quota_bytes": DISK_QUOTA}
@@ -114,6 +104,8 @@ def test_a_cache_control_mark_is_written_through_to_disk(server: LiveServer) -> 
     )  # fmt: skip
     marked = answer.usage.cache_creation_input_tokens // B
     assert marked > 0
-    disk = until(lambda: server.stats()["tiers"]["disk"]["blocks"], lambda n: n >= before + marked)
-    assert disk == before + marked  # the marked blocks, and no other: write-back wrote nothing else
+    server.admin_post("/admin/settle").raise_for_status()
+    assert (
+        server.stats()["tiers"]["disk"]["blocks"] == before + marked
+    )  # the marked blocks, and no other: write-back wrote nothing else
     assert server.stats()["retained"]["alpha"]["host"]["blocks"] == marked

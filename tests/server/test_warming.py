@@ -13,7 +13,6 @@ import asyncio
 from pathlib import Path
 
 import openai
-import pytest
 from openai.types.chat import ChatCompletion
 
 from kvtier.engine.request import FinishReason
@@ -158,15 +157,18 @@ def ask(client: openai.OpenAI, convo: list[dict[str, str]]) -> ChatCompletion:
     return client.chat.completions.create(model=MODEL, messages=convo, max_tokens=40, temperature=0, user="agent-1")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("warm", [True, False])
 def test_a_warmed_turn_prefills_only_what_the_agent_added_and_answers_the_same(
-    loaded_model: LoadedModel, tmp_path: Path, warm: bool
+    loaded_model: LoadedModel, tmp_path: Path
 ) -> None:
-    """``decoded_kv: skip``: a reply's blocks are not cached, so without warming the next turn prefills it again."""
+    """``decoded_kv: skip``: a reply's blocks are not cached, so without warming the next turn prefills it again.
+
+    Answers equal an engine with no cache at all; each later turn reads the
+    whole start the warm computed, where without it only the earlier prompt's
+    blocks would be cached (the reply's were computed by decode).
+    """
     ref = Reference(loaded_model, tmp_path)
     convo = [{"role": "user", "content": "Write a short list of ten fruits, one per line."}]
-    sections = {**SECTIONS, "session": {"warm_next_turn": warm}}
-    with running(tmp_path, sections) as server:
+    with running(tmp_path, SECTIONS) as server:
         client = server.client()
         answers, cached = [], []
         for tool in ("The tool found: apple, pear.", "The tool found nothing more."):
@@ -190,9 +192,7 @@ def test_a_warmed_turn_prefills_only_what_the_agent_added_and_answers_the_same(
     assert answers == expected
     for i in range(2):  # turns 2 and 3: what was cached of each
         earlier = convo[: 2 * i + 1]
-        if warm:  # the whole known start: prompt, reply and the next message's opening, to its last full block
-            known = len(next_turn_ids(loaded_model.tokenizer, loaded_model.chat, earlier, answers[i]))  # type: ignore[arg-type]
-        else:  # the earlier prompt's blocks alone: the reply is prefilled again
-            known = len(loaded_model.chat_ids(earlier))
-        assert cached[i + 1] == known // B * B
-    assert (warming["finished"] >= 2 and warming["tokens"] > 0) if warm else warming["queued"] == 0
+        known = len(next_turn_ids(loaded_model.tokenizer, loaded_model.chat, earlier, answers[i]))  # type: ignore[arg-type]
+        assert cached[i + 1] == known // B * B  # the prompt, the reply, the next message's opening: to a whole block
+        assert cached[i + 1] > len(loaded_model.chat_ids(earlier)) // B * B  # more than the earlier prompt's blocks
+    assert warming["finished"] >= 2 and warming["tokens"] > 0 and warming["superseded"] == 0
