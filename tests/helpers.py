@@ -107,3 +107,13 @@ def read_only(root: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["chattr", "-R", "-i", str(root)], capture_output=True, check=False)
+
+
+class Clock:
+    """A clock a test steps (``clock.now += ttl``): TTLs pass without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -14,17 +14,9 @@ from kvtier.keys import BlockKey
 from kvtier.manager import CacheManager
 from kvtier.pins import Pins
 from kvtier.tiers.base import TierKind
-from tests.helpers import BLOCK, make_config, payload, prompt, toy_layout
+from tests.helpers import BLOCK, Clock, make_config, payload, prompt, toy_layout
 
 H, D = TierKind.HOST, TierKind.DISK
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def manager(tmp: Path, clock: Clock, host_blocks: int = 4, disk_blocks: int | None = 8) -> CacheManager:

@@ -13,18 +13,10 @@ from kvtier.manager import CacheManager
 from kvtier.policy import PolicyName
 from kvtier.sessions import SessionRegistry
 from kvtier.tiers.base import TierKind
-from tests.helpers import BLOCK, make_hasher, prompt, toy_layout
+from tests.helpers import BLOCK, Clock, make_hasher, prompt, toy_layout
 from tests.test_manager import kv, manager
 
 H, D = TierKind.HOST, TierKind.DISK
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def with_sessions(m: CacheManager, clock: Clock, **cfg) -> SessionRegistry:

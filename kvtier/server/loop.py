@@ -278,7 +278,7 @@ class EngineLoop:
             raise EngineUnavailable("the engine is not running")
         self._inbox.put(sub)
         if arrival is not None:
-            arrival.done()  # after the put: the engine never sees neither the arrival nor the request
+            arrival.done()  # after the put: at no moment does the engine see neither the arrival nor the request
 
     def abort(self, request_id: str) -> None:
         """Take a request out of the engine between two steps (its client went away); a no-op once it ended."""

@@ -16,18 +16,10 @@ from kvtier.config import WriteMode, load_config
 from kvtier.manager import CacheManager
 from kvtier.server.retention import Retention, retain_quota
 from kvtier.tiers.base import TierKind
-from tests.helpers import BLOCK, make_config, payload, prompt, toy_layout
+from tests.helpers import BLOCK, Clock, make_config, payload, prompt, toy_layout
 
 HOUR, FIVE_MIN, DAY = 3600.0, 300.0, 86400.0
 H, D = TierKind.HOST, TierKind.DISK
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def setup(
