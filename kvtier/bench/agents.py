@@ -48,10 +48,9 @@ from kvtier.bench import results
 from kvtier.bench.client import stream_completion
 from kvtier.bench.fleet import Proc
 from kvtier.bench.peer.machine import describe
-from kvtier.bench.soak import serving, text_ids
+from kvtier.bench.soak import kv_bytes_per_token, serving, text_ids
 from kvtier.bench.warm import WarmSpec, run_warm
 
-KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32, the default engine
 FORMAT = 1
 
 
@@ -77,12 +76,13 @@ class AgentsSpec:
     def sections(self, sessions: bool) -> dict[str, Any]:
         """Both runs' config, apart from ``session.enabled``: host below the agents, a pool for one request."""
         pool_tokens = 2 * (self.longest + self.max_tokens + self.block_size)
-        disk = {"capacity_bytes": 4 * self.agents * self.longest * KV_BYTES_PER_TOKEN, "io": self.disk_io}
+        kv = kv_bytes_per_token()  # tiers sized in tokens: the engine's dtype on this machine
+        disk = {"capacity_bytes": 4 * self.agents * self.longest * kv, "io": self.disk_io}
         return {
             "cache": {"block_size": self.block_size},
-            "host": {"capacity_bytes": int(self.host_agents * self.longest * KV_BYTES_PER_TOKEN)},
+            "host": {"capacity_bytes": int(self.host_agents * self.longest * kv)},
             "disk": disk if self.disk else {"enabled": False},
-            "engine": {"pool_bytes": pool_tokens * KV_BYTES_PER_TOKEN},
+            "engine": {"pool_bytes": pool_tokens * kv},
             "session": {"enabled": sessions},
         }
 
@@ -211,7 +211,12 @@ def run_spec_half() -> dict[str, Any]:
 
 def run(spec: AgentsSpec, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     machine = describe()
-    setup = {"date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": machine, **asdict(spec)}
+    setup = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine,
+        "kv_bytes_per_token": kv_bytes_per_token(),
+        **asdict(spec),
+    }
     result: dict[str, Any] = {"format": FORMAT, "setup": setup, **run_sessions(spec, progress)}
     if spec.spec:
         if progress is not None:

@@ -37,9 +37,8 @@ from kvtier.bench import results
 from kvtier.bench.client import stream_completion
 from kvtier.bench.fleet import Proc
 from kvtier.bench.peer.machine import describe
-from kvtier.bench.soak import serving, text_ids, wait
+from kvtier.bench.soak import kv_bytes_per_token, serving, text_ids, wait
 
-KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32, the default engine: 30 layers x K,V x 3 heads x 64 x 4 B
 GROWTH_LIMIT = 0.05
 FORMAT = 1
 
@@ -71,8 +70,9 @@ class LoadSpec:
 
     def sections(self) -> dict[str, Any]:
         """The server's config: host a third of the working set, a pool for the running batch, disk for the rest."""
-        ws = self.working_set_tokens * KV_BYTES_PER_TOKEN
-        running = self.max_batch * (self.longest_prompt + self.max_tokens + self.block_size) * KV_BYTES_PER_TOKEN
+        kv = kv_bytes_per_token()  # tiers sized in tokens: the engine's dtype on this machine
+        ws = self.working_set_tokens * kv
+        running = self.max_batch * (self.longest_prompt + self.max_tokens + self.block_size) * kv
         return {
             "cache": {"block_size": self.block_size},
             "host": {"capacity_bytes": int(ws / self.capacity_ratio)},
@@ -315,7 +315,8 @@ def run(spec: LoadSpec, progress: Callable[[float, int], None] | None = None) ->
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": describe(),
         **asdict(spec),
-        "working_set_bytes": spec.working_set_tokens * KV_BYTES_PER_TOKEN,
+        "working_set_bytes": spec.working_set_tokens * kv_bytes_per_token(),
+        "kv_bytes_per_token": kv_bytes_per_token(),
         "config": spec.sections(),
     }
     out["stats_end"] = {k: final[k] for k in ("tiers", "engine", "pinned_blocks") if k in final}

@@ -37,8 +37,9 @@ from typing import Any
 from kvtier.bench import fleet, results
 from kvtier.bench.client import stream_completion
 from kvtier.bench.peer.machine import describe
-from kvtier.config import EngineConfig
+from kvtier.config import ComputeDtype, Config, EngineConfig
 from kvtier.demo.session import load_session
+from kvtier.hardware import compute_dtype
 from kvtier.model import default_gguf_path, load_tokenizer, read_gguf_metadata
 
 
@@ -82,6 +83,16 @@ def stream_ttft(port: int, prompt: list[int], max_tokens: int = 1) -> float:
     ttft = stream_completion(port, prompt, max_tokens).checked().ttft_s
     assert ttft is not None
     return ttft
+
+
+KV_FLOATS_PER_TOKEN = 11_520  # the embedded SmolLM2-135M: 30 layers x K, V x 3 KV heads x 64
+
+
+def kv_bytes_per_token() -> int:
+    """KV bytes one token of the embedded model takes in a server on this machine, its dtype resolved here
+    (``engine.dtype: auto``: bfloat16 where the CPU has it, half of float32's), so benches size tiers in tokens."""
+    itemsize = 2 if compute_dtype(Config()) is ComputeDtype.BFLOAT16 else 4
+    return KV_FLOATS_PER_TOKEN * itemsize
 
 
 def text_ids(n: int, offset: int = 0) -> list[int]:

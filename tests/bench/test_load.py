@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.bench import load
 from kvtier.bench.load import LoadSpec, Probe, Sample
+from kvtier.bench.soak import kv_bytes_per_token
 
 
 def test_a_session_only_grows_and_every_session_starts_with_the_shared_prompt() -> None:
@@ -26,7 +27,7 @@ def test_the_host_tier_is_a_third_of_the_working_set() -> None:
     spec = LoadSpec()
     assert spec.working_set_tokens == 128 + 64 * 8 * 48
     host = spec.sections()["host"]["capacity_bytes"]
-    assert host * 3 == pytest.approx(spec.working_set_tokens * load.KV_BYTES_PER_TOKEN, abs=3)
+    assert host * 3 == pytest.approx(spec.working_set_tokens * kv_bytes_per_token(), abs=3)
 
 
 def samples(n: int, *, error_at: int | None = None) -> list[Sample]:
