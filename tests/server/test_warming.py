@@ -100,7 +100,7 @@ def _warm_under_way(loop: EngineLoop) -> None:
 def test_a_request_stops_a_warm_within_a_layer_gets_its_answer_and_the_warm_resumes(
     loaded_model: LoadedModel, tmp_path: Path
 ) -> None:
-    words = " ".join(f"note{i}" for i in range(500))
+    words = " ".join(f"note{i}" for i in range(200))  # ~800 tokens: two chunks of warm
     long = loaded_model.chat_ids([{"role": "user", "content": words}])
     other = loaded_model.chat_ids([{"role": "user", "content": "Say hi."}])
     expected = Reference(loaded_model, tmp_path).run(other, 6).text
@@ -123,7 +123,7 @@ def test_a_request_stops_a_warm_within_a_layer_gets_its_answer_and_the_warm_resu
 
 
 def test_the_sessions_own_next_turn_drops_its_warm(loaded_model: LoadedModel, tmp_path: Path) -> None:
-    long = loaded_model.chat_ids([{"role": "user", "content": " ".join(f"item{i}" for i in range(400))}])
+    long = loaded_model.chat_ids([{"role": "user", "content": " ".join(f"item{i}" for i in range(150))}])
     loop = _loop(loaded_model, tmp_path)
     try:
         loop.warm(turn("a", long))
@@ -154,7 +154,7 @@ SECTIONS = {"engine": {"pool_bytes": 400 * 46080 * B, "dtype": "float32", "decod
 
 def ask(client: openai.OpenAI, convo: list[dict[str, str]]) -> ChatCompletion:
     """One greedy turn of the agent's session."""
-    return client.chat.completions.create(model=MODEL, messages=convo, max_tokens=40, temperature=0, user="agent-1")  # type: ignore[arg-type]
+    return client.chat.completions.create(model=MODEL, messages=convo, max_tokens=24, temperature=0, user="agent-1")  # type: ignore[arg-type]
 
 
 def test_a_warmed_turn_prefills_only_what_the_agent_added_and_answers_the_same(
@@ -186,7 +186,7 @@ def test_a_warmed_turn_prefills_only_what_the_agent_added_and_answers_the_same(
     expected = []
     history: list[dict[str, str]] = [convo[0]]
     for i in range(3):
-        expected.append(ref.chat(history, 40)[1].text)
+        expected.append(ref.chat(history, 24)[1].text)
         if i < 2:
             history = [*history, {"role": "assistant", "content": expected[-1]}, convo[2 * i + 2]]
     assert answers == expected
