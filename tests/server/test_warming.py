@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import anthropic
 import openai
 from openai.types.chat import ChatCompletion
 
@@ -22,7 +23,7 @@ from kvtier.model.chat import next_turn_ids
 from kvtier.server.loop import EngineLoop, Outcome, Stream, Submission
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.warming import Warming, WarmTurn
-from tests.server.live import ADMIN_AUTH, B, Reference, running
+from tests.server.live import ADMIN_AUTH, B, LiveServer, Reference, running
 from tests.server.test_loop import HASHER, small_pool
 
 NS = "default"
@@ -183,6 +184,7 @@ def test_a_warmed_turn_prefills_only_what_the_agent_added_and_answers_the_same(
         answers.append(last.choices[0].message.content or "")
         cached.append(last.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
         warming = settled.json()
+        messages_turns = messages_session(server)
     expected = []
     history: list[dict[str, str]] = [convo[0]]
     for i in range(3):
@@ -196,3 +198,19 @@ def test_a_warmed_turn_prefills_only_what_the_agent_added_and_answers_the_same(
         assert cached[i + 1] == known // B * B  # the prompt, the reply, the next message's opening: to a whole block
         assert cached[i + 1] > len(loaded_model.chat_ids(earlier)) // B * B  # more than the earlier prompt's blocks
     assert warming["finished"] >= 2 and warming["tokens"] > 0 and warming["superseded"] == 0
+    first, second, conversation = messages_turns
+    known = len(next_turn_ids(loaded_model.tokenizer, loaded_model.chat, conversation, first.content[0].text))  # type: ignore[arg-type, union-attr]
+    assert second.usage.cache_read_input_tokens == known // B * B  # the Messages API's turns are warmed alike
+
+
+def messages_session(server: LiveServer) -> tuple[anthropic.types.Message, anthropic.types.Message, list]:
+    """Two turns of a Messages session (``metadata.user_id``), the engine settled between them."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    convo: list[dict] = [{"role": "user", "content": "Name five rivers of Europe, one per line."}]
+    asked = {"model": MODEL, "max_tokens": 24, "metadata": {"user_id": "agent-2"}, "extra_body": {"temperature": 0}}
+    first = claude.messages.create(messages=convo, **asked)  # type: ignore[arg-type]
+    server.post("/admin/settle", headers=ADMIN_AUTH).raise_for_status()
+    reply = first.content[0].text  # type: ignore[union-attr]
+    tool = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Danube, Rhine."}]}
+    second = claude.messages.create(messages=[*convo, {"role": "assistant", "content": reply}, tool], **asked)  # type: ignore[arg-type]
+    return first, second, [{"role": "user", "content": convo[0]["content"]}]
