@@ -445,14 +445,17 @@ async def settle(state: State) -> WarmingReport:
 
 @router.post("/admin/pin", response_model=PinResponse, responses=ERRORS, dependencies=[Admin])
 async def pin(body: PinRequest, state: State) -> PinResponse:
-    """Keep a prompt's (or a conversation prefix's) full blocks out of host eviction for ``ttl_s`` seconds."""
+    """Keep a prompt's (or a conversation prefix's) full blocks out of one tier's eviction for ``ttl_s`` seconds."""
     limit = state.config.server.max_pin_ttl_s
     if body.ttl_s > limit:
         raise APIError(400, f"ttl_s is {body.ttl_s}; at most {limit} is allowed", param="ttl_s")
+    tier = TierKind(body.tier.value)
+    if tier not in (t.kind for t in state.cache.tiers):
+        raise APIError(404, f"tier {tier.value!r} is not configured", type=ErrorType.NOT_FOUND, param="tier")
     tenant = _tenant(state, body.tenant)
     ids = await _ids(state, body, add_generation_prompt=False)
     prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
-    pinned = await asyncio.to_thread(state.cache.pin_for, prompt, body.ttl_s)
+    pinned = await asyncio.to_thread(functools.partial(state.cache.pin_for, prompt, body.ttl_s, tier=tier))
     probe = await asyncio.to_thread(state.cache.probe, prompt)
     bs = state.cache.layout.block_size
     return PinResponse(
@@ -461,6 +464,7 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
         pinned_tokens=pinned * bs,
         cached_tokens=probe.cached_tokens,
         ttl_s=body.ttl_s,
+        tier=body.tier,
     )
 
 

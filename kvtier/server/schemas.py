@@ -219,10 +219,22 @@ class LookupResponse(BaseModel):
     miss_reason: MissReason
 
 
+class PinnedTier(enum.StrEnum):
+    """The tiers a TTL pin can keep blocks in: the ones this node evicts by its own policy."""
+
+    HOST = "host"
+    DISK = "disk"
+
+
 class PinRequest(_PromptOrMessages):
     """``messages`` are rendered as a prefix (no assistant turn opened), e.g. a shared system prompt."""
 
     ttl_s: float = Field(ge=0.0, le=31 * 86400.0, description="Seconds to keep it; 0 unpins.")
+    tier: PinnedTier = Field(
+        PinnedTier.HOST,
+        description="Where eviction skips it: host memory, or disk (written through there at once, whatever "
+        "cache.write_mode). A pin in one tier never protects the other.",
+    )
 
 
 class PinResponse(BaseModel):
@@ -231,6 +243,7 @@ class PinResponse(BaseModel):
     pinned_tokens: int
     cached_tokens: int = Field(description="Of the pinned tokens, how many are cached now (host or disk).")
     ttl_s: float
+    tier: PinnedTier
 
 
 class ClearRequest(RequestBody):

@@ -306,6 +306,12 @@ def test_lookup_pin_and_clear(server: LiveServer, client: openai.OpenAI, model: 
     assert server.stats()["ttl_pinned_blocks"] == pinned["pinned_blocks"]
     assert server.admin_post("/admin/pin", {"messages": system, "ttl_s": 0}).status_code == 200
     assert server.stats()["ttl_pinned_blocks"] == 0
+    on_disk = server.admin_post("/admin/pin", {"messages": system, "ttl_s": 60, "tier": "disk"}).json()
+    assert (on_disk["tier"], on_disk["pinned_blocks"]) == ("disk", pinned["pinned_blocks"])
+    assert server.stats()["ttl_pinned_blocks"] == pinned["pinned_blocks"]
+    assert server.admin_post("/admin/pin", {"messages": system, "ttl_s": 0, "tier": "disk"}).status_code == 200
+    assert server.stats()["ttl_pinned_blocks"] == 0
+    assert server.admin_post("/admin/pin", {"prompt": "x", "ttl_s": 1, "tier": "remote"}).status_code == 422
     too_long = server.admin_post("/admin/pin", {"messages": system, "ttl_s": 10**6})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "ttl_s"
 
