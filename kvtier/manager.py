@@ -233,15 +233,17 @@ class CacheManager:
         A promise (``ttl_s > 0``, either tier) is written through: the
         blocks in host now are copied to disk before this returns, whatever
         ``cache.write_mode``, and those stored later as they are stored
-        (:class:`~kvtier.writes.Moment` ``RETAINED``).
+        (:class:`~kvtier.writes.Moment` ``RETAINED``). A renewal (every
+        request that reuses a kept prefix renews it) copies only the blocks
+        no live pin covered before: the others were written then.
         """
         if tier not in self._evicts:
             return 0
         keys = self._own(prompt).keys
         with self._lock:
-            self._pins.keep(keys, ttl_s, tier)
-        if ttl_s > 0:
-            self.stores.retain(keys)
+            fresh = self._pins.keep(keys, ttl_s, tier)
+        if fresh:
+            self.stores.retain(fresh)
         return len(keys)
 
     def ttl_pinned(self) -> int:

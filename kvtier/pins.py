@@ -55,17 +55,23 @@ class Pins:
         return len(self._reads)
 
     # -- TTL pins -----------------------------------------------------------------------
-    def keep(self, keys: Iterable[BlockKey], ttl_s: float, kind: TierKind) -> None:
+    def keep(self, keys: Iterable[BlockKey], ttl_s: float, kind: TierKind) -> list[BlockKey]:
         """Keep ``keys`` in the tier of ``kind`` for ``ttl_s`` seconds from now (``ttl_s=0`` lets them go).
 
         Expiry is lazy. Setting a pin again moves its expiry either way: the
         longest promise over a block is its caller's to keep (the server's
-        retention registry pins the longest last).
+        retention registry pins the longest last). Returns the keys this
+        promise newly covers (no live pin of any tier held them): a renewed
+        promise has had its blocks written through already.
         """
         if ttl_s < 0:
             raise ValueError("ttl_s must be >= 0")
+        self._expire()
+        keys = list(keys)
+        fresh = [k for k in keys if not any(k in pins for pins in self._ttl.values())] if ttl_s > 0 else []
         self._ttl.setdefault(kind, {}).update(dict.fromkeys(keys, self._clock() + ttl_s))
         self._expire()
+        return fresh
 
     def kept(self) -> int:
         """Keys under a live TTL pin of any tier (cached or not)."""

@@ -92,3 +92,16 @@ def test_what_each_tier_excludes() -> None:
     assert b not in pins.exclude(H) and a in pins.exclude(H) and pins.kept_among([a, b, c]) == [c]
     clock.now += 10.0
     assert c not in pins.exclude(D) and pins.kept() == 0
+
+
+def test_a_promise_says_which_keys_it_newly_covers() -> None:
+    """Only those need writing through: a renewal (any tier's) covers nothing new; one past its expiry does."""
+    clock = Clock()
+    pins = Pins(clock)
+    a, b = (BlockKey(bytes([i]) * 16) for i in range(2))
+    assert pins.keep([a], 10.0, H) == [a]
+    assert pins.keep([a, b], 10.0, D) == [b]  # a's host promise covered it already
+    assert pins.keep([a, b], 10.0, H) == []
+    assert pins.keep([a], 0.0, H) == [] and pins.keep([a], 0.0, D) == []  # letting go covers nothing
+    clock.now += 10.0
+    assert pins.keep([a, b], 5.0, H) == [a, b]  # both promises had ended

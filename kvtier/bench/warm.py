@@ -28,6 +28,7 @@ alternate ``reps`` times; medians over everything each side measured.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import tempfile
@@ -62,8 +63,10 @@ class WarmSpec:
         return {"server": {"admin_token": ADMIN}, "session": {"warm_next_turn": warm}}
 
 
-def _texts() -> list[str]:
-    return [t["tool"]["content"] for t in load_session()["turns"]]
+@functools.cache
+def _texts() -> tuple[str, ...]:
+    """The demo session's files: every opening, tool result and document here is cut from them."""
+    return tuple(t["tool"]["content"] for t in load_session()["turns"])
 
 
 def _opening(spec: WarmSpec, agent: int) -> list[dict[str, str]]:
