@@ -119,7 +119,7 @@ $(PEER_LMCACHE_VENV)/.installed: bench/runners/vllm-constraints.txt
 
 # kvtier inside each engine's venv: the package itself (editable, --no-deps, so the engine's own pins
 # stay as they are) and the few light packages its client side imports that the engine lacks.
-ENGINE_KVTIER_DEPS ?= platformdirs xxhash "lmdb>=3.0" gguf msgspec "cryptography>=42" "redis[hiredis]>=5.0"
+ENGINE_KVTIER_DEPS ?= platformdirs xxhash "lmdb>=3.0" gguf msgspec "cryptography>=42" "redis[hiredis]>=5.0" "pyzmq>=25"
 
 $(PEER_VLLM_VENV)/.kvtier: $(PEER_VLLM_VENV)/.installed pyproject.toml
 	$(PEER_VLLM_VENV)/bin/python -m pip install -q --no-deps -e .

@@ -448,15 +448,27 @@ class RouteConfig(_Section):
     approx_blocks: int = Field(
         65536, ge=0, description="Block keys kept per backend of what was routed there (a guess beyond its events)."
     )
+    kv_events: dict[str, EventSource] = Field(
+        default_factory=dict,
+        description="Backend URL -> its vLLM-format KV event publisher (a kvtier node's kv_events, or vLLM's "
+        "--kv-events-config), followed over ZMQ instead of the backend's GET /v1/kv-events.",
+    )
     vllm_events: dict[str, str] = Field(
         default_factory=dict,
-        description="Backend URL -> its vLLM KV event publisher (tcp://host:port): a vLLM backend, followed over ZMQ.",
+        description="Backend URL -> a publisher without a replay socket (kv_events' older, shorter form).",
     )
     max_event_line_bytes: ByteSize = Field(
         ByteSize(64 * 1024**2),
         gt=0,
         description="Longest line of a backend's block events (a snapshot lists all its keys); longer: stream dropped.",
     )
+
+    def event_source(self, backend: str) -> EventSource | None:
+        """Where ``backend``'s events come over ZMQ; None: its HTTP stream."""
+        source = self.kv_events.get(backend)
+        if source is None and backend in self.vllm_events:
+            source = EventSource(endpoint=self.vllm_events[backend])
+        return source
 
     @field_validator("backends")
     @classmethod
@@ -590,6 +602,55 @@ class SessionConfig(_Section):
     )
 
 
+_ZMQ_ENDPOINT = re.compile(r"(tcp://[^\s/]+:(\d+|\*)|ipc://\S+|inproc://\S+)")
+
+
+def _zmq_endpoint(v: str | None) -> str | None:
+    if v is not None and not _ZMQ_ENDPOINT.fullmatch(v):
+        raise ValueError(f"{v!r} is not a ZMQ endpoint (tcp://host:port, tcp://host:*, ipc://path)")
+    return v
+
+
+class KVEventsConfig(_Section):
+    """This node's block events in vLLM's format over ZMQ, for any router (kvtier route, llm-d, Dynamo).
+
+    Published by ``kvtier serve`` for the tiers in its own process and by the
+    cache service for the node's shared ones (see :mod:`kvtier.vllm_events`).
+    """
+
+    endpoint: str | None = Field(
+        None, description="PUB socket to bind (tcp://127.0.0.1:5557; port * picks one); None: no events published."
+    )
+    replay_endpoint: str | None = Field(
+        None, description="ROUTER socket to bind for replays and snapshots (tcp://127.0.0.1:5558); None: none."
+    )
+    topic: str = Field("", description="First frame of every published message (vLLM's kv_events topic).")
+    buffer_batches: int = Field(10_000, ge=1, description="Batches kept for replay; an older start gets a snapshot.")
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, v: str | None) -> str | None:
+        return _zmq_endpoint(v)
+
+    @model_validator(mode="after")
+    def _replay_needs_pub(self) -> KVEventsConfig:
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise ValueError("kv_events.replay_endpoint is set without kv_events.endpoint")
+        return self
+
+
+class EventSource(_Section):
+    """Where a backend publishes vLLM-format KV events: its PUB socket and, if it has one, its replay ROUTER."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, v: str | None) -> str | None:
+        return _zmq_endpoint(v)
+
+
 class Config(_Section):
     data_dir: Path = Field(default_factory=default_data_dir)
     cache: CacheConfig = CacheConfig()
@@ -603,6 +664,7 @@ class Config(_Section):
     service: ServiceConfig = ServiceConfig()
     remote: RemoteConfig = RemoteConfig()
     session: SessionConfig = SessionConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
     @field_validator("data_dir")
     @classmethod

@@ -14,6 +14,7 @@ about any prompt.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Container, Sequence
 from typing import Protocol
 
@@ -36,6 +37,56 @@ class BlockEventSink(Protocol):
     def removed(self, tier: TierKind, keys: Sequence[BlockKey]) -> None: ...
 
     def cleared(self, tier: TierKind) -> None: ...
+
+
+class HeldKeys:
+    """The keys each tier holds, kept from the events themselves, and the sinks told of every change after it.
+
+    What a subscriber is first sent (a snapshot) and the changes it hears
+    after must fit together with nothing between them: :meth:`listen` takes
+    both under the one lock the changes are applied under. Sinks are called
+    under that lock, on the thread that changed the tier: they only queue.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[TierKind, set[BlockKey]] = {}
+        self._sinks: list[BlockEventSink] = []
+        self._lock = threading.Lock()
+
+    def stored(self, tier: TierKind, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            self._held.setdefault(tier, set()).update(keys)
+            if keys:
+                for sink in self._sinks:
+                    sink.stored(tier, keys)
+
+    def removed(self, tier: TierKind, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            self._held.setdefault(tier, set()).difference_update(keys)
+            if keys:
+                for sink in self._sinks:
+                    sink.removed(tier, keys)
+
+    def cleared(self, tier: TierKind) -> None:
+        with self._lock:
+            self._held[tier] = set()
+            for sink in self._sinks:
+                sink.cleared(tier)
+
+    def snapshot(self) -> dict[TierKind, list[BlockKey]]:
+        """Every key each tier holds now."""
+        with self._lock:
+            return {tier: list(keys) for tier, keys in self._held.items()}
+
+    def listen(self, sink: BlockEventSink) -> dict[TierKind, list[BlockKey]]:
+        """Tell ``sink`` of every change from now on; returns the snapshot those changes follow."""
+        with self._lock:
+            self._sinks.append(sink)
+            return {tier: list(keys) for tier, keys in self._held.items()}
+
+    def unlisten(self, sink: BlockEventSink) -> None:
+        with self._lock:
+            self._sinks.remove(sink)
 
 
 # -- the wire: one JSON object per line, tagged by "type" ------------------------------------------

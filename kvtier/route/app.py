@@ -34,7 +34,7 @@ from kvtier.route.choice import make_chooser
 from kvtier.route.index import RoutedPrefixes
 from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt, caller_key
 from kvtier.route.proxy import Counts, Outgoing, Proxy, forward, passed_headers, unavailable
-from kvtier.route.subscribe import follow, follow_vllm
+from kvtier.route.subscribe import follow, follow_zmq
 from kvtier.web.listen import listen_sockets
 
 
@@ -171,10 +171,10 @@ class RouterCollector(Collector):
 
 
 async def _follow(state: RouterState, backend: Backend, client: httpx.AsyncClient, token: str | None) -> None:
-    """A backend's block events: vLLM's over ZMQ where ``route.vllm_events`` names a publisher, else kvtier's."""
-    endpoint = state.config.route.vllm_events.get(backend.url)
-    if endpoint is not None:
-        await follow_vllm(state.fleet, backend, state.prompts, endpoint)
+    """A backend's block events: over ZMQ in vLLM's format where ``route.kv_events`` names a publisher, else HTTP."""
+    source = state.config.route.event_source(backend.url)
+    if source is not None:
+        await follow_zmq(state.fleet, backend, state.prompts, source)
     else:
         limit = state.config.route.max_event_line_bytes
         await follow(state.fleet, backend, state.prompts, client, token, limit)

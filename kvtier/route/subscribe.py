@@ -1,5 +1,5 @@
 """Keeping the index: one subscription per backend to its block event stream (``GET /v1/kv-events``),
-or, for a vLLM backend, to its KV event publisher (ZMQ, :mod:`kvtier.route.vllm`).
+or, where ``route.kv_events`` names one, to its vLLM-format KV event publisher (ZMQ, :mod:`kvtier.route.vllm`).
 
 Every subscription opens with the backend's hello and a snapshot of all it
 holds, so losing a stream costs nothing but the time to subscribe again:
@@ -19,15 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx2 as httpx
 import msgspec
 
+from kvtier.config import EventSource
 from kvtier.events import DECODER, PING_S, Cleared, Hello, Removed, Snapshot, Stored
 from kvtier.keys import BlockKey
 from kvtier.route.backends import Backend, Fleet
 from kvtier.route.prompt import Prompts
-from kvtier.route.vllm import VllmKeys, split
+from kvtier.route.vllm import VllmKeys
+from kvtier.vllm_events import DECODER as BATCHES
+from kvtier.vllm_events import END_SEQ, SNAPSHOT, KVEventBatch, split
 
 log = logging.getLogger("kvtier.route")
 
@@ -140,38 +145,164 @@ def _overflowed(backend: Backend, err: LineTooLong) -> None:
         log.error("dropped the block events of %s: %s (route.max_event_line_bytes); resubscribing", backend.url, err)
 
 
-# -- vLLM backends: ZMQ, msgpack (kvtier.route.vllm) ------------------------------------------------------
-async def follow_vllm(fleet: Fleet, backend: Backend, prompts: Prompts, endpoint: str) -> None:
-    """Subscribe to a vLLM instance's KV events at ``endpoint`` (its ``--kv-events-config`` publisher).
+# -- vLLM-format events over ZMQ (kvtier.vllm_events): kvtier nodes with kv_events, and vLLM --------------
+class _Resync(Exception):
+    """The replay socket did not answer in time: start again."""
 
-    vLLM sends no snapshot: the index of a vLLM backend holds what it stored
-    since the router subscribed. A gap in the sequence numbers means lost
-    events, so its index is dropped and rebuilt from the events that follow.
+
+@dataclass
+class _Position:
+    """Where a follower stands in a publisher's stream."""
+
+    incarnation: int | None = None
+    expected: int | None = None  # the next sequence number to apply
+
+
+async def follow_zmq(fleet: Fleet, backend: Backend, prompts: Prompts, source: EventSource) -> None:
+    """Keep ``backend``'s index from its vLLM-format KV events (``route.kv_events``), for as long as the router runs.
+
+    The PUB socket's connection is watched: when it drops (the node went
+    away) the index is dropped at once, and when it is made again the
+    follower asks the replay socket for a snapshot, so a restarted node is
+    routed by its new state one replay round trip after it is reachable.
+    A batch from another incarnation, or a gap in the sequence numbers,
+    asks for the same: a replay from the first missing number when the
+    buffer still holds it, else a snapshot. vLLM sends no snapshot: without
+    a replay that covers the gap, its index is dropped and rebuilt from the
+    events that follow. Silence past a few heartbeats drops the index too.
     """
-    try:
-        import zmq
-        import zmq.asyncio
-    except ImportError:
-        log.error("%s: following vLLM's KV events needs pyzmq (pip install 'kvtier[route-vllm]')", backend.url)
-        return
-    keys = VllmKeys(backend.url, prompts.hasher, prompts.namespace, fleet.index, fleet.guesses)
+    import zmq
+    import zmq.asyncio
+
     context = zmq.asyncio.Context.instance()
-    socket = context.socket(zmq.SUB)
-    socket.setsockopt(zmq.SUBSCRIBE, b"")
-    socket.connect(endpoint)
-    backend.events_live = True
-    expected: int | None = None
-    try:
-        while True:
-            frames = await socket.recv_multipart()
-            try:
-                seq, payload = split(frames)
-                if expected is not None and seq != expected:
-                    log.warning("%s: vLLM KV events %d..%d lost; index rebuilt from here", backend.url, expected, seq)
-                    fleet.index.drop(backend.url)
-                expected = seq + 1
-                keys.apply(payload)
-            except msgspec.DecodeError as err:
-                log.warning("%s: a vLLM KV event message could not be read: %s", backend.url, err)
-    finally:
-        socket.close(linger=0)
+    keys = VllmKeys(backend.url, prompts.hasher, prompts.namespace, fleet.index, fleet.guesses)
+    warned = False
+    while True:
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        watch = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        replay = None
+        if source.replay_endpoint is not None:
+            replay = context.socket(zmq.DEALER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.connect(source.replay_endpoint)
+        sub.connect(source.endpoint)
+        try:
+            await _read_zmq(fleet, backend, prompts, keys, sub, watch, replay)
+        except KeyMismatch as err:
+            if not warned:
+                log.error("%s; routing to it by load only", err)
+                warned = True
+            lost(fleet, backend)
+            await asyncio.sleep(30 * RETRY_S)
+        except (_Resync, msgspec.DecodeError, ValueError) as err:
+            if backend.events_live:
+                log.warning("lost the KV events of %s (%s); resubscribing", backend.url, type(err).__name__)
+            lost(fleet, backend)
+        finally:
+            sub.disable_monitor()
+            for socket in (watch, sub, replay):
+                if socket is not None:
+                    socket.close(linger=0)
+
+
+async def _read_zmq(
+    fleet: Fleet,
+    backend: Backend,
+    prompts: Prompts,
+    keys: VllmKeys,
+    sub: Any,
+    watch: Any,
+    replay: Any | None,
+) -> None:
+    import zmq
+    import zmq.asyncio
+    from zmq.utils.monitor import parse_monitor_message
+
+    poller = zmq.asyncio.Poller()
+    poller.register(sub, zmq.POLLIN)
+    poller.register(watch, zmq.POLLIN)
+    at = _Position()
+    while True:
+        ready = dict(await poller.poll(SILENT_S * 1000))
+        if not ready:
+            if backend.events_live:
+                log.warning("%s: no KV events for %.0f s; index dropped until they resume", backend.url, SILENT_S)
+            lost(fleet, backend)
+            at = _Position()
+            continue
+        if watch in ready:
+            event = parse_monitor_message(await watch.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                lost(fleet, backend)
+                at = _Position()
+            elif event == zmq.EVENT_CONNECTED and replay is not None:
+                at = await _resync(fleet, backend, prompts, keys, replay, None)
+        if sub not in ready:
+            continue
+        seq, payload = split(await sub.recv_multipart())
+        batch = BATCHES.decode(payload)
+        _check_root(prompts, backend, batch)
+        if at.expected is not None and batch.incarnation == at.incarnation:
+            if seq < at.expected:
+                continue  # already applied (it was in a replay or a snapshot)
+            if seq == at.expected:
+                keys.apply_batch(batch)
+                at.expected = seq + 1
+                continue
+        # a first batch, a restarted node, or lost batches
+        if replay is not None:
+            start = at.expected if batch.incarnation == at.incarnation else None
+            at = await _resync(fleet, backend, prompts, keys, replay, start)
+            if at.expected is not None and seq < at.expected:
+                continue
+        elif at.expected is not None:
+            log.warning("%s: KV events %d..%d lost; index rebuilt from here", backend.url, at.expected, seq)
+            fleet.index.drop(backend.url)
+        keys.apply_batch(batch)
+        at = _Position(batch.incarnation, seq + 1)
+        backend.events_live = True
+
+
+def _check_root(prompts: Prompts, backend: Backend, batch: KVEventBatch) -> None:
+    if batch.root is not None and batch.root.hex() != prompts.root:
+        raise KeyMismatch(f"{backend.url} keys blocks differently (check the secret file, model, dtype and block size)")
+
+
+async def _resync(
+    fleet: Fleet, backend: Backend, prompts: Prompts, keys: VllmKeys, replay: Any, start: int | None
+) -> _Position:
+    """Ask the replay socket for the batches from ``start`` and apply its answer; returns where the stream stands.
+
+    ``start`` None: nothing is known of this incarnation, so the index is
+    dropped and a snapshot asked for (:data:`~kvtier.vllm_events.SNAPSHOT`;
+    a vLLM publisher has none and answers nothing: its index is rebuilt
+    from the events that follow). A kvtier node answers a start its buffer
+    no longer holds with a snapshot too; a vLLM publisher with what it
+    still has, so a first number past ``start`` is a gap, and the index is
+    dropped and rebuilt from there.
+    """
+    if start is None:
+        fleet.index.drop(backend.url)
+        fleet.guesses.drop(backend.url)
+    await replay.send_multipart([b"", SNAPSHOT if start is None else start.to_bytes(8, "big")])
+    at = _Position()
+    first = True
+    while True:
+        if not await replay.poll(SILENT_S * 1000):
+            raise _Resync(f"{backend.url}: no answer from the replay socket")
+        frames = await replay.recv_multipart()
+        if len(frames) != 4:
+            raise msgspec.DecodeError(f"a replay answer of {len(frames)} frames")
+        if frames[2] == END_SEQ:
+            return at
+        seq, payload = split(frames[1:])
+        batch = BATCHES.decode(payload)
+        _check_root(prompts, backend, batch)
+        if first and batch.root is None and start is not None and seq != start:
+            fleet.index.drop(backend.url)  # vLLM's buffer no longer holds the start
+        first = False
+        keys.apply_batch(batch)
+        at = _Position(batch.incarnation, seq + 1)
+        backend.events_live = True

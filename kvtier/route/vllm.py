@@ -1,16 +1,9 @@
-"""vLLM's KV events, read into the router's index, so the router can front vLLM instances too.
+"""KV events in vLLM's format (:mod:`kvtier.vllm_events`) into the router's index, from vLLM and kvtier alike.
 
-vLLM publishes its prefix cache's changes over ZMQ (``--kv-events-config``,
-``vllm/distributed/kv_events.py``): a PUB socket sends multipart messages
-``(topic, sequence number as 8 bytes big-endian, payload)``, the payload a
-msgpack ``KVEventBatch``: ``[ts, events, data_parallel_rank]`` whose events
-are maps tagged by ``"type"``: ``BlockStored`` (``block_hashes``,
-``parent_block_hash``, ``token_ids``, ``block_size``, ``medium``, ...),
-``BlockRemoved`` (``block_hashes``, ``medium``) and ``AllBlocksCleared``.
-The structs below mirror those fields (unknown ones are ignored), so
-nothing of vLLM is imported.
-
-vLLM names blocks by its own hashes, which the router cannot compute. A
+A kvtier node's batches carry its root (:class:`~kvtier.vllm_events.KVEventBatch`),
+and their block hashes are kvtier's keys: they go into the index as they
+are, once the root agrees with the router's. vLLM's own batches carry no
+root, and vLLM names blocks by hashes the router cannot compute. A
 ``BlockStored`` carries its blocks' token ids and its parent's hash, so
 :class:`VllmKeys` computes the kvtier key of each block from its parent's
 (:meth:`~kvtier.keys.KeyHasher.keys` with ``parent``) and remembers vLLM's
@@ -26,44 +19,23 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import msgspec
-
-from kvtier.keys import BlockKey, KeyHasher
+from kvtier.keys import KEY_BYTES, BlockKey, KeyHasher
 from kvtier.route.index import BlockIndex, RoutedPrefixes
 from kvtier.tiers.base import TierKind
+from kvtier.vllm_events import (
+    DECODER,
+    TIER_OF_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    VllmHash,
+    split,
+)
 
 log = logging.getLogger("kvtier.route")
 
-VllmHash = bytes | int
-MEDIUM_TIER = {None: TierKind.DEVICE, "GPU": TierKind.DEVICE, "CPU": TierKind.HOST, "STORAGE": TierKind.DISK}
 MAX_HASHES = 1_000_000  # vLLM hash -> kvtier key, least recently stored forgotten first
-
-
-class BlockStored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[VllmHash]
-    parent_block_hash: VllmHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[VllmHash]
-    medium: str | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared"):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 @dataclass
@@ -89,13 +61,36 @@ class VllmKeys:
 
     def apply(self, payload: bytes) -> None:
         """One ZMQ payload (a msgpack ``KVEventBatch``); raises ``msgspec.DecodeError`` on anything else."""
-        for event in DECODER.decode(payload).events:
+        self.apply_batch(DECODER.decode(payload))
+
+    def apply_batch(self, batch: KVEventBatch) -> None:
+        """A decoded batch: a kvtier node's keys as they are (its root checked by the caller), vLLM's translated."""
+        if batch.root is not None:
+            self._apply_keys(batch)
+            return
+        for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(event)
             elif isinstance(event, BlockRemoved):
                 self._removed(event)
             else:
                 self._forget(self._index.cleared(self.backend, TierKind.DEVICE))
+
+    def _apply_keys(self, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):  # every medium; a snapshot's stores follow
+                self._index.drop(self.backend)
+                if self._guesses is not None:
+                    self._guesses.drop(self.backend)
+                continue
+            keys = [BlockKey(h) for h in event.block_hashes if isinstance(h, bytes) and len(h) == KEY_BYTES]
+            tier = TIER_OF_MEDIUM.get(event.medium, TierKind.HOST)
+            if isinstance(event, BlockStored):
+                self._index.stored(self.backend, tier, keys)
+                self.counts.stored += len(keys)
+            else:
+                self._forget(self._index.removed(self.backend, tier, keys))
+                self.counts.removed += len(keys)
 
     def _stored(self, event: BlockStored) -> None:
         n = len(event.block_hashes)
@@ -111,12 +106,12 @@ class VllmKeys:
             self._keys.move_to_end(vllm_hash)
         while len(self._keys) > MAX_HASHES:
             self._keys.popitem(last=False)
-        self._index.stored(self.backend, MEDIUM_TIER.get(event.medium, TierKind.HOST), keys)
+        self._index.stored(self.backend, TIER_OF_MEDIUM.get(event.medium, TierKind.HOST), keys)
         self.counts.stored += len(keys)
 
     def _removed(self, event: BlockRemoved) -> None:
         keys = [k for h in event.block_hashes if (k := self._keys.get(h)) is not None]
-        self._forget(self._index.removed(self.backend, MEDIUM_TIER.get(event.medium, TierKind.HOST), keys))
+        self._forget(self._index.removed(self.backend, TIER_OF_MEDIUM.get(event.medium, TierKind.HOST), keys))
         self.counts.removed += len(keys)
 
     def _forget(self, gone: list[BlockKey]) -> None:
@@ -124,8 +119,4 @@ class VllmKeys:
             self._guesses.forget(self.backend, gone)
 
 
-def split(frames: list[bytes]) -> tuple[int, bytes]:
-    """``(sequence number, payload)`` of one published message ``(topic, seq, payload)``."""
-    if len(frames) != 3 or len(frames[1]) != 8:
-        raise msgspec.DecodeError(f"not a vLLM KV event message: {len(frames)} frames")
-    return int.from_bytes(frames[1], "big"), frames[2]
+__all__ = ["VllmKeys", "split"]

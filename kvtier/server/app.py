@@ -506,6 +506,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal once this shutdown ends.
     await asyncio.to_thread(state.loop.stop)
     await asyncio.to_thread(state.cache.close, state.config.cache.flush_on_exit_s)
+    if state.publisher is not None:
+        await asyncio.to_thread(state.publisher.close)
 
 
 def build_app(config: ServerConfig) -> FastAPI:

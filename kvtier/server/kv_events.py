@@ -15,9 +15,7 @@ starts from a fresh snapshot) rather than allowed to hold memory here.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 from kvtier.events import (
     ENCODER,
@@ -25,6 +23,7 @@ from kvtier.events import (
     PING_S,
     Cleared,
     Event,
+    HeldKeys,
     Hello,
     Ping,
     Removed,
@@ -38,65 +37,53 @@ from kvtier.tiers.base import TierKind
 MAX_BACKLOG = 10_000  # lines queued for one subscriber before it is cut off
 
 
-@dataclass(eq=False)
 class _Subscriber:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[bytes | None]
-    lagging: bool = False
+    """One stream's sink: each change as a line, handed to the stream's event loop."""
 
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.lagging = False
 
-class EventFeed:
-    """The keys each tier holds (kept from the events themselves) and the streams that want to hear of changes."""
-
-    def __init__(self, block_size: int, root: BlockKey) -> None:
-        self._hello = Hello(EVENTS_VERSION, block_size, bytes(root).hex(), [])
-        self._held: dict[TierKind, set[BlockKey]] = {}
-        self._subs: list[_Subscriber] = []
-        self._lock = threading.Lock()
-
-    # -- the BlockEventSink side (any thread) ---------------------------------------------------
     def stored(self, tier: TierKind, keys: Sequence[BlockKey]) -> None:
-        with self._lock:
-            self._held.setdefault(tier, set()).update(keys)
-            if keys:
-                self._send(Stored(tier, hexkeys(keys)))
+        self._send(Stored(tier, hexkeys(keys)))
 
     def removed(self, tier: TierKind, keys: Sequence[BlockKey]) -> None:
-        with self._lock:
-            self._held.setdefault(tier, set()).difference_update(keys)
-            if keys:
-                self._send(Removed(tier, hexkeys(keys)))
+        self._send(Removed(tier, hexkeys(keys)))
 
     def cleared(self, tier: TierKind) -> None:
-        with self._lock:
-            self._held[tier] = set()
-            self._send(Cleared(tier))
+        self._send(Cleared(tier))
 
     def _send(self, event: Event) -> None:
-        line = ENCODER.encode(event) + b"\n"
-        for sub in self._subs:
-            if sub.lagging:
-                continue
-            if sub.queue.qsize() >= MAX_BACKLOG:
-                sub.lagging = True
-                sub.loop.call_soon_threadsafe(sub.queue.put_nowait, None)
-                continue
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, line)
+        if self.lagging:
+            return
+        if self.queue.qsize() >= MAX_BACKLOG:
+            self.lagging = True
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+            return
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ENCODER.encode(event) + b"\n")
+
+
+class EventFeed(HeldKeys):
+    """The keys each tier holds and the streams that want to hear of changes (and any other sink: the ZMQ publisher)."""
+
+    def __init__(self, block_size: int, root: BlockKey) -> None:
+        super().__init__()
+        self._hello = Hello(EVENTS_VERSION, block_size, bytes(root).hex(), [])
+        self._streams = 0
 
     # -- the stream side (an event loop) -----------------------------------------------------------
     def _subscribe(self) -> tuple[_Subscriber, list[bytes]]:
         """A new subscriber and its first lines, taken together so that no event falls between them."""
-        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            tiers = {tier: hexkeys(list(keys)) for tier, keys in self._held.items()}
-            hello = Hello(self._hello.version, self._hello.block_size, self._hello.root, sorted(tiers))
-            first = [ENCODER.encode(hello) + b"\n", ENCODER.encode(Snapshot(tiers)) + b"\n"]
-            self._subs.append(sub)
-        return sub, first
+        sub = _Subscriber(asyncio.get_running_loop())
+        tiers = {tier: hexkeys(keys) for tier, keys in self.listen(sub).items()}
+        hello = Hello(self._hello.version, self._hello.block_size, self._hello.root, sorted(tiers))
+        self._streams += 1
+        return sub, [ENCODER.encode(hello) + b"\n", ENCODER.encode(Snapshot(tiers)) + b"\n"]
 
     def _unsubscribe(self, sub: _Subscriber) -> None:
-        with self._lock:
-            self._subs.remove(sub)
+        self.unlisten(sub)
+        self._streams -= 1
 
     async def stream(self, ping_s: float = PING_S) -> AsyncIterator[bytes]:
         sub, first = self._subscribe()
@@ -117,5 +104,5 @@ class EventFeed:
 
     @property
     def subscribers(self) -> int:
-        with self._lock:
-            return len(self._subs)
+        """Open ``/v1/kv-events`` streams."""
+        return self._streams

@@ -29,6 +29,7 @@ from kvtier.cache import Cache
 from kvtier.config import Config, ConfigError
 from kvtier.engine.engine import Engine
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
+from kvtier.publisher import EventPublisher
 from kvtier.server.app import create_app
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.limits import read_timeout_protocol
@@ -113,6 +114,28 @@ def _event_feed(cache: Cache, config: Config) -> EventFeed | None:
     return feed if cache.observe(feed) else None
 
 
+def _publisher(feed: EventFeed | None, cache: Cache, config: Config) -> EventPublisher | None:
+    """This process's block events in vLLM's format over ZMQ, where ``kv_events.endpoint`` asks for them."""
+    events = config.kv_events
+    if events.endpoint is None:
+        return None
+    if feed is None:
+        log.warning("kv_events: the tiers live in the node's cache service, which publishes them, not this server")
+        return None
+    publisher = EventPublisher(
+        events.endpoint,
+        replay_endpoint=events.replay_endpoint,
+        block_size=config.cache.block_size,
+        root=cache.hasher.root(config.cache.namespace),
+        snapshot=feed.snapshot,
+        topic=events.topic,
+        buffer_batches=events.buffer_batches,
+    )
+    feed.listen(publisher)
+    log.info("kv events (vLLM's format) on %s, replay on %s", publisher.endpoint, publisher.replay_endpoint)
+    return publisher
+
+
 def _engine(loaded: LoadedModel, config: Config, cache: Cache, feed: EventFeed | None) -> Engine:
     engine = make_engine(loaded, config, cache=cache)
     if engine.resident is not None:
@@ -148,6 +171,7 @@ def build_state(config: Config) -> ServerState:
         created=int(time.time()),
         retention=Retention(cache, functools.partial(retain_quota, config)),
         events=feed,
+        publisher=_publisher(feed, cache, config),
         sessions=sessions,
         warmer=Warmer(loaded, cache, config.session.ttl_s, loop.warm) if warm else None,
     )
@@ -178,4 +202,6 @@ def serve(config: Config) -> int:
                 state.warmer.close()
             state.loop.stop()
             state.cache.close(config.cache.flush_on_exit_s)
+            if state.publisher is not None:
+                state.publisher.close()
     return 0 if server.started else 1

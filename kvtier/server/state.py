@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from kvtier.cache import Cache
 from kvtier.config import Config
 from kvtier.engine.runtime import LoadedModel
+from kvtier.publisher import EventPublisher
 from kvtier.server.kv_events import EventFeed
 from kvtier.server.loop import EngineLoop
 from kvtier.server.retention import Retention
@@ -33,6 +34,7 @@ class ServerState:
     created: int  # unix time the server started, reported as the model's ``created``
     retention: Retention  # what cache_control marks keep, per tenant
     events: EventFeed | None = None  # block events for a router; None when the tiers live in a cache service
+    publisher: EventPublisher | None = None  # the same in vLLM's format over ZMQ, where kv_events asks for them
     sessions: SessionRegistry | None = None  # live agent sessions; None when session.enabled is false
     warmer: Warmer | None = None  # sessions' next turns prefilled in idle time; None: session.warm_next_turn off
 

@@ -46,11 +46,13 @@ import numpy as np
 
 from kvtier.config import Config
 from kvtier.errors import KVTierError, warn_once
+from kvtier.events import HeldKeys
 from kvtier.fetch import LoadHandle
 from kvtier.index import LookupResult
 from kvtier.keys import KeyedTokens, KeyHasher
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheManager, StorePlan
+from kvtier.publisher import EventPublisher
 from kvtier.service import protocol as p
 from kvtier.service import slabs
 from kvtier.service.protocol import to_wire
@@ -366,11 +368,32 @@ class CacheService:
         if config.session.enabled:
             self.agent_sessions = SessionRegistry(config.session, layout.block_size)
             self.manager.protect(self.agent_sessions.protection)
+        self.publisher = self._publisher(config)
         self._ids = itertools.count(1)
         self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a connection ended (its leases are reclaimed by then)
         self._closed = threading.Event()
+
+    def _publisher(self, config: Config) -> EventPublisher | None:
+        """The node's shared tiers' block events in vLLM's format over ZMQ, where ``kv_events.endpoint`` asks."""
+        events = config.kv_events
+        if events.endpoint is None:
+            return None
+        held = HeldKeys()
+        publisher = EventPublisher(
+            events.endpoint,
+            replay_endpoint=events.replay_endpoint,
+            block_size=self.layout.block_size,
+            root=self.manager.hasher.root(config.cache.namespace),
+            snapshot=held.snapshot,
+            topic=events.topic,
+            buffer_batches=events.buffer_batches,
+        )
+        held.listen(publisher)
+        self.manager.observe(held)
+        log.info("kv events (vLLM's format) on %s, replay on %s", publisher.endpoint, publisher.replay_endpoint)
+        return publisher
 
     def _drop_slab(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -507,6 +530,8 @@ class CacheService:
             with contextlib.suppress(OSError):
                 s.conn.shutdown(socket.SHUT_RDWR)
         self.manager.close(self.manager.config.cache.flush_on_exit_s)
+        if self.publisher is not None:
+            self.publisher.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         self._drop_slab()

@@ -8,13 +8,15 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from kvtier.config import EventSource
 from kvtier.keys import KeyHasher, Secret
 from kvtier.route.backends import Backend, Fleet
 from kvtier.route.choice import RoundRobin
 from kvtier.route.index import BlockIndex
-from kvtier.route.subscribe import follow_vllm
-from kvtier.route.vllm import VllmKeys, split
+from kvtier.route.subscribe import follow_zmq
+from kvtier.route.vllm import VllmKeys
 from kvtier.tiers.base import TierKind
+from kvtier.vllm_events import split
 
 B = 4
 
@@ -79,9 +81,10 @@ def test_frames_split_and_garbage_is_refused() -> None:
         make()[0].apply(b"\x93not msgpack of a batch")
 
 
-def test_follow_vllm_over_zmq_fills_the_index_and_drops_it_on_a_gap() -> None:
+def test_follow_zmq_of_vllm_fills_the_index_and_drops_it_on_a_gap() -> None:
     """A real ZMQ PUB socket sending vLLM's frames; the router's subscriber keeps the backend's index."""
-    zmq = pytest.importorskip("zmq")  # the route-vllm extra
+    import zmq
+
     _, hasher, _ = make()
     prompts = SimpleNamespace(hasher=hasher, namespace="default")
     backend = Backend("http://vllm", up=True)
@@ -91,7 +94,7 @@ def test_follow_vllm_over_zmq_fills_the_index_and_drops_it_on_a_gap() -> None:
     port = pub.bind_to_random_port("tcp://127.0.0.1")
 
     async def run() -> None:
-        task = asyncio.create_task(follow_vllm(fleet, backend, prompts, f"tcp://127.0.0.1:{port}"))  # type: ignore[arg-type]
+        task = asyncio.create_task(follow_zmq(fleet, backend, prompts, EventSource(endpoint=f"tcp://127.0.0.1:{port}")))  # type: ignore[arg-type]
         seq = 0
         while not fleet.index.match(backend.url, keys):  # a SUB socket hears nothing until it has joined
             pub.send_multipart([b"", seq.to_bytes(8, "big"), STORED])

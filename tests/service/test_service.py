@@ -592,3 +592,31 @@ def test_socket_group_by_name_or_number() -> None:
     assert group_id(name) == group_id(str(os.getgid())) == os.getgid()
     with pytest.raises(KVTierError, match="no group named"):
         group_id("no-such-group-kvtier")
+
+
+def test_the_service_publishes_its_tiers_events_in_vllms_format(tmp_path: Path) -> None:
+    """A node whose tiers live in the service: what a client stores is published with the keys it computed."""
+    from tests.test_publisher import replay, state
+
+    cfg = make_config(
+        tmp_path,
+        host={"capacity_bytes": 16 * 4096},
+        kv_events={"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"},
+    )
+    svc = CacheService(
+        cfg, toy_layout(), model_fingerprint=FINGERPRINT, socket_path=tmp_path / "cache.sock", slab_dir=tmp_path
+    )
+    thread = threading.Thread(target=svc.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert svc.publisher is not None and svc.publisher.replay_endpoint is not None
+        tokens = prompt(3 * BLOCK + 1, seed=5)
+        with client(svc) as c:
+            assert c.store(tokens, blocks(3, seed=5), "default") == 3
+        want = {bytes(k) for k in svc.manager.hasher.keys(tokens, "default")}
+        batches = replay(svc.publisher.replay_endpoint, 0)
+        assert state(batches) == {"CPU": want}
+        assert {b.root for _, b in batches} == {bytes(svc.manager.hasher.root("default"))}
+    finally:
+        svc.close()
+        thread.join(timeout=30)
