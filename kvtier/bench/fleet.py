@@ -99,20 +99,22 @@ def start(
     *,
     cwd: Path | None = None,
     watch: bool = False,
+    port: int | None = None,
 ) -> Proc:
     """``kvtier --config <tree> <args> --port <free>`` in ``where``, its output in ``where/process.log``.
 
     ``cwd``: the directory it runs in (``python -m`` puts it first on
     ``sys.path``: another checkout's kvtier). ``watch``: its output comes
-    through a pipe, for :meth:`Proc.wait_for_line`.
+    through a pipe, for :meth:`Proc.wait_for_line`. ``port``: this one, not a
+    free one (a restart at the same address).
     """
     where.mkdir(parents=True, exist_ok=True)
     config = where / "kvtier.yaml"
     config.write_text(yaml.safe_dump(tree))
-    port = procs.free_port()
+    port = port or procs.free_port()
     log = where / "process.log"
     cmd = [sys.executable, "-m", "kvtier.cli", "--config", str(config), *args, "--port", str(port)]
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         process = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE if watch else out,
@@ -158,10 +160,24 @@ class Backends:
     procs: list[Proc]
     secret: bytes
     admin: str
+    trees: list[dict[str, Any]] = field(default_factory=list)  # each one's config, for a restart
+    env: dict[str, str] | None = None
 
     @property
     def urls(self) -> list[str]:
         return [p.url for p in self.procs]
+
+    def kv_events(self) -> dict[str, dict[str, str]]:
+        """Backend URL -> its vLLM-format KV event sockets, for ``route.kv_events`` (those started with them)."""
+        return {p.url: tree["kv_events"] for p, tree in zip(self.procs, self.trees, strict=True) if "kv_events" in tree}
+
+    def restart(self, i: int) -> Proc:
+        """Stop backend ``i`` (SIGTERM) and start it again: same data directory, config, port and event sockets."""
+        old = self.procs[i]
+        old.stop()
+        self.procs[i] = start(old.log.parent, self.trees[i], ["serve"], self.env, port=old.port)
+        wait_until(self.procs[i], healthy)
+        return self.procs[i]
 
     def clear(self) -> None:
         """Every tier of every backend emptied: each policy starts from cold caches."""
@@ -170,22 +186,33 @@ class Backends:
                 proc.post("/admin/clear", headers={"Authorization": f"Bearer {self.admin}"}).raise_for_status()
 
 
+def _event_sockets() -> dict[str, str]:
+    return {f"{name}endpoint": f"tcp://127.0.0.1:{procs.free_port()}" for name in ("", "replay_")}
+
+
 @contextmanager
 def backends(
-    tmp: Path, n: int, tiers: dict[str, Any], admin: str, env: dict[str, str] | None = None
+    tmp: Path, n: int, tiers: dict[str, Any], admin: str, env: dict[str, str] | None = None, *, events: bool = False
 ) -> Iterator[Backends]:
-    """``n`` backends with the config sections ``tiers``, started together (their model loads overlap)."""
+    """``n`` backends with the config sections ``tiers``, started together (their model loads overlap).
+
+    ``events``: each publishes its KV events in vLLM's format on loopback ports of its own (``kv_events``),
+    which :func:`router` then follows instead of the HTTP streams.
+    """
     secret = secrets.token_bytes(SECRET_BYTES)
     with ExitStack() as stack:
-        procs = []
+        fleet = Backends([], secret, admin, env=env)
         for i in range(n):
             where = tmp / f"backend{i}"
             tree = {"data_dir": str(data_dir(where, secret)), **tiers, "server": {"admin_token": admin}}
-            procs.append(start(where, tree, ["serve"], env))
-            stack.callback(procs[-1].stop)
-        for proc in procs:
+            if events:
+                tree["kv_events"] = _event_sockets()
+            fleet.trees.append(tree)
+            fleet.procs.append(start(where, tree, ["serve"], env))
+            stack.callback(lambda i=i: fleet.procs[i].stop())  # the one running then: a restart replaces it
+        for proc in fleet.procs:
             wait_until(proc, healthy)
-        yield Backends(procs, secret, admin)
+        yield fleet
 
 
 @contextmanager
@@ -194,7 +221,7 @@ def router(tmp: Path, fleet: Backends, engine: dict[str, Any], route: dict[str, 
     tree = {
         "data_dir": str(data_dir(tmp, fleet.secret)),
         "engine": engine,
-        "route": {"backend_token": fleet.admin, **route},
+        "route": {"backend_token": fleet.admin, "kv_events": fleet.kv_events(), **route},
     }
     args = ["route", *(a for url in fleet.urls for a in ("--backend", url))]
     proc = start(tmp, tree, args)

@@ -121,6 +121,8 @@ def stats(state: RouterState) -> dict[str, Any]:
                 "bad_stats": b.bad_stats,
                 "check_errors": b.check_errors,
                 "event_overflows": b.event_overflows,
+                "event_resyncs": b.event_resyncs,
+                "event_resync_s": b.event_resync_s,
                 "indexed_blocks": fleet.index.blocks(b.url),
                 "indexed_by_tier": fleet.index.counts(b.url),
             }
@@ -148,6 +150,7 @@ BACKEND_COUNTERS = {
     "kvtier_route_backend_requests": ("Requests sent to the backend.", "requests"),
     "kvtier_route_backend_bad_stats": ("Its /stats replies that could not be read, so ignored.", "bad_stats"),
     "kvtier_route_backend_check_errors": ("Its health checks that raised an unforeseen error.", "check_errors"),
+    "kvtier_route_backend_event_resyncs": ("Snapshots or replays asked of its ZMQ KV events.", "event_resyncs"),
     "kvtier_route_backend_event_overflows": ("Its event streams dropped for too long a line.", "event_overflows"),
 }
 

@@ -59,6 +59,8 @@ class Backend:
     stats_readable: bool = True  # the last /stats was read: an unreadable one is logged when this flips
     check_errors: int = 0  # checks that raised what no clause names (logged the first time)
     event_overflows: int = 0  # event streams dropped for a line longer than route.max_event_line_bytes
+    event_resyncs: int = 0  # ZMQ events: snapshots or replays asked for (a restart, a reconnect, a gap)
+    event_resync_s: float | None = None  # the last one's round trip: asked -> its answer in the index
 
     @property
     def load(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -283,6 +284,7 @@ async def _resync(
     still has, so a first number past ``start`` is a gap, and the index is
     dropped and rebuilt from there.
     """
+    asked = time.monotonic()
     if start is None:
         fleet.index.drop(backend.url)
         fleet.guesses.drop(backend.url)
@@ -296,6 +298,8 @@ async def _resync(
         if len(frames) != 4:
             raise msgspec.DecodeError(f"a replay answer of {len(frames)} frames")
         if frames[2] == END_SEQ:
+            backend.event_resyncs += 1
+            backend.event_resync_s = time.monotonic() - asked
             return at
         seq, payload = split(frames[1:])
         batch = BATCHES.decode(payload)
