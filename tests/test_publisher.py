@@ -20,6 +20,7 @@ from kvtier.route.subscribe import follow_zmq
 from kvtier.tiers.base import TierKind
 from kvtier.vllm_events import (
     DECODER,
+    ENCODER,
     END_SEQ,
     SNAPSHOT,
     AllBlocksCleared,
@@ -203,3 +204,35 @@ def test_the_router_follows_a_node_across_its_restart_by_snapshot() -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_garbage_on_the_stream_costs_a_resubscription_never_the_follower() -> None:
+    backend = Backend("http://node", up=True)
+    fleet = Fleet({backend.url: backend}, RoundRobin(), 16)
+    prompts = SimpleNamespace(hasher=None, namespace="default", root=bytes(ROOT).hex())
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    good = ENCODER.encode(
+        KVEventBatch(1.0, [BlockStored([bytes(keys(1)[0])], None, [], 16, None, "CPU")], 0, 7, bytes(ROOT))
+    )
+
+    async def run() -> None:
+        task = asyncio.create_task(follow_zmq(fleet, backend, prompts, EventSource(endpoint=f"tcp://127.0.0.1:{port}")))  # type: ignore[arg-type]
+        try:
+            seq = 0
+            for garbage in ([b"one frame"], [b"", (1).to_bytes(8, "big"), b"\x93not a batch"]):
+                while not fleet.index.blocks(backend.url):  # a SUB socket hears nothing until it has joined
+                    pub.send_multipart([b"", seq.to_bytes(8, "big"), good])
+                    seq += 1
+                    await asyncio.sleep(0.02)
+                pub.send_multipart(garbage)  # the stream is dropped, the index with it, and followed again
+                await _until(lambda: fleet.index.blocks(backend.url) == 0, "the garbage noticed")
+            assert not task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        pub.close(linger=0)

@@ -15,6 +15,12 @@ previous turn was: the full blocks each prompt shares with that turn.
 
 Then the faults and the guard, with the ``kvtier`` policy:
 
+* ``restarted``: the stream again, with one backend restarted (SIGTERM, then
+  started at the same address) after its first third: the backends publish
+  their KV events in vLLM's format (``kv_events``) and the router follows
+  them over ZMQ, so ``restart`` says how many requests were routed by the
+  old process's index after it went (``stale_routes``) and how long the
+  router's resync took (``resync_s``);
 * ``killed``: the stream again, with one backend killed (SIGKILL) a third
   of the way in: how many requests failed (the target is none);
 * ``skewed``: one hot session (a long shared prefix, many requests at
@@ -55,7 +61,7 @@ from kvtier.bench.results import write
 from kvtier.demo.session import load_session, user_message
 from kvtier.model import default_gguf_path, load_chat_template, load_tokenizer, read_gguf_metadata
 from kvtier.model.chat import chat_ids
-from kvtier.route.proxy import BACKEND_HEADER
+from kvtier.route.proxy import BACKEND_HEADER, PREDICTED_HEADER
 
 ADMIN = "bench-route-admin-token-0123456789"
 POLICIES = ("round_robin", "least_loaded", "kvtier")
@@ -200,6 +206,8 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     backend: str | None = None
+    predicted: int | None = None  # the cached tokens the router chose its backend for (its first choice only)
+    sent: float = 0.0  # monotonic
 
 
 def _carries_token(chunk: dict[str, Any]) -> bool:
@@ -216,6 +224,7 @@ async def ask(client: httpx.AsyncClient, url: str, request: Request, spec: Route
         "stream_options": {"include_usage": True},
         "user": request.session,
     }
+    sent = time.monotonic()
     started = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
@@ -231,12 +240,20 @@ async def ask(client: httpx.AsyncClient, url: str, request: Request, spec: Route
                 if first is None and _carries_token(chunk):
                     first = time.perf_counter() - started
             backend = response.headers.get(BACKEND_HEADER)
+            predicted = response.headers.get(PREDICTED_HEADER)
     except httpx.HTTPError:
         return Outcome(None, cut=first is not None)
     if first is None or not usage:
         return Outcome(None)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Outcome(first, prompt_tokens=usage["prompt_tokens"], cached_tokens=cached, backend=backend)
+    return Outcome(
+        first,
+        prompt_tokens=usage["prompt_tokens"],
+        cached_tokens=cached,
+        backend=backend,
+        predicted=None if predicted is None else int(predicted),
+        sent=sent,
+    )
 
 
 async def replay(
@@ -305,6 +322,37 @@ def _through(
     return result
 
 
+def _restarted(tmp: Path, fleet: processes.Backends, spec: RouteSpec, stream: list[Request]) -> dict[str, Any]:
+    """The first third of the stream, the first backend restarted (SIGTERM, then started at the same address),
+    and once the router has it back, the rest.
+
+    A stale route is a request of the rest answered by the restarted
+    backend as the router's first choice that skipped fewer tokens than the
+    router chose it for: routed by what the old process held. ``resync_s``
+    is the router's own figure for the restarted backend, the round trip
+    from asking its new incarnation for a snapshot to the snapshot in the
+    index.
+    """
+    fleet.clear()
+    cut = len(stream) // 3
+    with processes.router(tmp / f"router-restart-{int(time.monotonic() * 1000)}", fleet, spec.tiers["engine"], {}) as r:
+        outcomes = asyncio.run(replay(r.url, stream[:cut], spec, spec.clients))
+        victim = fleet.restart(0).url
+        processes.wait_until(r, processes.all_live(len(fleet.urls)))
+        rest = asyncio.run(replay(r.url, stream[cut:], spec, spec.clients))
+        result = summary(outcomes + rest, fleet.urls)
+        result["router"] = r.get("/stats").json()
+    (seen,) = [b for b in result["router"]["backends"] if b["url"] == victim]
+    there = [o for o in rest if o.backend == victim and o.predicted is not None]
+    result["restart"] = {
+        "stale_routes": sum(o.cached_tokens < o.predicted for o in there),  # type: ignore[operator]
+        "routed_there_after": len(there),
+        "resync_s": seen["event_resync_s"],
+        "resyncs": seen["event_resyncs"],
+    }
+    return result
+
+
 def _warm(fleet: processes.Backends, spec: RouteSpec) -> None:
     """One request per backend before timing: first forward, allocator, threads."""
     warm = session_turns(spec, 99)[0]
@@ -318,7 +366,7 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
     with tempfile.TemporaryDirectory(prefix="kvtier-route-") as tmp_name:
         tmp = Path(tmp_name)
         progress(f"starting {spec.backends} backends")
-        with processes.backends(tmp, spec.backends, spec.tiers, ADMIN, env) as fleet:
+        with processes.backends(tmp, spec.backends, spec.tiers, ADMIN, env, events=True) as fleet:
             _warm(fleet, spec)
             policies = {}
             for policy in POLICIES:
@@ -335,6 +383,8 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
                 hot,
                 spec.hot_clients,
             )
+            progress("restarted: a backend restarted after a third of the stream (its ZMQ events resync the router)")
+            restarted = _restarted(tmp, fleet, spec, stream)
             progress("killed: one backend killed a third of the way in")
             victim = fleet.procs[-1]
             killed = _through(
@@ -358,6 +408,8 @@ def run(spec: RouteSpec, progress: Callable[[str], None] = print) -> dict[str, A
         "ideal_prefill_tokens": best.prefill_tokens,
         "skewed": {"guard": guard, "no_guard": no_guard},
         "killed": killed,
+        "restarted": {k: v for k, v in restarted.items() if k != "restart"},
+        "restart": restarted["restart"],
     }
 
 
@@ -377,13 +429,15 @@ def checks(result: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
         ),
         ("kvtier hit rate / ideal", of_ideal, 0.9, of_ideal >= 0.9),
         ("failed with a backend killed", result["killed"]["failed"], 0, result["killed"]["failed"] == 0),
+        ("stale routes after a restart", result["restart"]["stale_routes"], 0, result["restart"]["stale_routes"] == 0),
     ]
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"{'policy':<16}{'mean TTFT':>11}{'p95 TTFT':>11}{'hit rate':>10}{'failed':>8}{'cut':>5}  per backend"]
     rows = [*result["policies"].items(), ("skewed guard", result["skewed"]["guard"])]
-    rows += [("skewed no guard", result["skewed"]["no_guard"]), ("killed", result["killed"])]
+    rows += [("skewed no guard", result["skewed"]["no_guard"]), ("restarted", result["restarted"])]
+    rows += [("killed", result["killed"])]
     for name, r in rows:
         lines.append(
             f"{name:<16}{r['mean_ttft_s']:>10.3f}s{r['p95_ttft_s']:>10.3f}s{r['hit_rate']:>10.1%}{r['failed']:>8}"

@@ -77,7 +77,9 @@ async def _infer(state: RouterState, request: Request, endpoint: Endpoint) -> Re
     prompt = await asyncio.to_thread(state.prompts.read, endpoint, _body(raw), key, session)
     ranking = state.fleet.rank(prompt)
     outgoing = Outgoing(http.HTTPMethod.POST, endpoint.value, raw, passed_headers(headers), ANSWERS[endpoint])
-    return await _forward(state, ranking.order if ranking else [], prompt, outgoing)
+    if ranking is None:
+        return await _forward(state, [], prompt, outgoing)
+    return await _forward(state, ranking.order, prompt, outgoing, ranking.predicted_cached_tokens)
 
 
 async def _models(state: RouterState, request: Request) -> Response:
@@ -87,13 +89,15 @@ async def _models(state: RouterState, request: Request) -> Response:
     return await _forward(state, order, NO_PROMPT, outgoing)
 
 
-async def _forward(state: RouterState, order: list[str], prompt: RoutedPrompt, outgoing: Outgoing) -> Response:
+async def _forward(
+    state: RouterState, order: list[str], prompt: RoutedPrompt, outgoing: Outgoing, predicted: int | None = None
+) -> Response:
     if not order:
         state.counts.requests += 1
         state.counts.failed += 1
         return unavailable("no backend is up", outgoing.shape.dialect)
     assert state.proxy is not None
-    return await forward(state.proxy, order, prompt, outgoing)
+    return await forward(state.proxy, order, prompt, outgoing, predicted)
 
 
 def stats(state: RouterState) -> dict[str, Any]:

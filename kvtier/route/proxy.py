@@ -67,6 +67,7 @@ PASSED_HEADERS = (
 )
 RELAYED_HEADERS = ("content-type", "cache-control")
 BACKEND_HEADER = "X-Kvtier-Backend"
+PREDICTED_HEADER = "X-Kvtier-Predicted-Cached-Tokens"  # on answers from the first choice: what it was chosen to skip
 # Reads are bounded by route.first_byte_timeout_s and route.idle_timeout_s (kvtier.route.answer), not here.
 TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=30.0)
 
@@ -234,9 +235,11 @@ async def _relay(proxy: Proxy, backend: Backend, answer: Answer, dialect: Dialec
         backend.open_requests -= 1
 
 
-def _response(proxy: Proxy, backend: Backend, answer: Answer, dialect: Dialect) -> Response:
+def _response(proxy: Proxy, backend: Backend, answer: Answer, dialect: Dialect, predicted: int | None) -> Response:
     headers = {k: v for k, v in answer.response.headers.items() if k.lower() in RELAYED_HEADERS}
     headers[BACKEND_HEADER] = backend.url
+    if predicted is not None:
+        headers[PREDICTED_HEADER] = str(predicted)
     status = answer.response.status_code
     if answer.rest is None:
         backend.open_requests -= 1
@@ -244,8 +247,13 @@ def _response(proxy: Proxy, backend: Backend, answer: Answer, dialect: Dialect) 
     return StreamingResponse(_relay(proxy, backend, answer, dialect), status_code=status, headers=headers)
 
 
-async def forward(proxy: Proxy, order: Sequence[str], prompt: RoutedPrompt, request: Outgoing) -> Response:
-    """Try the first ``1 + route.retries`` backends of ``order`` in turn; the first answer is relayed."""
+async def forward(
+    proxy: Proxy, order: Sequence[str], prompt: RoutedPrompt, request: Outgoing, predicted: int | None = None
+) -> Response:
+    """Try the first ``1 + route.retries`` backends of ``order`` in turn; the first answer is relayed.
+
+    ``predicted``: the cached tokens the first backend was chosen for, said in a header when it answers.
+    """
     counts = proxy.counts
     counts.requests += 1
     last = Failed.UNREACHABLE
@@ -260,6 +268,6 @@ async def forward(proxy: Proxy, order: Sequence[str], prompt: RoutedPrompt, requ
             continue
         backend.requests += 1
         proxy.fleet.routed(backend, prompt)
-        return _response(proxy, backend, got, request.shape.dialect)
+        return _response(proxy, backend, got, request.shape.dialect, predicted if i == 0 else None)
     counts.failed += 1
     return refused(*LAST_WORD[last], request.shape.dialect)

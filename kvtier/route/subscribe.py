@@ -177,7 +177,7 @@ async def follow_zmq(fleet: Fleet, backend: Backend, prompts: Prompts, source: E
 
     context = zmq.asyncio.Context.instance()
     keys = VllmKeys(backend.url, prompts.hasher, prompts.namespace, fleet.index, fleet.guesses)
-    warned = False
+    warned = failed = False
     while True:
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -201,6 +201,13 @@ async def follow_zmq(fleet: Fleet, backend: Backend, prompts: Prompts, source: E
             if backend.events_live:
                 log.warning("lost the KV events of %s (%s); resubscribing", backend.url, type(err).__name__)
             lost(fleet, backend)
+            await asyncio.sleep(RETRY_S)
+        except Exception:  # the loop outlives anything one backend sends; routing by load meanwhile
+            if not failed:
+                log.exception("following the KV events of %s failed; resubscribing", backend.url)
+                failed = True
+            lost(fleet, backend)
+            await asyncio.sleep(RETRY_S)
         finally:
             sub.disable_monitor()
             for socket in (watch, sub, replay):

@@ -51,6 +51,7 @@ from kvtier.server.schemas import (
     ExplainRequest,
     ExplainResponse,
     Health,
+    KVEventsReport,
     LookupRequest,
     LookupResponse,
     MessageResponse,
@@ -283,6 +284,8 @@ def _report(state: ServerState) -> StatsReport:
     model = state.loaded.model
     out = build_report(state.model_name, state.cache, state.loop.metrics, hardware_report(model.device, model.dtype))
     out.sessions = None if state.sessions is None else sessions.report(state.sessions, None)
+    if state.publisher is not None:
+        out.kv_events = KVEventsReport(**dataclasses.asdict(state.publisher.report()))
     out.retained = {
         name: {tier: RetainedReport(**dataclasses.asdict(r)) for tier, r in tiers.items()}
         for name, tiers in state.retention.report().items()

@@ -476,6 +476,17 @@ class RetainedReport(BaseModel):
     )
 
 
+class KVEventsReport(BaseModel):
+    """This server's publisher of KV events in vLLM's format (``kv_events``)."""
+
+    endpoint: str = Field(description="The PUB socket, as bound.")
+    replay_endpoint: str | None = Field(description="The ROUTER socket that replays, as bound; null: none.")
+    incarnation: int = Field(description="Random per start: a consumer that sees it change resynchronises.")
+    last_seq: int = Field(description="Sequence number of the last batch published.")
+    replays: int = Field(description="Replay requests answered from the buffer.")
+    snapshots: int = Field(description="Replay requests answered with a snapshot (too old, another incarnation).")
+
+
 class StatsReport(BaseModel):
     model: str
     block_size: int
@@ -490,6 +501,7 @@ class StatsReport(BaseModel):
     remote: RemoteReport | None = Field(None, description="The remote tier's own figures; null when it is off.")
     sessions: SessionsReport | None = Field(None, description="Live agent sessions; null when sessions are off.")
     service: ServiceLinkReport | None = Field(None, description="The cache service link; null when embedded.")
+    kv_events: KVEventsReport | None = Field(None, description="KV events in vLLM's format; null when not published.")
     retained: dict[str, dict[TierKind, RetainedReport]] = Field(
         default_factory=dict,
         description=(

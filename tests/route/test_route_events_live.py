@@ -51,9 +51,13 @@ def test_the_router_holds_a_restarted_backends_new_state_from_its_snapshot(
     before = fleet.agree(backends.procs[0])
     assert before.get("host", 0) > 0 and backend_stats(fleet)["event_resyncs"] >= 1
 
+    published = backends.procs[0].get("/stats", headers=ADMIN_AUTH).json()["kv_events"]
     restarted = backends.restart(0)
     after = fleet.agree(restarted)  # the index equals what the new incarnation holds
     assert after.get("disk", 0) >= before["host"] and "host" not in after and "device" not in after
+    republished = restarted.get("/stats", headers=ADMIN_AUTH).json()["kv_events"]
+    assert republished["incarnation"] != published["incarnation"] and republished["snapshots"] >= 1
+    assert republished["endpoint"] == published["endpoint"]
     seen = backend_stats(fleet)
     assert seen["events_live"] and seen["event_resyncs"] >= 2 and seen["event_resync_s"] > 0
 
