@@ -10,7 +10,7 @@
   schema pages ``/docs``, ``/redoc``, ``/openapi.json``: for readers
   (:class:`~kvtier.web.auth.Readers`), the admin or the read-only token,
   or anyone when neither is configured (the server then binds loopback only).
-* ``/admin/clear``, ``/admin/pin``, ``/lookup``, ``/v1/kv-events``: behind
+* ``/admin/clear``, ``/admin/pin``, ``/admin/prefetch``, ``/lookup``, ``/v1/kv-events``: behind
   the admin token. ``/lookup`` is admin-only because "is this prompt
   cached?" is a timing oracle on other people's prompts.
 
@@ -59,6 +59,8 @@ from kvtier.server.schemas import (
     ModelList,
     PinRequest,
     PinResponse,
+    PrefetchRequest,
+    PrefetchResponse,
     RetainedReport,
     SessionPrefetchResponse,
     SessionsReport,
@@ -394,7 +396,9 @@ def _tenant(state: ServerState, name: str | None) -> Tenant:
     return tenant
 
 
-async def _ids(state: ServerState, body: LookupRequest | PinRequest, *, add_generation_prompt: bool) -> list[int]:
+async def _ids(
+    state: ServerState, body: LookupRequest | PinRequest | PrefetchRequest, *, add_generation_prompt: bool
+) -> list[int]:
     if body.messages is not None:
         return await inference.chat_ids(state, body.messages, add_generation_prompt=add_generation_prompt)
     assert body.prompt is not None
@@ -465,6 +469,26 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
         cached_tokens=probe.cached_tokens,
         ttl_s=body.ttl_s,
         tier=body.tier,
+    )
+
+
+@router.post("/admin/prefetch", response_model=PrefetchResponse, responses=ERRORS, dependencies=[Admin])
+async def prefetch(body: PrefetchRequest, state: State) -> PrefetchResponse:
+    """Move a prompt's cached blocks up to host memory now (from disk or the remote tier), for a tenant.
+
+    What an operator (``kvtier route``'s ``/fleet/prefetch``) asks before it
+    moves traffic here: the reads happen now instead of in the first
+    request's TTFT. Nothing stays pinned, as with a session's prefetch.
+    """
+    tenant = _tenant(state, body.tenant)
+    ids = await _ids(state, body, add_generation_prompt=True)
+    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    done = await asyncio.to_thread(state.cache.prefetch, prompt)
+    return PrefetchResponse(
+        tenant=tenant.name,
+        prompt_tokens=len(ids),
+        promoted_tokens=done.promoted,
+        host_tokens=done.host_blocks * state.cache.layout.block_size,
     )
 
 

@@ -53,6 +53,7 @@ ACCESS = {
     "/v1/kv-events": Access.ADMIN,
     "/admin/clear": Access.ADMIN,
     "/admin/pin": Access.ADMIN,
+    "/admin/prefetch": Access.ADMIN,
     "/admin/settle": Access.ADMIN,
     "/lookup": Access.ADMIN,
 }
