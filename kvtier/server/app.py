@@ -449,7 +449,11 @@ async def settle(state: State) -> WarmingReport:
 
 @router.post("/admin/pin", response_model=PinResponse, responses=ERRORS, dependencies=[Admin])
 async def pin(body: PinRequest, state: State) -> PinResponse:
-    """Keep a prompt's (or a conversation prefix's) full blocks out of one tier's eviction for ``ttl_s`` seconds."""
+    """Keep a prompt's (or a conversation prefix's) full blocks out of one tier's eviction for ``ttl_s`` seconds.
+
+    ``ttl_s`` 0 unpins them; the tenant's own promises (``cache_control``,
+    ``prompt_cache_retention``) over any of those blocks are kept still.
+    """
     limit = state.config.server.max_pin_ttl_s
     if body.ttl_s > limit:
         raise APIError(400, f"ttl_s is {body.ttl_s}; at most {limit} is allowed", param="ttl_s")
@@ -460,6 +464,8 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
     ids = await _ids(state, body, add_generation_prompt=False)
     prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
     pinned = await asyncio.to_thread(functools.partial(state.cache.pin_for, prompt, body.ttl_s, tier=tier))
+    if body.ttl_s == 0:  # an unpin lets go of keys whoever pinned them: the tenant's clients' promises hold again
+        await asyncio.to_thread(state.retention.pin_again, tenant.name, tier)
     probe = await asyncio.to_thread(state.cache.probe, prompt)
     bs = state.cache.layout.block_size
     return PinResponse(
