@@ -154,7 +154,7 @@ class FleetPinList(BaseModel):
 
 class BackendRelease(BackendEntry):
     kept_by: list[str] = Field(
-        default_factory=list, description="Other fleet pins there in the same tier, pinned again: still kept."
+        default_factory=list, description="The tenant's other fleet pins there in that tier, pinned again: kept."
     )
 
 
@@ -379,13 +379,14 @@ def listed(control: Control) -> FleetPinList:
 
 async def _release_on(control: Control, made: FleetPin, url: str) -> BackendRelease:
     """Let ``made`` go on one backend, and pin again the fleet pins that stand there (see :mod:`.pins`)."""
-    standing = control.pins.standing(url, made.tier, made)
+    standing = control.pins.standing(url, made)
     if not any(same_prefix(made, other) for other in standing):
         reply = await control.ask(url, "POST", "/admin/pin", {**made.body, "ttl_s": 0})
         if reply.status is not BackendStatus.OK:
             detail = f"{reply.detail}; its pin there ends with its TTL"
             return BackendRelease(url=url, status=reply.status, detail=detail)
     now = control.pins.now()
+    standing = [other for other in standing if other.left_s(now) > 0]  # a ttl_s of 0 would unpin
     for other in standing:  # the shortest first: a block under several keeps the longest promise
         reply = await control.ask(url, "POST", "/admin/pin", {**other.body, "ttl_s": other.left_s(now)})
         if reply.status is not BackendStatus.OK:

@@ -6,8 +6,8 @@ again moves it, and unpinning (``ttl_s`` 0) lets the keys go whoever asked
 prefix on one backend are two promises: releasing one must leave the other
 standing, with its own expiry. Releasing a pin on a backend therefore
 unpins its prefix there (unless another live pin asks for the very same
-prefix), then pins again every other live fleet pin of that backend and
-tier, the longest last, so a block shared by several prefixes keeps the
+prefix), then pins again every other live fleet pin of that backend, tier
+and tenant, the longest last, so a block shared by several prefixes keeps the
 longest promise over it (as the server's retention registry does for its
 clients' promises).
 
@@ -76,10 +76,15 @@ class PinBook:
         if not pin.backends:
             self._pins.pop(pin.id, None)
 
-    def standing(self, backend: str, tier: str, but: FleetPin) -> list[FleetPin]:
-        """The other live pins on ``backend`` in ``tier``, the shortest first: the order to pin them again in."""
+    def standing(self, backend: str, but: FleetPin) -> list[FleetPin]:
+        """The other live pins of ``but``'s tenant and tier on ``backend``, the shortest first: the order to pin
+        them again in. Another tenant's never shares a block with it (the namespace enters every key)."""
         self._expire()
-        others = [p for p in self._pins.values() if p is not but and p.tier == tier and backend in p.backends]
+        others = [
+            p
+            for p in self._pins.values()
+            if p is not but and (p.tenant, p.tier) == (but.tenant, but.tier) and backend in p.backends
+        ]
         return sorted(others, key=lambda p: p.until)
 
     def of_tenant(self, tenant: str | None, tier: str | None) -> list[FleetPin]:

@@ -114,7 +114,11 @@ def test_fleet_pins_are_counted_releasing_one_keeps_the_others(tmp_path: Path) -
             first = await call(r, "POST", "/fleet/pins", {**PROMPT, "ttl_s": 600})
             second = await call(r, "POST", "/fleet/pins", {**PROMPT, "ttl_s": 60})  # the same prefix again
             other = await call(r, "POST", "/fleet/pins", {**PROMPT, "prompt": "Another prefix.", "ttl_s": 300})
-            assert [p for p, _ in await pins_sent(peer)] == [PROMPT["prompt"]] * 2 + ["Another prefix."]
+            theirs = await call(r, "POST", "/fleet/pins", {**PROMPT, "tenant": "else", "ttl_s": 900})  # no block shared
+            assert [p for p, _ in await pins_sent(peer)] == [PROMPT["prompt"]] * 2 + [
+                "Another prefix.",
+                PROMPT["prompt"],
+            ]
 
             released = await call(r, "DELETE", f"/fleet/pins/{first['id']}")
             assert released["backends"][0]["kept_by"] == [second["id"], other["id"]]
@@ -128,7 +132,7 @@ def test_fleet_pins_are_counted_releasing_one_keeps_the_others(tmp_path: Path) -
 
             await call(r, "DELETE", f"/fleet/pins/{second['id']}")
             assert await pins_sent(peer) == [(PROMPT["prompt"], 0)]  # the last one: unpinned
-            assert (await call(r, "GET", "/fleet/pins"))["pins"] == []
+            assert [p["id"] for p in (await call(r, "GET", "/fleet/pins"))["pins"]] == [theirs["id"]]
             gone = await r.client.delete(r.url + f"/fleet/pins/{second['id']}", headers=AUTH)
             assert gone.status_code == 404
 
