@@ -264,7 +264,8 @@ class Control:
 
     async def _call(self, url: str, method: str, path: str, body: dict[str, Any] | None) -> Reply:
         assert self.client is not None, "the app is not running"
-        request = self.client.build_request(method, url + path, json=body, headers=self.headers())
+        timeout = self.config.fleet_timeout_s  # the client's own (the health checks') is shorter than a prefetch
+        request = self.client.build_request(method, url + path, json=body, headers=self.headers(), timeout=timeout)
         response = await self.client.send(request, stream=True)
         try:
             raw = await _bounded(response)
