@@ -275,7 +275,7 @@ class Control:
             return Reply(BackendStatus.ERROR, f"{path} answered more than {MAX_ANSWER_BYTES} bytes")
         try:
             parsed = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return Reply(BackendStatus.ERROR, f"{path} answered {response.status_code}, not JSON")
         if response.status_code != 200:
             return Reply(BackendStatus.ERROR, f"{path} answered {response.status_code}: {_message(parsed)}")
@@ -322,7 +322,7 @@ def entry(cls: type[E], url: str, reply: Reply, read: Callable[[Any], dict[str, 
         return cls(url=url, status=reply.status, detail=reply.detail)
     try:
         return cls(url=url, status=reply.status, **read(reply.body))
-    except (ValidationError, TypeError, ValueError) as err:
+    except (ValidationError, LookupError, TypeError) as err:  # a field missing, or the body no object
         return cls(url=url, status=BackendStatus.ERROR, detail=f"an answer that is none: {str(err)[:300]}")
 
 

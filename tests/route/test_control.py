@@ -39,7 +39,12 @@ ANSWERS = {
     "/admin/clear": reply(200, {"dropped_blocks": {"host": 3}}),
     "/stats": reply(200, STATS),
 }
-BROKEN = {path: reply(200, b"<html>It works!</html>", "text/html") for path in ANSWERS if path != "/stats"}
+BROKEN = {  # answers that are none: an HTML page, JSON of another shape, an error
+    "/lookup": reply(200, b"<html>It works!</html>", "text/html"),
+    "/admin/pin": reply(200, {"tenant": "acme"}),
+    "/admin/prefetch": reply(200, [1, 2]),
+    "/admin/clear": reply(500, {"error": {"message": "disk on fire"}}),
+}
 PROMPT = {"prompt": "You are a terse assistant.", "tenant": "acme"}
 
 
@@ -66,7 +71,8 @@ def test_every_answer_has_every_backend_a_down_one_as_down(tmp_path: Path) -> No
             pinned = await call(r, "POST", "/fleet/pins", {**PROMPT, "ttl_s": 60})
             assert statuses(pinned) == want and pinned["id"]
             assert (await call(r, "GET", "/fleet/pins"))["pins"][0]["backends"] == [good.url]  # where it holds
-            assert statuses(await call(r, "POST", "/fleet/clear", {"tier": "host"})) == want
+            cleared = await call(r, "POST", "/fleet/clear", {"tier": "host"})
+            assert statuses(cleared) == want and "disk on fire" in cleared["backends"][2]["detail"]
             used = await call(r, "GET", "/fleet/usage")
             assert statuses(used) == want  # the bad one's /stats is a router's minimum: no tiers in it
             assert used["backends"][0]["tiers"]["host"]["hit_rate"] == 0.75
