@@ -464,13 +464,6 @@ class RouteConfig(_Section):
         description="Longest line of a backend's block events (a snapshot lists all its keys); longer: stream dropped.",
     )
 
-    @field_validator("admin_token")
-    @classmethod
-    def _check_admin_token(cls, v: SecretStr | None) -> SecretStr | None:
-        if v is not None and len(v.get_secret_value()) < 16:
-            raise ValueError("a token needs at least 16 characters")
-        return v
-
     @field_validator("backends")
     @classmethod
     def _check_backends(cls, v: list[str]) -> list[str]:
@@ -478,6 +471,13 @@ class RouteConfig(_Section):
             if not re.fullmatch(r"https?://[^/?#\s]+/?", url):
                 raise ValueError(f"{url!r} is not http://host:port")
         return [url.rstrip("/") for url in v]
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_admin_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("a token needs at least 16 characters")
+        return v
 
 
 def default_data_dir() -> Path:
