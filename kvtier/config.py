@@ -428,6 +428,12 @@ class RouteConfig(_Section):
     backend_token: SecretStr | None = Field(
         None, description="The backends' server.admin_token, which their block event streams and /stats ask for."
     )
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token of the router's fleet control routes, /fleet/* (null: they always answer 401)."
+    )
+    fleet_timeout_s: float = Field(
+        30.0, gt=0, description="How long a fleet control call waits for each backend; past it, that one is down."
+    )
     health_interval_s: float = Field(1.0, gt=0, description="How often each backend's /health is asked.")
     retries: int = Field(1, ge=0, description="Other backends a request is sent to when one fails before a byte.")
     first_byte_timeout_s: float = Field(
@@ -477,6 +483,13 @@ class RouteConfig(_Section):
             if not re.fullmatch(r"https?://[^/?#\s]+/?", url):
                 raise ValueError(f"{url!r} is not http://host:port")
         return [url.rstrip("/") for url in v]
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_admin_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("a token needs at least 16 characters")
+        return v
 
 
 def default_data_dir() -> Path:

@@ -12,7 +12,10 @@ The files follow a request through the router:
 * :mod:`~kvtier.route.answer`: a backend's answer read under bounds (time to first output, silence,
   size) and checked to be one before any of it reaches the client;
 * :mod:`~kvtier.route.proxy`: forwarding, chunk by chunk, retried elsewhere before the first byte;
-* :mod:`~kvtier.route.app`: the OpenAI-compatible front, ``/stats`` and ``/metrics``.
+* :mod:`~kvtier.route.app`: the OpenAI-compatible front, ``/stats`` and ``/metrics``;
+* :mod:`~kvtier.route.control`: the fleet control API (``/fleet/*``: lookup, pins, prefetch, clear, usage),
+  each call fanned out to every backend's admin routes, a down backend reported as down;
+* :mod:`~kvtier.route.pins`: the fleet pins' account (ids, backends, expiry), so releasing one keeps the others.
 
 The router decides from events and load; it never holds a request's bytes
 longer than the stream, and never touches KV.

@@ -1,5 +1,5 @@
 """The router's HTTP surface: the backends' OpenAI routes and Messages API, forwarded; ``/health``, ``/stats``,
-``/metrics``.
+``/metrics``; and the fleet control API, ``/fleet/*``, behind ``route.admin_token`` (:mod:`kvtier.route.control`).
 
 Each inference request is read (tokens, block keys, session) on a worker
 thread, ranked by the policy on the event loop, and forwarded
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +32,7 @@ from kvtier.config import Config
 from kvtier.route.answer import Bounds, Shape
 from kvtier.route.backends import Backend, Fleet, health_loop
 from kvtier.route.choice import make_chooser
+from kvtier.route.control import Control, routes
 from kvtier.route.index import RoutedPrefixes
 from kvtier.route.prompt import SESSION_HEADER, Endpoint, Prompts, RoutedPrompt, caller_key
 from kvtier.route.proxy import Counts, Outgoing, Proxy, forward, passed_headers, unavailable
@@ -45,6 +47,10 @@ class RouterState:
     fleet: Fleet
     counts: Counts
     proxy: Proxy | None = None  # while the app runs: it holds the client to the backends
+    control: Control = dataclasses.field(init=False)  # the fleet control API: its pins, the client while it runs
+
+    def __post_init__(self) -> None:
+        self.control = Control(self.fleet, self.config.route)
 
 
 NO_PROMPT = RoutedPrompt(0, [], None, False)  # a request that is no prompt (the model list): nothing to prefill
@@ -194,6 +200,7 @@ def create_app(state: RouterState) -> FastAPI:
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), limits=limits) as client:
             route = state.config.route
             state.proxy = Proxy(state.fleet, client, Bounds.of(route), route.retries, state.counts)
+            state.control.client = client
             token = state.config.route.backend_token
             secret = token.get_secret_value() if token is not None else None
             interval = state.config.route.health_interval_s
@@ -238,6 +245,8 @@ def create_app(state: RouterState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(routes(state.control))
 
     return app
 

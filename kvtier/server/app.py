@@ -10,7 +10,7 @@
   schema pages ``/docs``, ``/redoc``, ``/openapi.json``: for readers
   (:class:`~kvtier.web.auth.Readers`), the admin or the read-only token,
   or anyone when neither is configured (the server then binds loopback only).
-* ``/admin/clear``, ``/admin/pin``, ``/lookup``, ``/v1/kv-events``: behind
+* ``/admin/clear``, ``/admin/pin``, ``/admin/prefetch``, ``/lookup``, ``/v1/kv-events``: behind
   the admin token. ``/lookup`` is admin-only because "is this prompt
   cached?" is a timing oracle on other people's prompts.
 
@@ -60,6 +60,8 @@ from kvtier.server.schemas import (
     ModelList,
     PinRequest,
     PinResponse,
+    PrefetchRequest,
+    PrefetchResponse,
     RetainedReport,
     SessionPrefetchResponse,
     SessionsReport,
@@ -397,7 +399,9 @@ def _tenant(state: ServerState, name: str | None) -> Tenant:
     return tenant
 
 
-async def _ids(state: ServerState, body: LookupRequest | PinRequest, *, add_generation_prompt: bool) -> list[int]:
+async def _ids(
+    state: ServerState, body: LookupRequest | PinRequest | PrefetchRequest, *, add_generation_prompt: bool
+) -> list[int]:
     if body.messages is not None:
         return await inference.chat_ids(state, body.messages, add_generation_prompt=add_generation_prompt)
     assert body.prompt is not None
@@ -448,7 +452,11 @@ async def settle(state: State) -> WarmingReport:
 
 @router.post("/admin/pin", response_model=PinResponse, responses=ERRORS, dependencies=[Admin])
 async def pin(body: PinRequest, state: State) -> PinResponse:
-    """Keep a prompt's (or a conversation prefix's) full blocks out of one tier's eviction for ``ttl_s`` seconds."""
+    """Keep a prompt's (or a conversation prefix's) full blocks out of one tier's eviction for ``ttl_s`` seconds.
+
+    ``ttl_s`` 0 unpins them; the tenant's own promises (``cache_control``,
+    ``prompt_cache_retention``) over any of those blocks are kept still.
+    """
     limit = state.config.server.max_pin_ttl_s
     if body.ttl_s > limit:
         raise APIError(400, f"ttl_s is {body.ttl_s}; at most {limit} is allowed", param="ttl_s")
@@ -459,6 +467,8 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
     ids = await _ids(state, body, add_generation_prompt=False)
     prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
     pinned = await asyncio.to_thread(functools.partial(state.cache.pin_for, prompt, body.ttl_s, tier=tier))
+    if body.ttl_s == 0:  # an unpin lets go of keys whoever pinned them: the tenant's clients' promises hold again
+        await asyncio.to_thread(state.retention.pin_again, tenant.name, tier)
     probe = await asyncio.to_thread(state.cache.probe, prompt)
     bs = state.cache.layout.block_size
     return PinResponse(
@@ -468,6 +478,26 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
         cached_tokens=probe.cached_tokens,
         ttl_s=body.ttl_s,
         tier=body.tier,
+    )
+
+
+@router.post("/admin/prefetch", response_model=PrefetchResponse, responses=ERRORS, dependencies=[Admin])
+async def prefetch(body: PrefetchRequest, state: State) -> PrefetchResponse:
+    """Move a prompt's cached blocks up to host memory now (from disk or the remote tier), for a tenant.
+
+    What an operator (``kvtier route``'s ``/fleet/prefetch``) asks before it
+    moves traffic here: the reads happen now instead of in the first
+    request's TTFT. Nothing stays pinned, as with a session's prefetch.
+    """
+    tenant = _tenant(state, body.tenant)
+    ids = await _ids(state, body, add_generation_prompt=True)
+    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    done = await asyncio.to_thread(state.cache.prefetch, prompt)
+    return PrefetchResponse(
+        tenant=tenant.name,
+        prompt_tokens=len(ids),
+        promoted_tokens=done.promoted,
+        host_tokens=done.host_blocks * state.cache.layout.block_size,
     )
 
 

@@ -157,6 +157,21 @@ class Retention:
                     renewed += len(hits)
         return renewed
 
+    def pin_again(self, tenant: str, tier: TierKind) -> None:
+        """Pin ``tenant``'s live promises in ``tier`` again, each to its own end.
+
+        After an operator unpinned a prefix of this tenant (``/admin/pin``
+        with ``ttl_s`` 0, as ``kvtier route`` releases a fleet pin): the
+        cache unpins keys whoever pinned them, and a promise sharing some of
+        them must not end with that.
+        """
+        with self._lock:
+            kept = self._kept.get((tenant, tier))
+            if kept:
+                now = self._clock()
+                self._expire(kept, now)
+                self._pin(kept, now, tier)
+
     def report(self) -> dict[str, dict[TierKind, TenantRetention]]:
         """Every tenant that keeps something now, by the tiers it keeps something in."""
         with self._lock:

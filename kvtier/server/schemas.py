@@ -246,6 +246,17 @@ class PinResponse(BaseModel):
     tier: PinnedTier
 
 
+class PrefetchRequest(_PromptOrMessages):
+    """``messages`` are rendered as /v1/chat/completions would (with the assistant turn's opening), as /lookup does."""
+
+
+class PrefetchResponse(BaseModel):
+    tenant: str
+    prompt_tokens: int
+    promoted_tokens: dict[TierKind, int] = Field(description="Tokens moved up to host memory, by the tier they left.")
+    host_tokens: int = Field(description="Leading prompt tokens host memory holds now.")
+
+
 class ClearRequest(RequestBody):
     tier: TierKind | None = Field(None, description="null: every tier.")
 

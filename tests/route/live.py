@@ -19,7 +19,9 @@ from kvtier.config import load_config
 from kvtier.route.prompt import Prompts
 from tests.server.live import ADMIN, SIZES
 
-__all__ = ["Fleet", "Proc", "fleet", "held"]
+__all__ = ["ROUTER_ADMIN", "Fleet", "Proc", "fleet", "held"]
+
+ROUTER_ADMIN = "router-admin-token-0123456789"  # route.admin_token: the fleet control routes'
 
 
 @dataclass
@@ -29,6 +31,13 @@ class Fleet:
 
     def stats(self) -> dict[str, Any]:
         return self.router.get("/stats").json()
+
+    def control(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A fleet control call with the router's admin token; its answer, which must be a 200."""
+        auth = {"Authorization": f"Bearer {ROUTER_ADMIN}"}
+        response = requests.request(method, self.router.url + path, json=body, headers=auth, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
 
     def prompts(self) -> Prompts:
         """The router's own prompt reader, from its config file: the keys it computes for a request."""
@@ -64,7 +73,7 @@ def held(backend: Proc) -> dict[str, list[str]]:
 def fleet(tmp: Path, n: int, policy: str = "kvtier", sizes: dict[str, Any] | None = None) -> Iterator[Fleet]:
     """``n`` backends (``sizes`` over the small test tiers) and a router with ``policy`` in front."""
     tiers = {**SIZES, **(sizes or {})}
-    route = {"policy": policy, "health_interval_s": 0.5}
+    route = {"policy": policy, "health_interval_s": 0.5, "admin_token": ROUTER_ADMIN}
     with (
         processes.backends(tmp, n, tiers, ADMIN) as backends,
         processes.router(tmp / "router", backends, tiers["engine"], route) as router,

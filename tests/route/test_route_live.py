@@ -232,6 +232,47 @@ def test_a_metadata_user_id_session_sticks_to_its_backend(two: Fleet, model: str
     assert len(seen) == 1
 
 
+# -- the fleet control API over the real backends -----------------------------------------------------------
+def ttl_pinned(backend: Proc) -> int:
+    return backend.get("/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()["ttl_pinned_blocks"]
+
+
+def test_the_fleet_api_looks_up_pins_warms_and_counts_over_real_backends(two: Fleet) -> None:
+    """A conversation served by one backend: the lookup finds it there alone; two disk pins of it there hold it
+    through a host clear, and the prefetch brings it back up from disk; releasing one pin keeps the other's."""
+    messages = conversation(40)
+    served = by_url(two, chat(two.router, messages).headers[BACKEND])
+    other = next(b for b in two.backends if b is not served)
+    assert served.post("/admin/settle", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+    looked = {b["url"]: b for b in two.control("POST", "/fleet/lookup", {"messages": messages})["backends"]}
+    assert {b["status"] for b in looked.values()} == {"ok"}
+    assert looked[served.url]["cached_tokens"] > 0 and looked[other.url]["cached_tokens"] == 0
+
+    before = ttl_pinned(served)
+    body = {"messages": messages, "tier": "disk", "backends": [served.url]}
+    first = two.control("POST", "/fleet/pins", {**body, "ttl_s": 600})
+    second = two.control("POST", "/fleet/pins", {**body, "ttl_s": 300})
+    (pinned,) = first["backends"]
+    assert pinned["status"] == "ok" and pinned["pinned_blocks"] > 0
+    assert ttl_pinned(served) == before + pinned["pinned_blocks"]
+
+    cleared = two.control("POST", "/fleet/clear", {"tier": "host", "backends": [served.url]})
+    assert cleared["backends"][0]["dropped_blocks"]["host"] > 0
+    warmed = two.control("POST", "/fleet/prefetch", {"messages": messages, "backend": served.url})
+    assert warmed["status"] == "ok" and warmed["promoted_tokens"]["disk"] > 0 and warmed["host_tokens"] > 0
+
+    released = two.control("DELETE", f"/fleet/pins/{first['id']}")
+    assert released["backends"] == [{"url": served.url, "status": "ok", "detail": None, "kept_by": [second["id"]]}]
+    assert ttl_pinned(served) == before + pinned["pinned_blocks"]  # the second pin's promise stands
+    two.control("DELETE", f"/fleet/pins/{second['id']}")
+    assert ttl_pinned(served) == before
+
+    used = {b["url"]: b for b in two.control("GET", "/fleet/usage")["backends"]}
+    assert {b["status"] for b in used.values()} == {"ok"}
+    assert used[served.url]["tiers"]["host"]["blocks"] > 0 and used[served.url]["ttl_pinned_blocks"] == before
+
+
 def test_events_keep_the_index_right_through_evictions_and_clears(two: Fleet) -> None:
     for i in range(10, 16):  # more than the 12-block host tiers hold: host evicts, demoting to disk
         chat(two.router, conversation(i))

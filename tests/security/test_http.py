@@ -5,21 +5,30 @@ The routes come from the app's own route table
 fails :func:`test_every_route_is_classified` until someone says who may call
 it. The server has tenant API keys, an admin token and a read token, and logs
 at INFO (``kvtier -v``), so the log holds all it would.
+
+``kvtier route``'s routes are classified the same way, from its own route
+table (:func:`kvtier.route.app.create_app`): its fleet control routes open to
+its admin token alone, never to the backends' token it holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
 from fastapi.routing import iter_route_contexts
 
 from kvtier.config import ServerConfig
+from kvtier.route.app import RouterState
+from kvtier.route.app import create_app as create_router_app
 from kvtier.server.app import TOKEN_COOKIE, build_app
+from tests.route.hostile import Router, peers, router
 from tests.server.live import ADMIN, LiveServer, running
 
 KEY = "sk-security-0123456789"
@@ -31,6 +40,7 @@ class Access(enum.Enum):
     API_KEY = "a tenant's API key (the OpenAI routes' own auth, and the Messages API's, with server.api_keys set)"
     READ = "the read token or the admin token; on these GET routes, also as the cookie /dashboard?token= sets"
     ADMIN = "the admin token"
+    FORWARDED = "kvtier route's inference routes: forwarded as sent, the backend that answers asks for its credential"
 
 
 # With an admin token set, only /health is open (a load balancer's probe needs no secret).
@@ -53,6 +63,7 @@ ACCESS = {
     "/v1/kv-events": Access.ADMIN,
     "/admin/clear": Access.ADMIN,
     "/admin/pin": Access.ADMIN,
+    "/admin/prefetch": Access.ADMIN,
     "/admin/settle": Access.ADMIN,
     "/lookup": Access.ADMIN,
 }
@@ -200,3 +211,71 @@ def test_no_prompt_text_or_token_ids_in_stats_metrics_or_the_log(server: LiveSer
     }
     assert leaks == {"/stats": [], "/metrics": [], "log": []}
     json.loads(pages["/stats"])  # a real report was searched, not an error page
+
+
+# -- kvtier route --------------------------------------------------------------------------------------------
+ROUTER_ADMIN = "router-admin-token-0123456789"
+ROUTER_ACCESS = {
+    "/health": Access.OPEN,
+    "/stats": Access.OPEN,  # counts and backend URLs, no prompt
+    "/metrics": Access.OPEN,
+    "/openapi.json": Access.OPEN,
+    "/docs": Access.OPEN,
+    "/docs/oauth2-redirect": Access.OPEN,
+    "/redoc": Access.OPEN,
+    "/v1/models": Access.FORWARDED,
+    "/v1/completions": Access.FORWARDED,
+    "/v1/chat/completions": Access.FORWARDED,
+    "/v1/messages": Access.FORWARDED,
+    "/fleet/lookup": Access.ADMIN,  # route.admin_token
+    "/fleet/pins": Access.ADMIN,
+    "/fleet/pins/{pin_id}": Access.ADMIN,
+    "/fleet/prefetch": Access.ADMIN,
+    "/fleet/clear": Access.ADMIN,
+    "/fleet/usage": Access.ADMIN,
+}
+
+
+def router_routes(state: RouterState) -> list[tuple[str, str]]:
+    out: set[tuple[str, str]] = set()
+    for route in iter_route_contexts(create_router_app(state).routes):
+        assert route.methods, f"{route.original_route!r} is no HTTP route: say here who may call it"
+        out |= {(m, str(route.path)) for m in route.methods if m != "HEAD"}
+    return sorted(out)
+
+
+async def router_status(r: Router, method: str, path: str, headers: dict[str, str], query: str = "") -> int:
+    url = r.url + path.replace("{pin_id}", "0123456789abcdef") + query
+    response = await r.client.request(method, url, headers=headers, json={"prompt": "x", "ttl_s": 1, "backend": "x"})
+    return response.status_code
+
+
+def test_the_routers_fleet_routes_open_to_its_admin_token_alone(tmp_path: Path) -> None:
+    """No token, a wrong one, another scheme, the token in a query, the backends' token: 401; and with no
+    route.admin_token set, the fleet routes refuse every caller."""
+
+    async def run() -> None:
+        refused = {**REFUSED, "the backends' token": bearer(ADMIN), "a tenant's API key": bearer(KEY)}
+        async with peers({}) as (peer,):
+            tokens = {"admin_token": ROUTER_ADMIN, "backend_token": ADMIN}
+            async with router(tmp_path / "with", [peer], **tokens) as r:
+                routes = router_routes(r.state)
+                assert {path for _, path in routes} == set(ROUTER_ACCESS)
+                wrong = {}
+                for method, path in routes:
+                    if ROUTER_ACCESS[path] is not Access.ADMIN:
+                        continue
+                    for what, headers in refused.items():
+                        query = f"?token={ROUTER_ADMIN}" if what == "token in a query" else ""
+                        if (status := await router_status(r, method, path, headers, query)) != 401:
+                            wrong[f"{method} {path} with {what}"] = status
+                    if await router_status(r, method, path, bearer(ROUTER_ADMIN)) == 401:  # the control
+                        wrong[f"{method} {path} with its token"] = 401
+                assert wrong == {}
+            async with router(tmp_path / "without", [peer], backend_token=ADMIN) as r:
+                for method, path in router_routes(r.state):
+                    if ROUTER_ACCESS[path] is Access.ADMIN:
+                        for headers in ({}, bearer(ADMIN), bearer(ROUTER_ADMIN)):
+                            assert await router_status(r, method, path, headers) == 401, (method, path)
+
+    asyncio.run(run())

@@ -28,6 +28,7 @@ OPERATIONS = [
     ("GET", "/metrics"),
     ("POST", "/admin/clear"),
     ("POST", "/admin/pin"),
+    ("POST", "/admin/prefetch"),
     ("POST", "/admin/settle"),
     ("POST", "/lookup"),
     ("GET", "/v1/sessions"),

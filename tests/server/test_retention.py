@@ -83,6 +83,21 @@ def test_nested_marks_keep_each_block_for_the_longest_promise_over_it(tmp_path: 
     assert m.ttl_pinned() == 0 and r.report() == {}
 
 
+def test_an_operators_unpin_leaves_a_tenants_promise_standing(tmp_path: Path) -> None:
+    """/admin/pin with ttl_s 0 over a prefix a promise shares: the cache lets the keys go, the promise pins them
+    again, to its own end (not the operator's)."""
+    m, r, clock = setup(tmp_path, {"a": 16})
+    convo = m.keyed(prompt(6 * BLOCK, 5), "ns")
+    assert r.keep("a", [(convo.prefix(2 * BLOCK), FIVE_MIN)]) == [True]
+    m.pin_for(convo, DAY, tier=H)  # an operator's pin over the whole conversation
+    m.pin_for(convo, 0, tier=H)  # and its release: the promised system prompt's keys too
+    assert m.ttl_pinned() == 0
+    r.pin_again("a", H)
+    assert m.ttl_pinned() == 2
+    clock.now += FIVE_MIN + 1
+    assert m.ttl_pinned() == 0  # the promise's own end
+
+
 def test_kept_blocks_outlive_a_flood_and_released_ones_do_not(tmp_path: Path) -> None:
     m, r, clock = setup(tmp_path, {"a": 8}, host_blocks=16)
     first, second = prompt(4 * BLOCK, 6), prompt(4 * BLOCK, 7)
