@@ -137,14 +137,40 @@ class Eviction:
             sink.stored(tier.kind, [k for k, _ in tier.entries()])
             self.policies[tier.kind] = ObservedPolicy(self.policies[tier.kind], tier.kind, sink)
 
-    def clear(self, kind: TierKind | None = None) -> int:
-        """Drop every block of one tier (or all) that no read pins; returns how many."""
+    def clear(self, kind: TierKind | None = None, root: BlockKey | None = None) -> int:
+        """Drop every block of one tier (or all) that no read pins; returns how many.
+
+        ``root``: only the blocks of that namespace's chains, the trees that
+        hang from it by the parents the records keep, through any local tier
+        (a block on disk whose parent is in host memory is found too).
+        """
+        doomed = None if root is None else self.descendants(root)
         dropped = 0
         for tier in self.tiers.local:
             if kind is not None and tier.kind is not kind:
                 continue
-            keys = [k for k, _ in tier.entries() if not (tier is self.tiers.host and k in self.pins)]
+            keys = [
+                k
+                for k, _ in tier.entries()
+                if not (tier is self.tiers.host and k in self.pins) and (doomed is None or k in doomed)
+            ]
             dropped += tier.remove_many(keys)
             for key in keys:
                 self.policies[tier.kind].on_remove(key)
         return dropped
+
+    def descendants(self, root: BlockKey) -> set[BlockKey]:
+        """Every key the local tiers hold whose chain of parents leads to ``root``."""
+        children: dict[BlockKey, list[BlockKey]] = {}
+        for tier in self.tiers.local:
+            for key, record in tier.entries():
+                if record.parent is not None:
+                    children.setdefault(record.parent, []).append(key)
+        found: set[BlockKey] = set()
+        todo = [root]
+        while todo:
+            for child in children.pop(todo.pop(), ()):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+        return found

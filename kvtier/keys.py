@@ -441,6 +441,11 @@ class KeyedTokens:
         return len(self.keys)
 
     @property
+    def root(self) -> BlockKey:
+        """The chain's origin: block 0's parent, the namespace's root (:meth:`KeyHasher.root`)."""
+        return self.hasher.root(self.namespace)
+
+    @property
     def blocks(self) -> np.ndarray:
         """The full blocks' token ids, ``[num_blocks, block_size]`` (a view, no copy)."""
         return block_tokens(self.tokens, self.hasher.block_size)

@@ -347,11 +347,15 @@ class CacheManager:
             self.eviction.observe(sink)
         return True
 
-    def clear(self, kind: TierKind | None = None) -> int:
-        """Drop every unpinned block of one tier (or all); returns how many."""
+    def clear(self, kind: TierKind | None = None, namespace: str | None = None) -> int:
+        """Drop every unpinned block of one tier (or all), or only ``namespace``'s; returns how many.
+
+        The remote tier is shared and never cleared from here.
+        """
+        root = None if namespace is None else self.hasher.root(namespace)
         with self._lock:
             self.generation += 1
-            return self.eviction.clear(kind)
+            return self.eviction.clear(kind, root)
 
     def stats(self) -> CacheStats:
         with self._lock:

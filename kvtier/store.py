@@ -90,7 +90,7 @@ class Stores:
                     plan.already_cached += 1
                     plan.next_block = i + 1
                     continue
-                record = BlockRecord(digests[i], keys[i - 1] if i else None)
+                record = BlockRecord(digests[i], keys[i - 1] if i else prompt.root)
                 buf = host.reserve(keys[i], record)
                 if buf is None:
                     break

@@ -492,3 +492,33 @@ def test_keys_of_another_hasher_are_refused_not_missed(tmp_path: Path) -> None:
             m.lookup(foreign)
         with pytest.raises(ValueError, match="another hasher"):
             m.store(foreign, kv(2, seed=1))
+
+
+def test_a_namespaces_clear_drops_its_chains_in_every_local_tier_and_nothing_else(tmp_path: Path) -> None:
+    """Block 0's record names the namespace's root, so a tenant's blocks are the trees hanging from it: found
+    through any local tier (a disk block whose parent is in host memory), and no other tenant's is touched,
+    even where the two share token ids."""
+    with manager(tmp_path, host_blocks=4, disk_blocks=32) as m:
+        shared = prompt(3 * BLOCK, seed=5)
+        theirs = m.keyed(shared, "else")
+        chains = {}
+        for name in ("acme", "beta"):
+            m.store(m.keyed(shared, name), kv(3, seed=1))
+            chains[name] = m.keyed(np.concatenate([shared, prompt(2 * BLOCK, seed=6)]), name)
+            m.store(chains[name], [*kv(3, seed=1), *kv(2, seed=3)])
+        m.store(theirs, kv(3, seed=2))
+        for name, chain in chains.items():
+            assert m.eviction.descendants(m.hasher.root(name)) == set(chain.keys)
+        assert {t for name in chains for t in m.lookup(chains[name]).tiers} == {H, D}  # chains span both tiers
+
+        on_disk = [k for k in chains["acme"].keys if m.disk.contains(k)]
+        assert on_disk and m.clear(D, "acme") == len(on_disk)
+        assert not any(m.disk.contains(k) for k in chains["acme"].keys)
+
+        copies = sum(m.host.contains(k) + m.disk.contains(k) for k in chains["beta"].keys)
+        assert copies >= len(chains["beta"].keys) and m.clear(None, "beta") == copies
+        assert not any(m.host.contains(k) or m.disk.contains(k) for k in chains["beta"].keys)
+        assert m.lookup(chains["beta"]).cached_tokens == 0
+        assert m.lookup(theirs).cached_tokens == 3 * BLOCK
+        with m.load(m.lookup(theirs)) as handle:
+            assert all(torch.equal(g, as_bytes(b)) for g, b in zip(handle.blocks, kv(3, seed=2), strict=True))

@@ -64,7 +64,9 @@ class Publisher:
         if self.resident is not None:
             ids = req.table.block_ids[first:full]
             partial = frozenset(i - first for i in req.partial_blocks if first <= i < full)
-            self.resident.keep(req.keys[first:full], ids, req.blocks[first:full], self.generation, partial)
+            self.resident.keep(
+                req.keys[first:full], ids, req.blocks[first:full], self.generation, partial, req.prompt.root
+            )
         self._unclaim(req, req.keys[first:full])
         req.shared_blocks = full
 
@@ -77,7 +79,7 @@ class Publisher:
             chain = req.keyed_through(full)
             partial = frozenset(i for i in req.partial_blocks if i < full)
             ids = req.table.block_ids[:full]
-            self.resident.keep(chain.keys[:full], ids, chain.blocks[:full], self.generation, partial)
+            self.resident.keep(chain.keys[:full], ids, chain.blocks[:full], self.generation, partial, chain.root)
 
     @property
     def generation(self) -> int:

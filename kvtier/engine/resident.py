@@ -45,6 +45,7 @@ class _Resident:
     tokens: np.ndarray
     generation: int  # the cache's, when this block was kept (stored there)
     partial: bool = False  # its sliding-window layers were never loaded
+    root: BlockKey | None = None  # its chain's root: the namespace it belongs to (a tenant's clear)
 
     def matches(self, tokens: np.ndarray) -> bool:
         """The confirmation every tier makes, here on the block's tokens themselves (the pool holds them anyway)."""
@@ -102,6 +103,7 @@ class ResidentBlocks:
         blocks: np.ndarray,
         generation: int = 0,
         partial: frozenset[int] = frozenset(),
+        root: BlockKey | None = None,
     ) -> None:
         """Hold a reference to each full block of a finished request not already held.
 
@@ -109,6 +111,7 @@ class ResidentBlocks:
         already held are stored there again, so they take it too).
         ``partial``: indices into ``keys`` of blocks whose sliding layers were
         never loaded; a complete block replaces a partial one held.
+        ``root``: the chain's root, which names the namespace of every one of ``keys``.
         """
         new: list[BlockKey] = []
         for i, (key, block_id, tokens) in reversed(list(enumerate(zip(keys, block_ids, blocks, strict=False)))):
@@ -123,7 +126,7 @@ class ResidentBlocks:
             if held is not None:  # a partial copy held, a complete one offered: hold that instead
                 self._pool.free([held.block_id])
             self._pool.share([block_id])
-            self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32), generation, not complete)
+            self._blocks[key] = _Resident(block_id, np.array(tokens, dtype=np.int32), generation, not complete, root)
             if held is None:
                 new.append(key)
         if new and self.events is not None:
@@ -159,9 +162,19 @@ class ResidentBlocks:
             self.events.removed(TierKind.DEVICE, gone)
         return len(gone)
 
-    def clear(self) -> None:
-        for resident in self._blocks.values():
-            self._pool.free([resident.block_id])
-        self._blocks.clear()
-        if self.events is not None:
-            self.events.cleared(TierKind.DEVICE)
+    def clear(self, root: BlockKey | None = None) -> int:
+        """Give up every block held, or only those of the chains from ``root`` (a namespace's); returns how many."""
+        if root is None:
+            n = len(self._blocks)
+            for resident in self._blocks.values():
+                self._pool.free([resident.block_id])
+            self._blocks.clear()
+            if self.events is not None:
+                self.events.cleared(TierKind.DEVICE)
+            return n
+        gone = [key for key, resident in self._blocks.items() if resident.root == root]
+        for key in gone:
+            self._pool.free([self._blocks.pop(key).block_id])
+        if gone and self.events is not None:
+            self.events.removed(TierKind.DEVICE, gone)
+        return len(gone)

@@ -43,6 +43,8 @@ def warm(engine: Engine, transcript: KeyedTokens) -> int:
         pool_ids = engine.pool.allocate(take)
         for block_id, payload in zip(pool_ids, handle.blocks[:take], strict=True):
             engine.pool.write_block_from_payload(block_id, payload)
-        resident.keep(keys[have : have + take], pool_ids, blocks[have : have + take], cache.generation)
+        resident.keep(
+            keys[have : have + take], pool_ids, blocks[have : have + take], cache.generation, root=transcript.root
+        )
         engine.pool.free(pool_ids)  # the resident index holds its own reference now
     return resident.peek(keys, blocks, window) * bs  # making room may have given up some of the leading run

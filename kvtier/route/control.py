@@ -100,8 +100,8 @@ class FleetClearRequest(Backends):
     tier: TierKind | None = Field(None, description="null: every tier.")
     tenant: str | None = Field(
         None,
-        description="Only this tenant's: its fleet pins are released (in tier, when given); no block is dropped, "
-        "since a backend cannot tell one namespace's blocks from another's.",
+        description="Only this tenant's: its fleet pins released (in tier, when given), then its blocks dropped "
+        "(the chains from its namespace's root, in the engine's pool and the local tiers; never the shared remote).",
     )
 
 
@@ -423,36 +423,50 @@ async def prefetch(control: Control, body: FleetPrefetchRequest) -> BackendPrefe
 
 
 async def clear(control: Control, body: FleetClearRequest) -> FleetClear:
+    """A tier (or all) cleared on ``body.backends``; a tenant's: its fleet pins released there first, then only its
+    blocks dropped (each backend finds them by its namespace's root). A backend whose release failed says so."""
     urls = control.chosen(body.backends)
+    failed: dict[str, BackendRelease] = {}
+    released: list[str] = []
     if body.tenant is not None:
-        return await _clear_tenant(control, body, urls)
+        released, failed = await _release_tenant(control, body, urls)
     sent = {} if body.tier is None else {"tier": body.tier.value}
+    if body.tenant is not None:
+        sent["tenant"] = body.tenant
 
     async def one(url: str) -> BackendClear:
-        return entry(
+        answer = entry(
             BackendClear, url, await control.ask(url, "POST", "/admin/clear", sent), fields(("dropped_blocks",))
         )
+        if url in failed and answer.status is BackendStatus.OK:
+            unpinned = failed[url]
+            return answer.model_copy(update={"status": unpinned.status, "detail": f"pins kept: {unpinned.detail}"})
+        return answer
 
-    return FleetClear(tier=body.tier, tenant=None, backends=await control.each(urls, one))
+    answers = await control.each(urls, one)
+    return FleetClear(tier=body.tier, tenant=body.tenant, released_pins=released, backends=answers)
 
 
-async def _clear_tenant(control: Control, body: FleetClearRequest, urls: list[str]) -> FleetClear:
-    """A tenant's clear: its fleet pins released on ``urls`` (in the tier, when named); each backend's entry is
-    its worst release. Blocks stay: keys are keyed hashes, and a backend keeps no index by namespace."""
-    if body.tier is not None and body.tier.value not in {t.value for t in PinTier}:
-        raise HTTPException(400, f"a tenant's clear releases its pins, which are in host or disk, not {body.tier}")
-    worst = {url: BackendClear(url=url, status=BackendStatus.OK) for url in urls}
-    released = []
+async def _release_tenant(
+    control: Control, body: FleetClearRequest, urls: list[str]
+) -> tuple[list[str], dict[str, BackendRelease]]:
+    """The tenant's fleet pins on ``urls`` (in the tier, when it is host or disk) released: their ids, and the
+    backends where a release failed (their first failure)."""
+    tier = body.tier.value if body.tier is not None and body.tier.value in {t.value for t in PinTier} else None
+    if body.tier is not None and tier is None:
+        return [], {}  # no fleet pin holds a block in that tier
+    released: list[str] = []
+    failed: dict[str, BackendRelease] = {}
     async with control.pinning:
-        for made in control.pins.of_tenant(body.tenant, None if body.tier is None else body.tier.value):
-            there = [url for url in made.backends if url in worst]
+        for made in control.pins.of_tenant(body.tenant, tier):
+            there = [url for url in made.backends if url in urls]
             if not there:
                 continue
             released.append(made.id)
             for answer in await _release(control, made, there):
-                if answer.status is not BackendStatus.OK and worst[answer.url].status is BackendStatus.OK:
-                    worst[answer.url] = BackendClear(url=answer.url, status=answer.status, detail=answer.detail)
-    return FleetClear(tier=body.tier, tenant=body.tenant, released_pins=released, backends=list(worst.values()))
+                if answer.status is not BackendStatus.OK:
+                    failed.setdefault(answer.url, answer)
+    return released, failed
 
 
 async def usage(control: Control) -> FleetUsage:

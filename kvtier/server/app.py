@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvtier.config import ServerConfig
 from kvtier.engine.engine import Engine
+from kvtier.keys import BlockKey
 from kvtier.server import inference, messages, sessions
 from kvtier.server.errors import MESSAGES_PATH, APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
@@ -408,19 +409,24 @@ async def _ids(
     return await inference.prompt_ids(state, body.prompt)
 
 
-def _clear_resident(engine: Engine) -> int:
-    """Runs on the engine thread: drop the pool's index of finished requests' blocks."""
-    if engine.resident is None:
-        return 0
-    n = len(engine.resident)
-    engine.resident.clear()
-    return n
+def _clear_resident(root: BlockKey | None, engine: Engine) -> int:
+    """Runs on the engine thread: drop the pool's index of finished requests' blocks (of one namespace's chains)."""
+    return 0 if engine.resident is None else engine.resident.clear(root)
 
 
 @router.post("/admin/clear", response_model=ClearResponse, responses=ERRORS, dependencies=[Admin])
 async def clear(state: State, body: ClearRequest | None = None) -> ClearResponse:
-    """Drop every block of one tier (or all) that no load in progress is reading."""
-    tier = body.tier if body is not None else None
+    """Drop every block of one tier (or all), or only one tenant's, that no load in progress is reading.
+
+    A tenant's blocks are the chains that hang from its namespace's root
+    (each block's record names its parent, block 0's the root), in the
+    engine's pool and the local tiers; the remote tier is shared by the
+    fleet and is not cleared from one node.
+    """
+    body = body or ClearRequest()
+    tier = body.tier
+    namespace = None if body.tenant is None else _tenant(state, body.tenant).namespace
+    root = None if namespace is None else state.cache.hasher.root(namespace)
     present = [TierKind.DEVICE, *(t.kind for t in state.cache.tiers)]
     if tier is not None and tier not in present:
         raise APIError(404, f"tier {tier.value!r} is not configured", type=ErrorType.NOT_FOUND, param="tier")
@@ -429,9 +435,9 @@ async def clear(state: State, body: ClearRequest | None = None) -> ClearResponse
         if tier is not None and kind is not tier:
             continue
         if kind is TierKind.DEVICE:
-            dropped[kind] = await asyncio.wrap_future(state.loop.call(_clear_resident))
+            dropped[kind] = await asyncio.wrap_future(state.loop.call(functools.partial(_clear_resident, root)))
         else:
-            dropped[kind] = await asyncio.to_thread(state.cache.clear, kind)
+            dropped[kind] = await asyncio.to_thread(state.cache.clear, kind, namespace)
     return ClearResponse(dropped_blocks=dropped)
 
 

@@ -259,6 +259,9 @@ class PrefetchResponse(BaseModel):
 
 class ClearRequest(RequestBody):
     tier: TierKind | None = Field(None, description="null: every tier.")
+    tenant: str | None = Field(
+        None, description="Only this tenant's blocks (its namespace's chains); null: everyone's.", max_length=256
+    )
 
 
 class ClearResponse(BaseModel):

@@ -315,10 +315,10 @@ class ServiceCache:
         """The tiers are the service's, shared by every client: this process has no events of its own to tell."""
         return False
 
-    def clear(self, kind: TierKind | None = None) -> int:
+    def clear(self, kind: TierKind | None = None, namespace: str | None = None) -> int:
         c = self._client()
         self._cleared += 1
-        return 0 if c is None else c.clear(kind)
+        return 0 if c is None else c.clear(kind, namespace)
 
     def close(self, flush_s: float | None = None) -> None:
         """Finish this process's stores; flushing the tiers is the service's job when it stops."""

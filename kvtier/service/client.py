@@ -300,8 +300,8 @@ class CacheClient:
         reply = self._ask(p.Pin(_raw(tokens), namespace, ttl_s, p.to_wire(p.Tier, tier)))
         return reply.n if isinstance(reply, p.Count) else 0
 
-    def clear(self, tier: TierKind | None = None) -> int:
-        reply = self._ask(p.Clear(None if tier is None else p.to_wire(p.Tier, tier)))
+    def clear(self, tier: TierKind | None = None, namespace: str | None = None) -> int:
+        reply = self._ask(p.Clear(None if tier is None else p.to_wire(p.Tier, tier), namespace))
         return reply.n if isinstance(reply, p.Count) else 0
 
     def session_turn(self, namespace: str, session_id: str, tokens: Sequence[int] | np.ndarray) -> None:

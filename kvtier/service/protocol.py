@@ -197,10 +197,15 @@ class Pin(_Msg, omit_defaults=True):
     tier: Tier = Tier.HOST
 
 
-class Clear(_Msg):
-    """Drop every unpinned block of one tier (None: all)."""
+class Clear(_Msg, omit_defaults=True):
+    """Drop every unpinned block of one tier (None: all), or only ``namespace``'s.
+
+    ``namespace`` came without a version bump: a clear of everything is
+    framed as before it, and an older service refuses only a namespace's.
+    """
 
     tier: Tier | None = None
+    namespace: str | None = None
 
 
 class Stats(_Msg):

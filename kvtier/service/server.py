@@ -192,7 +192,7 @@ class _Connection:
                 prompt = m.keyed(_tokens(msg.tokens), msg.namespace)
                 return p.Count(m.pin_for(prompt, msg.ttl_s, tier=to_wire(TierKind, msg.tier)))
             case p.Clear():
-                return p.Count(m.clear(None if msg.tier is None else to_wire(TierKind, msg.tier)))
+                return p.Count(m.clear(None if msg.tier is None else to_wire(TierKind, msg.tier), msg.namespace))
             case p.Stats():
                 return p.StatsReply(msgspec.structs.replace(m.stats(), ttl_pinned_blocks=m.ttl_pinned()))
             case p.NamedExists():

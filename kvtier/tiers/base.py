@@ -40,8 +40,11 @@ class BlockRecord:
     ``digest`` (:meth:`kvtier.keys.KeyHasher.digest`: a keyed hash of the
     block's key and token ids) lets every hit be confirmed against the
     request's tokens, since a key is only a hint, without any tier holding
-    the token ids themselves. ``parent`` is the previous block's key (None
-    for block 0), kept for prefix-aware eviction.
+    the token ids themselves. ``parent`` is the previous block's key, and
+    block 0's is the chain's root (the namespace's, :meth:`KeyHasher.root`):
+    kept for prefix-aware eviction, and so that a namespace's blocks can be
+    found (the trees that hang from its root) to clear them. None: a named
+    block, or a block 0 stored before roots were recorded.
     """
 
     digest: BlockDigest

@@ -61,3 +61,19 @@ def test_blocks_count_as_stored_only_in_the_generation_they_were_kept_in() -> No
     resident.keep(keys(2), ids[:2], tokens(2), generation=1)  # stored again in the new cache: the first two
     assert resident.stored_in(keys(3), 1) == 2
     assert resident.stored_in(keys(3, salt=9), 1) == 0  # not held at all
+
+
+def test_a_namespaces_clear_gives_back_only_the_blocks_kept_under_its_root() -> None:
+    pool = KVPool(toy_layout(), 8)
+    resident = ResidentBlocks(pool)
+    roots = {name: BlockKey(name.encode() * 4) for name in ("acme", "else")}
+    held = {}
+    for salt, name in enumerate(roots):
+        ids = pool.allocate(3)
+        resident.keep(keys(3, salt), ids, tokens(3, salt), root=roots[name])
+        pool.free(ids)
+        held[name] = ids
+    assert resident.clear(roots["acme"]) == 3
+    assert [pool.ref_count(b) for b in held["acme"]] == [0, 0, 0]
+    assert resident.match(keys(3, 1), tokens(3, 1)) == held["else"] and resident.peek(keys(3, 0), tokens(3, 0)) == 0
+    assert resident.clear() == 3 and pool.num_free == 8

@@ -145,15 +145,15 @@ def test_fleet_pins_are_counted_releasing_one_keeps_the_others(tmp_path: Path) -
     asyncio.run(run())
 
 
-def test_a_tenants_clear_releases_its_pins_and_drops_no_block(tmp_path: Path) -> None:
+def test_a_tenants_clear_releases_its_pins_then_drops_its_blocks(tmp_path: Path) -> None:
     async def run() -> None:
         async with peers(ANSWERS) as (peer,), router(tmp_path, [peer], admin_token=ADMIN) as r:
             mine = await call(r, "POST", "/fleet/pins", {**PROMPT, "ttl_s": 60})
             theirs = await call(r, "POST", "/fleet/pins", {**PROMPT, "tenant": "other", "ttl_s": 60})
             cleared = await call(r, "POST", "/fleet/clear", {"tenant": "acme"})
             assert cleared["released_pins"] == [mine["id"]] and statuses(cleared) == {peer.url: "ok"}
-            assert cleared["backends"][0]["dropped_blocks"] == {}
-            assert peer.arrived["/admin/clear"].empty()
+            assert cleared["backends"][0]["dropped_blocks"] == {"host": 3}
+            assert json.loads(peer.arrived["/admin/clear"].get_nowait().body) == {"tenant": "acme"}
             assert [p["id"] for p in (await call(r, "GET", "/fleet/pins"))["pins"]] == [theirs["id"]]
 
     asyncio.run(run())

@@ -62,3 +62,26 @@ def test_admin_lookup_names_the_tenant(server: LiveServer) -> None:
     unknown = server.admin_post("/lookup", {"messages": messages, "tenant": "gamma"})
     assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_tenant"
     assert server.admin_post("/lookup", {"messages": messages}).status_code == 400  # keys on: no default tenant
+
+
+def test_a_tenants_clear_drops_its_blocks_in_every_tier_and_no_one_elses(server: LiveServer) -> None:
+    """Both tenants cache one conversation; alpha's clear leaves alpha nothing (pool, host, disk) and beta all."""
+    alpha, beta = server.client(ALPHA), server.client(BETA)
+    messages = [{"role": "system", "content": "Tn6 clear one tenant. " * 4}, {"role": "user", "content": "Go on."}]
+    first = ask(alpha, messages)
+    ask(beta, messages)
+    assert server.admin_post("/admin/settle").status_code == 200
+
+    def cached(tenant: str) -> int:
+        return server.admin_post("/lookup", {"messages": messages, "tenant": tenant}).json()["cached_tokens"]
+
+    held = cached("beta")
+    assert cached("alpha") == held > 0
+    unknown = server.admin_post("/admin/clear", {"tenant": "gamma"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_tenant"
+    dropped = server.admin_post("/admin/clear", {"tenant": "alpha"}).json()["dropped_blocks"]
+    assert dropped["device"] > 0 and dropped["host"] > 0
+    assert cached("alpha") == 0 and cached("beta") == held
+    again = ask(alpha, messages)
+    assert again == (0, first[1])  # recomputed, the same answer
+    assert ask(beta, messages)[0] >= held
