@@ -236,3 +236,44 @@ def test_garbage_on_the_stream_costs_a_resubscription_never_the_follower() -> No
         asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         pub.close(linger=0)
+
+
+def test_the_router_catches_up_on_a_gap_from_the_buffer_or_else_a_snapshot(held: HeldKeys) -> None:
+    """What the follower does on a gap, against a real replay socket: a start the buffer holds is replayed
+    batch by batch on top of the index; an older one is answered by a snapshot that replaces it."""
+    import zmq.asyncio
+
+    from kvtier.route import subscribe
+    from kvtier.route.vllm import VllmKeys
+
+    backend = Backend("http://node", up=True)
+    fleet = Fleet({backend.url: backend}, RoundRobin(), 16)
+    prompts = SimpleNamespace(hasher=None, namespace="default", root=bytes(ROOT).hex())
+    events = VllmKeys(backend.url, None, "default", fleet.index, fleet.guesses)  # type: ignore[arg-type]
+    pub = publisher(held, buffer_batches=4)
+    try:
+        for n in range(3):
+            held.stored(TierKind.HOST, keys(n))
+            replay(pub.replay_endpoint, pub.report().last_seq)  # one batch each
+        missed_from = pub.report().last_seq - 1  # the last two stores' batches
+
+        async def run() -> None:
+            dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            dealer.connect(pub.replay_endpoint)
+            try:
+                fleet.index.stored(backend.url, TierKind.HOST, keys(0, 99))  # what the router knew before the gap
+                at = await subscribe._resync(fleet, backend, prompts, events, dealer, missed_from)  # type: ignore[arg-type]
+                assert at.expected == pub.report().last_seq + 1 and at.incarnation == pub.incarnation
+                assert fleet.index.blocks(backend.url) == 4  # 0 and 99 kept, 1 and 2 replayed on top
+                for n in range(3, 9):
+                    held.stored(TierKind.DISK, keys(n))
+                    await asyncio.to_thread(replay, pub.replay_endpoint, pub.report().last_seq)
+                await subscribe._resync(fleet, backend, prompts, events, dealer, at.expected)  # type: ignore[arg-type]
+                assert fleet.index.blocks(backend.url) == 9 and fleet.index.match(backend.url, keys(99)) == []
+            finally:
+                dealer.close(linger=0)
+
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        pub.close()
+    assert backend.event_resyncs == 2 and pub.report().snapshots == 1
