@@ -133,6 +133,8 @@ class EventPublisher:
 
     def _put(self, op: _Op, tier: TierKind, keys: Sequence[BlockKey]) -> None:
         with self._lock:
+            if self._closing:
+                return  # closed, or its thread stopped: nothing would take these
             last = self._pending[-1] if self._pending else None
             if last is not None and last.op is op is not _Op.CLEARED and last.tier is tier:
                 last.keys.extend(keys)
@@ -172,6 +174,8 @@ class EventPublisher:
                     return
         except Exception:  # events are best effort for routers; the node serves on without them
             log.exception("the KV event publisher stopped")
+            with self._lock:
+                self._closing, self._pending = True, []
         finally:
             self._pub.close(linger=0)
             if self._replay is not None:

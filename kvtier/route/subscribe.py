@@ -170,7 +170,8 @@ async def follow_zmq(fleet: Fleet, backend: Backend, prompts: Prompts, source: E
     asks for the same: a replay from the first missing number when the
     buffer still holds it, else a snapshot. vLLM sends no snapshot: without
     a replay that covers the gap, its index is dropped and rebuilt from the
-    events that follow. Silence past a few heartbeats drops the index too.
+    events that follow. A kvtier node's silence past a few heartbeats drops
+    the index too (vLLM sends none: an idle vLLM is silent, not lost).
     """
     import zmq
     import zmq.asyncio
@@ -232,9 +233,12 @@ async def _read_zmq(
     poller.register(sub, zmq.POLLIN)
     poller.register(watch, zmq.POLLIN)
     at = _Position()
+    beats = False  # a kvtier node sends a heartbeat; vLLM is silent when idle, and only a dropped connection counts
     while True:
         ready = dict(await poller.poll(SILENT_S * 1000))
         if not ready:
+            if not beats:
+                continue
             if backend.events_live:
                 log.warning("%s: no KV events for %.0f s; index dropped until they resume", backend.url, SILENT_S)
             lost(fleet, backend)
@@ -252,6 +256,7 @@ async def _read_zmq(
         seq, payload = split(await sub.recv_multipart())
         batch = BATCHES.decode(payload)
         _check_root(prompts, backend, batch)
+        beats = batch.root is not None
         if at.expected is not None and batch.incarnation == at.incarnation:
             if seq < at.expected:
                 continue  # already applied (it was in a replay or a snapshot)
