@@ -102,7 +102,8 @@ class EventPublisher:
         self.replays = self.snapshots = 0
         self._pending: list[_Change] = []
         self._lock = threading.Lock()
-        self._closing = False
+        self._closing = False  # no more changes taken: close() was called, or the thread stopped
+        self._closed = False
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -243,9 +244,9 @@ class EventPublisher:
     def close(self, timeout_s: float = 2.0) -> None:
         """Publish what is pending, then close the sockets; again: nothing."""
         with self._lock:
-            if self._closing:
+            if self._closed:
                 return
-            self._closing = True
+            self._closed = self._closing = True
         self._wake()
         self._thread.join(timeout_s)
         os.close(self._wake_w)
