@@ -162,8 +162,9 @@ def _sparse_slabs(tier: Any, lay: Any) -> None:
 def _write_records(tier: Any, hasher: Any, lay: Any, blocks: int) -> None:
     """Prompt after prompt, each block's record, committed :data:`COMMIT_BLOCKS` at a time."""
     from kvtier.tiers import native
+    from kvtier.tiers.disk.index import pack_checksums
 
-    sums = tuple(native.BACKEND.crc32c_layers(np.zeros(lay.block_bytes, np.uint8), lay.layer_bytes))
+    sums = pack_checksums(native.BACKEND.crc32c_layers(np.zeros(lay.block_bytes, np.uint8), lay.layer_bytes))
     index = tier._index  # its own LMDB environment, without filling the in-memory mirror of this process
     records = _records(hasher, sums, blocks)
     while batch := list(islice(records, COMMIT_BLOCKS)):
@@ -172,7 +173,7 @@ def _write_records(tier: Any, hasher: Any, lay: Any, blocks: int) -> None:
                 txn.put(key, value)
 
 
-def _records(hasher: Any, sums: tuple[int, ...], blocks: int) -> Iterator[tuple[bytes, bytes]]:
+def _records(hasher: Any, sums: bytes, blocks: int) -> Iterator[tuple[bytes, bytes]]:
     """(key, encoded record) of blocks 0 .. ``blocks``: prompt 0's 128, then prompt 1's, ...; block i in slot i."""
     from kvtier.tiers.base import BlockRecord
     from kvtier.tiers.disk.index import IndexEntry, encode_record
@@ -304,7 +305,9 @@ def measure_router(blocks: int, backends: int) -> dict[str, float]:
 # -- the run ----------------------------------------------------------------------------------------
 def _child(what: str, *args: str) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter (its resident memory is its own); its JSON answer."""
-    code = f"import json, sys; from kvtier.bench import scale; print(json.dumps(scale._run_child({what!r}, sys.argv[1:])))"
+    code = (
+        f"import json, sys\nfrom kvtier.bench import scale\nprint(json.dumps(scale._run_child({what!r}, sys.argv[1:])))"
+    )
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"bench scale: the {what} process failed:\n{done.stderr[-3000:]}")

@@ -60,18 +60,27 @@ _LMDB_DAMAGE = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IndexEntry:
     """One index record, decoded: where the block is, in what order it was stored, and how to check it."""
 
     slot: int
     seq: int
-    checksums: tuple[int, ...]  # CRC-32C per layer
+    checksums: bytes  # CRC-32C per layer, packed (:func:`pack_checksums`): the mirror holds one per block
     record: BlockRecord
 
 
 class IndexDamage(Exception):
     """A header or record this format cannot have: the index is damaged, not merely written for another setup."""
+
+
+def pack_checksums(crcs: Sequence[int]) -> bytes:
+    """Per-layer CRC-32Cs as the record stores them (little-endian uint32 each).
+
+    Kept packed in memory too: a tuple of Python ints costs about 40 bytes per
+    layer per block, which the disk tier's mirror pays for every block it indexes.
+    """
+    return struct.pack(f"<{len(crcs)}I", *crcs)
 
 
 def record_bytes(num_layers: int) -> int:
@@ -81,7 +90,7 @@ def record_bytes(num_layers: int) -> int:
 def encode_record(e: IndexEntry) -> bytes:
     parent = e.record.parent
     head = _HEAD.pack(e.slot, e.seq, parent is not None, parent or bytes(KEY_BYTES))
-    return head + struct.pack(f"<{len(e.checksums)}I", *e.checksums) + e.record.digest
+    return head + e.checksums + e.record.digest
 
 
 def decode_record(key: bytes, value: bytes, num_layers: int) -> IndexEntry:
@@ -90,7 +99,7 @@ def decode_record(key: bytes, value: bytes, num_layers: int) -> IndexEntry:
         want = record_bytes(num_layers)
         raise IndexDamage(f"a record of {len(key)}+{len(value)} B, where this format has {KEY_BYTES}+{want} B")
     slot, seq, has_parent, parent = _HEAD.unpack_from(value)
-    checksums = struct.unpack_from(f"<{num_layers}I", value, _HEAD.size)
+    checksums = bytes(value[_HEAD.size : _HEAD.size + 4 * num_layers])
     digest = BlockDigest(bytes(value[_HEAD.size + 4 * num_layers :]))
     return IndexEntry(slot, seq, checksums, BlockRecord(digest, BlockKey(bytes(parent)) if has_parent else None))
 
