@@ -619,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--no-warm", action="store_true", help="skip part (c), the next turn warmed while a tool runs")
     sc = command("scale", _bench_scale, "per-block costs at 10^4..10^7 indexed blocks: lookup, store, RAM, start-up")
     sc.add_argument("--points", default="1e4,1e5,1e6,1e7", help="indexed block counts, comma-separated")
-    sc.add_argument("--lookups", type=int, default=400, help="timed lookups per point, half cached, half absent")
+    sc.add_argument("--lookups", type=int, default=2000, help="timed lookups per point, half cached, half absent")
     sc.add_argument("--workdir", default=None, help="where the disk tiers are made (default: the temp directory)")
     tn = command(
         "tenants",

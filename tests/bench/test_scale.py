@@ -22,7 +22,7 @@ def test_scale_bench_reports_every_field_of_every_point_and_sane_values(tmp_path
         assert set(scale.FIELDS) <= set(p)
         for field in scale.FIELDS[1:]:
             assert p[field] > 0, field
-        assert p["lookup_p99_us"] >= p["lookup_p50_us"]
+        assert p["lookup_p99_us"] >= p["lookup_p50_us"] and p["absent_p99_us"] >= p["absent_p50_us"] > 0
         assert p["host_ram_blocks"] == min(p["blocks"], SPEC.host_blocks)
         assert p["ram_bytes_per_block"] == p["disk_ram_bytes_per_block"]
     setup = result["setup"]
