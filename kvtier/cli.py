@@ -18,6 +18,8 @@
   sessions over three backends, a killed backend, a hot session (:mod:`kvtier.bench.route`).
 * ``kvtier bench engines [--json]``: vLLM, llama-cpp-python and SGLang with
   kvtier plugged in, a fresh process's hit against cold (:mod:`kvtier.bench.engines`).
+* ``kvtier bench scale [--points 1e4,1e5,...] [--json]``: per-block costs as the
+  indexed blocks grow: lookup, store, evict, RAM, start-up, router (:mod:`kvtier.bench.scale`).
 * ``kvtier bench chaos [--kills N] [--json]``: kill -9 a real cache at random
   points, restart it, count wrong bytes and lost acknowledged blocks; then
   every registered fault (:mod:`kvtier.bench.chaos`).
@@ -285,6 +287,16 @@ def _bench_tenants(args: argparse.Namespace) -> int:
     result = tenants.run(tenants.TenantSpec(rounds=args.rounds))
     path = tenants.save(result, Path(args.out))
     return _answer(args, {k: v for k, v in result.items() if k != "samples_s"}, tenants.table(result), path)
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from kvtier.bench import scale
+
+    spec = scale.ScaleSpec(points=tuple(int(float(p)) for p in args.points.split(",")), lookups=args.lookups)
+    workdir = Path(args.workdir) if args.workdir else None
+    result = scale.run(spec, workdir=workdir, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    path, png = scale.save(result, Path(args.out))
+    return _answer(args, scale.summary(result), scale.table(result), path, png)
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
@@ -605,6 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--disk-io", choices=["buffered", "direct"], default="buffered", help="disk.io with --disk")
     ag.add_argument("--no-spec", action="store_true", help="skip half (b), prompt-lookup decoding")
     ag.add_argument("--no-warm", action="store_true", help="skip part (c), the next turn warmed while a tool runs")
+    sc = command("scale", _bench_scale, "per-block costs at 10^4..10^7 indexed blocks: lookup, store, RAM, start-up")
+    sc.add_argument("--points", default="1e4,1e5,1e6,1e7", help="indexed block counts, comma-separated")
+    sc.add_argument("--lookups", type=int, default=2000, help="timed lookups per point, half cached, half absent")
+    sc.add_argument("--workdir", default=None, help="where the disk tiers are made (default: the temp directory)")
     tn = command(
         "tenants",
         _bench_tenants,

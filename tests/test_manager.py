@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import stat
@@ -14,6 +15,7 @@ from kvtier.config import WriteMode
 from kvtier.index import MissReason
 from kvtier.manager import CacheManager
 from kvtier.policy import PolicyName, make_policy, registered
+from kvtier.policy.lru import LRUPolicy
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import JobStatus
 from tests.helpers import BLOCK, as_bytes, make_config, make_hasher, payload, prompt, read_only, toy_layout
@@ -522,3 +524,34 @@ def test_a_namespaces_clear_drops_its_chains_in_every_local_tier_and_nothing_els
         assert m.lookup(theirs).cached_tokens == 3 * BLOCK
         with m.load(m.lookup(theirs)) as handle:
             assert all(torch.equal(g, as_bytes(b)) for g, b in zip(handle.blocks, kv(3, seed=2), strict=True))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_start_up_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(
+    tmp_path: Path, enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The collector is off while the policies rebuild from the reopened tiers, then restored as it was."""
+    first = manager(tmp_path, write_mode=WriteMode.WRITE_THROUGH)
+    first.store(first.keyed(prompt(4 * BLOCK, seed=1)), kv(4, 1))
+    first.close()
+    seen: list[bool] = []
+    insert = LRUPolicy.on_insert
+    monkeypatch.setattr(
+        LRUPolicy, "on_insert", lambda p, k, parent: (seen.append(gc.isenabled()), insert(p, k, parent))
+    )
+    was = gc.isenabled()
+    try:
+        _collector(enabled)
+        again = manager(tmp_path)
+        assert seen == [False] * 4 and gc.isenabled() is enabled
+        assert again.lookup(again.keyed(prompt(4 * BLOCK, seed=1))).cached_blocks == 4
+        again.close()
+    finally:
+        _collector(was)
+
+
+def _collector(on: bool) -> None:
+    if on:
+        gc.enable()
+    else:
+        gc.disable()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvtier.keys import BlockKey
+from kvtier.keys import KEY_BYTES, BlockKey
 from kvtier.tiers.base import TierKind
 
 _ORDER = list(TierKind)  # fastest first
@@ -29,22 +29,39 @@ def _fastest(mask: int) -> TierKind:
     return _ORDER[(mask & -mask).bit_length() - 1]
 
 
+def _number(key: BlockKey) -> int | bytes:
+    """A 16-byte key as its integer; any other length (a backend's stream is not trusted) stays as it came."""
+    return int.from_bytes(key, "big") if len(key) == KEY_BYTES else key
+
+
+def _key(number: int | bytes) -> BlockKey:
+    return BlockKey(number.to_bytes(KEY_BYTES, "big") if isinstance(number, int) else number)
+
+
 class BlockIndex:
-    """backend -> key -> the set of tiers (a bit mask) that backend holds the key in."""
+    """backend -> key -> the set of tiers (a bit mask) that backend holds the key in.
+
+    A key is held as the integer of its 16 bytes: 48 bytes of memory where
+    a ``bytes`` of 16 takes 64, in an index that holds one entry per block
+    per backend (``kvtier bench scale``: ``router_bytes_per_block``).
+    """
 
     def __init__(self) -> None:
-        self._held: dict[str, dict[BlockKey, int]] = {}
+        self._held: dict[str, dict[int | bytes, int]] = {}
 
     def stored(self, backend: str, tier: TierKind, keys: Iterable[BlockKey]) -> None:
         held, bit = self._held.setdefault(backend, {}), _BIT[tier]
-        for key in keys:
+        for key in map(_number, keys):
             held[key] = held.get(key, 0) | bit
 
     def removed(self, backend: str, tier: TierKind, keys: Iterable[BlockKey]) -> list[BlockKey]:
         """Those of ``keys`` the backend now holds in no tier at all."""
+        return [_key(n) for n in self._removed(backend, tier, map(_number, keys))]
+
+    def _removed(self, backend: str, tier: TierKind, numbers: Iterable[int | bytes]) -> list[int | bytes]:
         held, keep = self._held.get(backend, {}), ~_BIT[tier]
         gone = []
-        for key in keys:
+        for key in numbers:
             mask = held.get(key, 0) & keep
             if mask:
                 held[key] = mask
@@ -54,7 +71,7 @@ class BlockIndex:
         return gone
 
     def cleared(self, backend: str, tier: TierKind) -> list[BlockKey]:
-        return self.removed(backend, tier, list(self._held.get(backend, {})))
+        return [_key(n) for n in self._removed(backend, tier, list(self._held.get(backend, {})))]
 
     def replace(self, backend: str, tiers: Mapping[TierKind, Iterable[BlockKey]]) -> None:
         """A snapshot: forget what was known of ``backend`` and take this instead."""
@@ -81,7 +98,7 @@ class BlockIndex:
         """The fastest tier of each of ``keys``' leading blocks that ``backend`` holds, up to the first it lacks."""
         held = self._held.get(backend, {})
         out: list[TierKind] = []
-        for key in keys:
+        for key in map(_number, keys):
             mask = held.get(key)
             if not mask:
                 break

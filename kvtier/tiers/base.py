@@ -33,7 +33,7 @@ class TierKind(enum.StrEnum):
     REMOTE = "remote"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlockRecord:
     """What a tier keeps beside a block's payload.
 

@@ -140,3 +140,16 @@ def test_routed_prefixes_forget_least_recently_routed_first() -> None:
     assert guesses.match("x", [a, b]) == 1
     assert guesses.match("x", [c, a, d]) == 3
     assert guesses.match("y", [a]) == 0
+
+
+def test_the_block_index_gives_back_the_keys_it_was_given_whatever_their_length() -> None:
+    """Keys are held as integers (less memory per block); a key of another length from a stream is kept as is."""
+    index = BlockIndex()
+    keys = [BlockKey(bytes([0] * 15 + [7])), BlockKey(bytes(range(16))), BlockKey(b"\x00short"), BlockKey(b"")]
+    index.stored("a", TierKind.DISK, keys)
+    index.stored("a", TierKind.HOST, keys[:1])
+    assert index.match("a", keys) == [TierKind.HOST, TierKind.DISK, TierKind.DISK, TierKind.DISK]
+    assert index.match("a", [BlockKey(b"\x07"), *keys]) == []  # not the 16-byte key whose integer is 7
+    assert index.removed("a", TierKind.DISK, keys[:2]) == [keys[1]]  # keys[0] is still in host
+    assert index.cleared("a", TierKind.DISK) == keys[2:]
+    assert index.cleared("a", TierKind.HOST) == keys[:1] and index.blocks("a") == 0

@@ -663,3 +663,19 @@ def test_a_slab_that_cannot_be_preallocated_is_said_naming_the_file(tmp_path: Pa
     assert json.loads(out) == {"stored": False, "errors": 1}  # nor can it grow: the store fails, counted
     (said,) = [line for line in err.splitlines() if "cannot preallocate" in line]
     assert str(tmp_path / "slab-0000.bin") in said
+
+
+def test_a_reopened_index_is_mirrored_in_store_order_not_key_order(tmp_path: Path) -> None:
+    """Decoding oldest first makes a chain's records one after another in memory (lookups walk chains)."""
+    order = [5, 1, 9, 3, 12, 0, 7]  # key(i)'s bytes sort by i's low byte: store order is not key order
+    tier = open_disk(tmp_path)
+    for i in order:
+        assert tier.put(key(i), payload(tier.layout, i), rec(i))
+    tier.close()
+    tier = open_disk(tmp_path)
+    try:
+        assert list(tier._index.mirror) == [key(i) for i in order]
+        assert [k for k, _ in tier.entries()] == [key(i) for i in order]
+        assert all(tier.record(key(i)) == rec(i) for i in order) and read(tier, 9) is not None
+    finally:
+        tier.close()

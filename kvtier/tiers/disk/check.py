@@ -21,7 +21,7 @@ import lmdb
 from kvtier.errors import KVTierError
 from kvtier.tiers import native
 from kvtier.tiers.disk.directory import DiskDir, index_damage
-from kvtier.tiers.disk.index import FORMAT_VERSION, IndexDamage, IndexEntry, decode_record
+from kvtier.tiers.disk.index import FORMAT_VERSION, IndexDamage, IndexEntry, decode_record, pack_checksums
 
 
 @dataclass(frozen=True)
@@ -174,4 +174,4 @@ def _check_slabs(
 
 def _block_ok(fd: int, offset: int, shape: _Shape, entry: IndexEntry) -> bool:
     data = os.pread(fd, shape.block_bytes, offset)
-    return tuple(native.BACKEND.crc32c_layers(data, shape.layer_bytes)) == entry.checksums
+    return pack_checksums(native.BACKEND.crc32c_layers(data, shape.layer_bytes)) == entry.checksums

