@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,10 +116,32 @@ async def follow(
 
     ``limit`` is ``route.max_event_line_bytes``.
     """
+    await _keep_following(
+        fleet,
+        backend,
+        "block events",
+        lambda: _read(fleet, backend, prompts, client, token, limit),
+        (httpx.HTTPError, msgspec.DecodeError, ValueError),
+    )
+
+
+async def _keep_following(
+    fleet: Fleet,
+    backend: Backend,
+    what: str,
+    read: Callable[[], Awaitable[None]],
+    expected: tuple[type[Exception], ...],
+) -> None:
+    """``read()`` again after every loss, the index dropped meanwhile (routing falls back on the guesses).
+
+    ``expected``: the losses a stream has (logged once it was live); a key
+    mismatch waits longer, and anything else is logged once with its trace.
+    The loop outlives whatever one backend sends.
+    """
     warned = failed = False
     while True:
         try:
-            await _read(fleet, backend, prompts, client, token, limit)
+            await read()
         except KeyMismatch as err:
             lost(fleet, backend)
             if not warned:
@@ -129,12 +151,12 @@ async def follow(
             continue
         except LineTooLong as err:
             _overflowed(backend, err)
-        except (httpx.HTTPError, msgspec.DecodeError, ValueError) as err:
+        except expected as err:
             if backend.events_live:
-                log.warning("lost the block events of %s (%s); resubscribing", backend.url, type(err).__name__)
-        except Exception:  # the loop outlives anything one backend does; routing by load meanwhile
+                log.warning("lost the %s of %s (%s); resubscribing", what, backend.url, type(err).__name__)
+        except Exception:  # routing by load meanwhile
             if not failed:
-                log.exception("following the block events of %s failed; resubscribing", backend.url)
+                log.exception("following the %s of %s failed; resubscribing", what, backend.url)
                 failed = True
         lost(fleet, backend)
         await asyncio.sleep(RETRY_S)
@@ -178,8 +200,8 @@ async def follow_zmq(fleet: Fleet, backend: Backend, prompts: Prompts, source: E
 
     context = zmq.asyncio.Context.instance()
     keys = VllmKeys(backend.url, prompts.hasher, prompts.namespace, fleet.index, fleet.guesses)
-    warned = failed = False
-    while True:
+
+    async def subscribed() -> None:
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
@@ -192,28 +214,13 @@ async def follow_zmq(fleet: Fleet, backend: Backend, prompts: Prompts, source: E
         sub.connect(source.endpoint)
         try:
             await _read_zmq(fleet, backend, prompts, keys, sub, watch, replay)
-        except KeyMismatch as err:
-            if not warned:
-                log.error("%s; routing to it by load only", err)
-                warned = True
-            lost(fleet, backend)
-            await asyncio.sleep(30 * RETRY_S)
-        except (_Resync, msgspec.DecodeError, ValueError) as err:
-            if backend.events_live:
-                log.warning("lost the KV events of %s (%s); resubscribing", backend.url, type(err).__name__)
-            lost(fleet, backend)
-            await asyncio.sleep(RETRY_S)
-        except Exception:  # the loop outlives anything one backend sends; routing by load meanwhile
-            if not failed:
-                log.exception("following the KV events of %s failed; resubscribing", backend.url)
-                failed = True
-            lost(fleet, backend)
-            await asyncio.sleep(RETRY_S)
         finally:
             sub.disable_monitor()
             for socket in (watch, sub, replay):
                 if socket is not None:
                     socket.close(linger=0)
+
+    await _keep_following(fleet, backend, "KV events", subscribed, (_Resync, msgspec.DecodeError, ValueError))
 
 
 async def _read_zmq(

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvtier.config import ServerConfig
 from kvtier.engine.engine import Engine
-from kvtier.keys import BlockKey
+from kvtier.keys import BlockKey, KeyedTokens
 from kvtier.server import inference, messages, sessions
 from kvtier.server.errors import MESSAGES_PATH, APIError, ErrorCode, ErrorType, install_error_handlers, unauthorized
 from kvtier.server.limits import BodyLimit
@@ -400,13 +400,17 @@ def _tenant(state: ServerState, name: str | None) -> Tenant:
     return tenant
 
 
-async def _ids(
+async def _keyed(
     state: ServerState, body: LookupRequest | PinRequest | PrefetchRequest, *, add_generation_prompt: bool
-) -> list[int]:
+) -> tuple[Tenant, KeyedTokens]:
+    """The admin body's tenant and its prompt (or messages, rendered as the inference routes do), keyed."""
+    tenant = _tenant(state, body.tenant)
     if body.messages is not None:
-        return await inference.chat_ids(state, body.messages, add_generation_prompt=add_generation_prompt)
-    assert body.prompt is not None
-    return await inference.prompt_ids(state, body.prompt)
+        ids = await inference.chat_ids(state, body.messages, add_generation_prompt=add_generation_prompt)
+    else:
+        assert body.prompt is not None
+        ids = await inference.prompt_ids(state, body.prompt)
+    return tenant, await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
 
 
 def _clear_resident(root: BlockKey | None, engine: Engine) -> int:
@@ -469,9 +473,7 @@ async def pin(body: PinRequest, state: State) -> PinResponse:
     tier = TierKind(body.tier.value)
     if tier not in (t.kind for t in state.cache.tiers):
         raise APIError(404, f"tier {tier.value!r} is not configured", type=ErrorType.NOT_FOUND, param="tier")
-    tenant = _tenant(state, body.tenant)
-    ids = await _ids(state, body, add_generation_prompt=False)
-    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    tenant, prompt = await _keyed(state, body, add_generation_prompt=False)
     pinned = await asyncio.to_thread(functools.partial(state.cache.pin_for, prompt, body.ttl_s, tier=tier))
     if body.ttl_s == 0:  # an unpin lets go of keys whoever pinned them: the tenant's clients' promises hold again
         await asyncio.to_thread(state.retention.pin_again, tenant.name, tier)
@@ -495,13 +497,11 @@ async def prefetch(body: PrefetchRequest, state: State) -> PrefetchResponse:
     moves traffic here: the reads happen now instead of in the first
     request's TTFT. Nothing stays pinned, as with a session's prefetch.
     """
-    tenant = _tenant(state, body.tenant)
-    ids = await _ids(state, body, add_generation_prompt=True)
-    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    tenant, prompt = await _keyed(state, body, add_generation_prompt=True)
     done = await asyncio.to_thread(state.cache.prefetch, prompt)
     return PrefetchResponse(
         tenant=tenant.name,
-        prompt_tokens=len(ids),
+        prompt_tokens=len(prompt),
         promoted_tokens=done.promoted,
         host_tokens=done.host_blocks * state.cache.layout.block_size,
     )
@@ -510,13 +510,11 @@ async def prefetch(body: PrefetchRequest, state: State) -> PrefetchResponse:
 @router.post("/lookup", response_model=LookupResponse, responses=ERRORS, dependencies=[Admin])
 async def lookup(body: LookupRequest, state: State) -> LookupResponse:
     """How much of a prompt the tiers hold for a tenant (the remote one too), without touching eviction or stats."""
-    tenant = _tenant(state, body.tenant)
-    ids = await _ids(state, body, add_generation_prompt=True)
-    prompt = await asyncio.to_thread(state.cache.keyed, ids, tenant.namespace)
+    tenant, prompt = await _keyed(state, body, add_generation_prompt=True)
     probe = await asyncio.to_thread(state.cache.probe, prompt)
     return LookupResponse(
         tenant=tenant.name,
-        prompt_tokens=len(ids),
+        prompt_tokens=len(prompt),
         cached_tokens=probe.cached_tokens,
         tiers=probe.tokens_by_tier(),
         miss_reason=probe.miss_reason,

@@ -61,6 +61,7 @@ def test_the_router_holds_a_restarted_backends_new_state_from_its_snapshot(
     seen = backend_stats(fleet)
     assert seen["events_live"] and seen["event_resyncs"] >= 2 and seen["event_resync_s"] > 0
 
+    processes.wait_until(fleet.router, processes.all_live(1))  # its health checks have it back in too
     again = chat(fleet.router, messages)
     assert again.headers[BACKEND] == restarted.url
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # read back from disk
