@@ -20,11 +20,22 @@ same lock under which eviction reads :meth:`Pins.exclude`.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Callable, Container, Iterable
 
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierKind
+
+MAX_TTL_S = 31 * 86400.0
+"""The longest TTL pin an admin route or the fleet API takes (a server caps it further: ``server.max_pin_ttl_s``)."""
+
+
+class PinTier(enum.StrEnum):
+    """The tiers a TTL pin can keep blocks in: the ones a node evicts by its own policy (the remote is shared)."""
+
+    HOST = "host"
+    DISK = "disk"
 
 
 class Pins:

@@ -35,26 +35,19 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.config import RouteConfig
+from kvtier.pins import MAX_TTL_S, PinTier
 from kvtier.route.backends import Fleet
 from kvtier.route.pins import FleetPin, PinBook, same_prefix
 from kvtier.tiers.base import TierKind
 from kvtier.web.auth import AdminToken
 
 MAX_ANSWER_BYTES = 8 * 1024**2  # a backend's admin answer read past this is no answer (its /stats is some KiB)
-MAX_TTL_S = 31 * 86400.0  # as the backends' /admin/pin; each caps it further by its own server.max_pin_ttl_s
 
 
 class BackendStatus(enum.StrEnum):
     OK = "ok"
     DOWN = "down"
     ERROR = "error"
-
-
-class PinTier(enum.StrEnum):
-    """The tiers a pin keeps a prefix in (a backend's own eviction), as its ``/admin/pin`` takes them."""
-
-    HOST = "host"
-    DISK = "disk"
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -452,7 +445,7 @@ async def _release_tenant(
 ) -> tuple[list[str], dict[str, BackendRelease]]:
     """The tenant's fleet pins on ``urls`` (in the tier, when it is host or disk) released: their ids, and the
     backends where a release failed (their first failure)."""
-    tier = body.tier.value if body.tier is not None and body.tier.value in {t.value for t in PinTier} else None
+    tier = body.tier.value if body.tier is not None and body.tier.value in set(PinTier) else None
     if body.tier is not None and tier is None:
         return [], {}  # no fleet pin holds a block in that tier
     released: list[str] = []

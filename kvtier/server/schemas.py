@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, model_validator
 from kvtier.engine.request import FinishReason
 from kvtier.explain import ExplainReason
 from kvtier.index import MissReason
+from kvtier.pins import MAX_TTL_S, PinTier
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.breaker import BreakerState
 from kvtier.web.requests import MAX_MESSAGES, ChatMessage, RequestBody, SessionId, Text, TokenId
@@ -219,19 +220,12 @@ class LookupResponse(BaseModel):
     miss_reason: MissReason
 
 
-class PinnedTier(enum.StrEnum):
-    """The tiers a TTL pin can keep blocks in: the ones this node evicts by its own policy."""
-
-    HOST = "host"
-    DISK = "disk"
-
-
 class PinRequest(_PromptOrMessages):
     """``messages`` are rendered as a prefix (no assistant turn opened), e.g. a shared system prompt."""
 
-    ttl_s: float = Field(ge=0.0, le=31 * 86400.0, description="Seconds to keep it; 0 unpins.")
-    tier: PinnedTier = Field(
-        PinnedTier.HOST,
+    ttl_s: float = Field(ge=0.0, le=MAX_TTL_S, description="Seconds to keep it; 0 unpins.")
+    tier: PinTier = Field(
+        PinTier.HOST,
         description="Where eviction skips it: host memory, or disk (written through there at once, whatever "
         "cache.write_mode). A pin in one tier never protects the other.",
     )
@@ -243,7 +237,7 @@ class PinResponse(BaseModel):
     pinned_tokens: int
     cached_tokens: int = Field(description="Of the pinned tokens, how many are cached now (host or disk).")
     ttl_s: float
-    tier: PinnedTier
+    tier: PinTier
 
 
 class PrefetchRequest(_PromptOrMessages):
