@@ -3,8 +3,8 @@
 Two extensions, compiled from source by the package's own build (``pip install -e .``
 or a wheel build), one file per job (native/README.md has the table):
 
-* ``kvtier._native_io``: the disk tier's batched positional I/O, aligned buffers and
-  CRC-32C;
+* ``kvtier._native_io``: the disk tier's batched positional I/O, aligned buffers,
+  CRC-32C and its in-memory index by slot;
 * ``kvtier._native_kernels``: the block-key chain, the engine's region copies, its
   decode and prefill attention, its quantized decode products and a layer's
   element-wise steps.
@@ -22,7 +22,7 @@ setup(
     ext_modules=[
         Extension(
             "kvtier._native_io",
-            ["native/io_module.c", "native/iopool.c", "native/aligned.c", "native/crc32c.c"],
+            ["native/io_module.c", "native/iopool.c", "native/aligned.c", "native/crc32c.c", "native/slot_index.c"],
             depends=["native/io.h", "native/aligned.h", "native/crc32c.h", "native/iopool.h"],
             extra_compile_args=_FLAGS,
             extra_link_args=["-pthread"],

@@ -40,8 +40,7 @@ class Eviction:
         self.protect: Callable[[int], Protection] | None = None  # host capacity -> keys to keep (sessions)
         self._clock = clock
         for tier in tiers.local:
-            for key, record in tier.entries():
-                policies[tier.kind].on_insert(key, record.parent)
+            policies[tier.kind].load(tier.entries(), getattr(tier, "recency", None))
 
     # -- what the policies hear -------------------------------------------------------------
     def inserted(self, kind: TierKind, key: BlockKey, parent: BlockKey | None) -> None:
@@ -73,9 +72,9 @@ class Eviction:
         self.log.record(victims, tier.kind, policy.name, self._clock())
         if host:
             self._demote(victims)
-        tier.remove_many(victims)
-        for key in victims:
+        for key in victims:  # first: a policy (and a sink listening to it) may ask the tier about the key
             policy.on_remove(key)
+        tier.remove_many(victims)
         tier.stats.add(evictions=len(victims))
         return len(victims) == short
 
@@ -154,9 +153,9 @@ class Eviction:
                 for k, _ in tier.entries()
                 if not (tier is self.tiers.host and k in self.pins) and (doomed is None or k in doomed)
             ]
-            dropped += tier.remove_many(keys)
             for key in keys:
                 self.policies[tier.kind].on_remove(key)
+            dropped += tier.remove_many(keys)
         return dropped
 
     def descendants(self, root: BlockKey) -> set[BlockKey]:

@@ -19,4 +19,7 @@ PyObject *kvt_py_crc32c(PyObject *mod, PyObject *args, PyObject *kw);
 PyObject *kvt_py_crc32c_portable(PyObject *mod, PyObject *args, PyObject *kw);
 PyObject *kvt_py_crc32c_layers(PyObject *mod, PyObject *args, PyObject *kw);
 
+/* The disk tier's in-memory index by slot (slot_index.c). */
+extern PyTypeObject kvt_slot_index_type;
+
 #endif

@@ -10,6 +10,8 @@
  *   crc32c / crc32c_layers        crc32c.c: CRC-32C (Castagnoli): the SSE4.2 crc32
  *                                 instruction, three streams interleaved, else a
  *                                 slicing-by-8 table
+ *   SlotIndex                     slot_index.c: the disk tier's in-memory index, key ->
+ *                                 slot and record in flat arrays, with a recency list
  *
  * kvtier/tiers/native.py holds the same functions in pure Python, the reference the
  * tests compare this module with.
@@ -66,11 +68,13 @@ PyMODINIT_FUNC PyInit__native_io(void) {
         kvt_iopool_init();
         once = 1;
     }
-    if (PyType_Ready(&kvt_aligned_buffer_type) < 0) return NULL;
+    if (PyType_Ready(&kvt_aligned_buffer_type) < 0 || PyType_Ready(&kvt_slot_index_type) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     Py_INCREF(&kvt_aligned_buffer_type);
+    Py_INCREF(&kvt_slot_index_type);
     if (PyModule_AddObject(m, "AlignedBuffer", (PyObject *)&kvt_aligned_buffer_type) < 0 ||
+        PyModule_AddObject(m, "SlotIndex", (PyObject *)&kvt_slot_index_type) < 0 ||
         PyModule_AddIntConstant(m, "THREADS", KVT_THREADS) < 0 ||
         PyModule_AddIntConstant(m, "PIECE_BYTES", (long)KVT_PIECE) < 0 ||
         PyModule_AddStringConstant(m, "CRC32C_IMPL", kvt_crc_impl_name()) < 0) {

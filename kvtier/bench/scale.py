@@ -32,7 +32,7 @@ decoded from each backend's events), over N times the backends.
 ``ram_bytes_per_block`` is the disk tier's figure: the tier that holds N.
 
 How the N blocks get there: their index records are written into the tier's
-own LMDB index (the record encoding of :mod:`kvtier.tiers.disk.index`, real
+own LMDB index (the record encoding of :mod:`kvtier.tiers.disk.records`, real
 keys and digests of real token chains, the CRC-32C of a zero payload) and
 their slab files are made at full length but sparse, so 10^7 blocks take no
 41 GB of disk; a read of one of them returns zeros that pass their checksum.
@@ -163,7 +163,7 @@ def _sparse_slabs(tier: Any, lay: Any) -> None:
 def _write_records(tier: Any, hasher: Any, lay: Any, blocks: int) -> None:
     """Prompt after prompt, each block's record, committed :data:`COMMIT_BLOCKS` at a time."""
     from kvtier.tiers import native
-    from kvtier.tiers.disk.index import pack_checksums
+    from kvtier.tiers.disk.records import pack_checksums
 
     sums = pack_checksums(native.BACKEND.crc32c_layers(np.zeros(lay.block_bytes, np.uint8), lay.layer_bytes))
     index = tier._index  # its own LMDB environment, without filling the in-memory mirror of this process
@@ -177,7 +177,7 @@ def _write_records(tier: Any, hasher: Any, lay: Any, blocks: int) -> None:
 def _records(hasher: Any, sums: bytes, blocks: int) -> Iterator[tuple[bytes, bytes]]:
     """(key, encoded record) of blocks 0 .. ``blocks``: prompt 0's 128, then prompt 1's, ...; block i in slot i."""
     from kvtier.tiers.base import BlockRecord
-    from kvtier.tiers.disk.index import IndexEntry, encode_record
+    from kvtier.tiers.disk.records import IndexEntry, encode_record
 
     slot = 0
     for p in range(-(-blocks // PROMPT_BLOCKS)):

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from kvtier.keys import BlockKey
+from kvtier.tiers.base import BlockRecord
 
 
 class PolicyName(enum.StrEnum):
@@ -58,8 +60,42 @@ class _Either:
         return key in self._a or key in self._b
 
 
+@runtime_checkable
+class Recency(Protocol):
+    """A recency list kept by a tier over the blocks it holds (the disk tier's mirror keeps one).
+
+    The policy says who is on it and where (``enter``, ``touch``, ``leave``);
+    the tier only takes a block off when it drops the block. A policy that
+    ranks by recency alone can keep its order there instead of holding every
+    key again (:class:`~kvtier.policy.lru.LRUPolicy`).
+    """
+
+    def enter(self, key: BlockKey) -> None: ...
+
+    def touch(self, key: BlockKey) -> None: ...
+
+    def leave(self, key: BlockKey) -> None: ...
+
+    def ranks(self, key: object) -> bool: ...
+
+    def ranked(self) -> int: ...
+
+    def oldest(self, n: int, skip: int = 0) -> list[BlockKey]: ...
+
+
 class EvictionPolicy(ABC):
     name: PolicyName
+
+    def load(self, held: Iterable[tuple[BlockKey, BlockRecord]], recency: Recency | None = None) -> None:
+        """Hear of the blocks a tier opened with, oldest store first, before any other event.
+
+        ``recency`` is the tier's own recency list when it keeps one, with
+        every block held on it in store order. A policy that can rank by it
+        takes it instead of ``held``; the others hear of each block as an
+        insert.
+        """
+        for key, record in held:
+            self.on_insert(key, record.parent)
 
     @abstractmethod
     def on_insert(self, key: BlockKey, parent: BlockKey | None) -> None:

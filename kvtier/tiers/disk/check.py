@@ -21,7 +21,8 @@ import lmdb
 from kvtier.errors import KVTierError
 from kvtier.tiers import native
 from kvtier.tiers.disk.directory import DiskDir, index_damage
-from kvtier.tiers.disk.index import FORMAT_VERSION, IndexDamage, IndexEntry, decode_record, pack_checksums
+from kvtier.tiers.disk.index import FORMAT_VERSION
+from kvtier.tiers.disk.records import IndexDamage, IndexEntry, decode_record, pack_checksums
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The disk tier's index: an LMDB file of key → record, the source of truth, and its in-memory mirror.
 
-A record names a block's slot, its store order and its per-layer checksums.
-Committing records is the acknowledgement point of a store (see
-:mod:`kvtier.tiers.disk` for the order that makes it so); the mirror, loaded
-once at open, answers lookups without a transaction.
+A record names a block's slot, its store order and its per-layer checksums
+(:mod:`kvtier.tiers.disk.records` has the encoding). Committing records is
+the acknowledgement point of a store (see :mod:`kvtier.tiers.disk` for the
+order that makes it so); the mirror (:mod:`kvtier.tiers.disk.mirror`),
+loaded once at open in bulk, answers lookups without a transaction.
 
 Opening checks before it trusts: the index is verified by a walker that
 cannot crash the process (:func:`kvtier.tiers.disk.directory.index_damage`), and
@@ -14,40 +15,32 @@ refused or wiped per :class:`~kvtier.config.OnMismatch`. An index of an older
 format is wiped, with one log line: this code cannot read it, and formats
 before 3 kept the token ids in plain form, which is exactly what must not
 linger on disk.
-
-Record encoding (little-endian, no pickle)::
-
-    uint32 slot | uint64 sequence | uint8 has_parent | 16 B parent
-    | uint32 crc32c[num_layers] | 32 B token digest (kvtier.keys.KeyHasher.digest)
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import lmdb
 import numpy as np
 
 from kvtier.config import FsyncMode, OnCorrupt, OnMismatch
 from kvtier.errors import DiskCorruptError, DiskUnavailableError, TierMismatchError, warn_once
-from kvtier.keys import DIGEST_BYTES, KEY_BYTES, BlockDigest, BlockKey
+from kvtier.keys import KEY_BYTES, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.private import FILE_MODE, make_private, private_dir, sync_dir
 from kvtier.stats import DiskStats
-from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.disk.directory import DiskDir, index_damage
+from kvtier.tiers.disk.mirror import SlotMirror
+from kvtier.tiers.disk.records import IndexDamage, IndexEntry, decode_record, encode_record, record_bytes
 from kvtier.tiers.host import align_up
 
 log = logging.getLogger("kvtier")
 
 FORMAT_VERSION = 3  # 3: a keyed token digest instead of the token ids; 2: per-layer CRC-32C; 1: xxh3-64
-_HEAD = struct.Struct("<IQB16s")
 _HEADER_KEY = b"header"
 _SEQ_KEY = b"sequence"
 # What liblmdb raises on a damaged file (the verifier should have caught it first).
@@ -60,61 +53,6 @@ _LMDB_DAMAGE = (
     lmdb.PanicError,
     lmdb.IncompatibleError,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class IndexEntry:
-    """One index record, decoded: where the block is, in what order it was stored, and how to check it."""
-
-    slot: int
-    seq: int
-    checksums: bytes  # CRC-32C per layer, packed (:func:`pack_checksums`): the mirror holds one per block
-    record: BlockRecord
-
-
-class IndexDamage(Exception):
-    """A header or record this format cannot have: the index is damaged, not merely written for another setup."""
-
-
-def pack_checksums(crcs: Sequence[int]) -> bytes:
-    """Per-layer CRC-32Cs as the record stores them (little-endian uint32 each).
-
-    Kept packed in memory too: a tuple of Python ints costs about 40 bytes per
-    layer per block, which the disk tier's mirror pays for every block it indexes.
-    """
-    return struct.pack(f"<{len(crcs)}I", *crcs)
-
-
-def record_bytes(num_layers: int) -> int:
-    return _HEAD.size + 4 * num_layers + DIGEST_BYTES
-
-
-def encode_record(e: IndexEntry) -> bytes:
-    parent = e.record.parent
-    head = _HEAD.pack(e.slot, e.seq, parent is not None, parent or bytes(KEY_BYTES))
-    return head + e.checksums + e.record.digest
-
-
-def decode_record(key: bytes, value: bytes, num_layers: int) -> IndexEntry:
-    """Decode one record; raises :class:`IndexDamage` when its sizes cannot be this format's."""
-    if len(key) != KEY_BYTES or len(value) != record_bytes(num_layers):
-        want = record_bytes(num_layers)
-        raise IndexDamage(f"a record of {len(key)}+{len(value)} B, where this format has {KEY_BYTES}+{want} B")
-    slot, seq, has_parent, parent, checksums, digest = _record_struct(num_layers).unpack(value)
-    return IndexEntry(slot, seq, checksums, BlockRecord(BlockDigest(digest), BlockKey(parent) if has_parent else None))
-
-
-def _store_order(values: Sequence[bytes]) -> list[int]:
-    """Indices of encoded records, oldest store first (a record too short for a sequence sorts as 0: it is damage,
-    which decoding it reports)."""
-    seqs = np.fromiter((int.from_bytes(v[4:12], "little") for v in values), dtype=np.uint64, count=len(values))
-    return np.argsort(seqs, kind="stable").tolist()
-
-
-@functools.cache
-def _record_struct(num_layers: int) -> struct.Struct:
-    """A whole record in one unpack: a start-up decodes one per indexed block."""
-    return struct.Struct(f"{_HEAD.format}{4 * num_layers}s{DIGEST_BYTES}s")
 
 
 def index_header(
@@ -154,7 +92,7 @@ class DiskIndex:
         stats: DiskStats,
         lock: threading.Lock,
     ) -> None:
-        self.mirror: dict[BlockKey, IndexEntry] = {}
+        self.mirror = SlotMirror(num_slots, layout.num_layers)
         self.seq = 0  # the highest sequence number stored: store order, oldest first
         self._dir = disk
         self._layout = layout
@@ -176,7 +114,7 @@ class DiskIndex:
             except (IndexDamage, *_LMDB_DAMAGE) as err:
                 damage = f"{type(err).__name__}: {err}"
             self.close()
-            self.mirror.clear()
+            self.mirror = SlotMirror(self._num_slots, self._layout.num_layers)
             self.seq = 0
         self._on_damage(damage, on_corrupt)
         self._env = self._open_env(on_mismatch)
@@ -284,45 +222,45 @@ class DiskIndex:
     def _load(self) -> None:
         """Mirror the index in memory, dropping records past the capacity (it shrank since they were written).
 
-        Every record is read first, then decoded oldest store first, not in
-        the file's key order (random): the records read are freed together,
-        their memory given back instead of left in holes between the mirror's
-        objects; a chain's objects are made one after another; and the
-        policies' rebuild sorts a mirror already in store order. Over 10^7
-        blocks (``kvtier bench scale``'s layout, alternated twice): resident
-        memory 629 -> 568 B a block, start-up 113 / 102 -> 103 / 95 s.
+        The keys and the records are each read end to end in one buffer (a
+        cursor pass apiece, no object per record kept), every record checked
+        for this format's size first (a pass of ``len`` over each, since two
+        wrong sizes could cancel in a total). The mirror copies them into its
+        arrays, oldest store first.
         """
-        stale = []
-        slots: set[int] = set()
+        size = record_bytes(self._layout.num_layers)
         with self._env.begin(db=self._blocks) as txn:
-            keys = list(txn.cursor().iternext(keys=True, values=False))
-            values = list(txn.cursor().iternext(keys=False, values=True))
-        for i in _store_order(values):
-            key, value = keys[i], values[i]
-            entry = decode_record(key, value, self._layout.num_layers)
-            if entry.slot in slots:
-                raise IndexDamage(f"two records name slot {entry.slot}")
-            slots.add(entry.slot)
-            if entry.slot >= self._num_slots:
-                stale.append(BlockKey(bytes(key)))
-                continue
-            self.mirror[BlockKey(bytes(key))] = entry
-            self.seq = max(self.seq, entry.seq)
-        self._forget(stale)
+            count = txn.stat(self._blocks)["entries"]
+            keys, values = self._read_records(txn, count, size)
+        stale = self.mirror.load(keys, values)
+        if count:
+            self.seq = int(np.frombuffer(values, np.uint8).reshape(count, size)[:, 4:12].copy().view("<u8").max())
+        self._forget(BlockKey(bytes(keys[i * KEY_BYTES : (i + 1) * KEY_BYTES])) for i in stale)
 
-    def drop_lost(self, holding: Callable[[int], bool]) -> None:
-        """Forget records whose slab file is missing or too short to hold their block (``holding`` says which).
+    def _read_records(self, txn: lmdb.Transaction, count: int, size: int) -> tuple[bytes, bytes]:
+        """Every key and every record, each joined end to end in the index's key order."""
+        key_sizes = set(map(len, txn.cursor().iternext(keys=True, values=False)))
+        value_sizes = set(map(len, txn.cursor().iternext(keys=False, values=True)))
+        if count and (key_sizes, value_sizes) != ({KEY_BYTES}, {size}):
+            for key, value in txn.cursor():
+                decode_record(key, value, self._layout.num_layers)  # raises IndexDamage, naming the sizes
+        keys = b"".join(txn.cursor().iternext(keys=True, values=False))
+        return keys, b"".join(txn.cursor().iternext(keys=False, values=True))
+
+    def drop_lost(self, held: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Forget records whose slab file is missing or too short to hold their block (``held`` says which).
 
         A slab deleted under a stopped tier would be recreated full of zeros
         (one truncated, read short) while its records stay indexed: a failed
         read on every pass. Their slots go back to the free list.
         """
-        lost = [k for k, e in self.mirror.items() if not holding(e.slot)]
+        slots = self.mirror.slots()
+        lost = [key for slot in slots[~held(slots)].tolist() if (key := self.mirror.key_at(slot)) is not None]
         if not lost:
             return
         self._forget(lost)
         for key in lost:
-            del self.mirror[key]
+            self.mirror.pop(key)
         self._stats.add(lost_blocks=len(lost))
         log.warning(
             "disk tier at %s: %d indexed blocks point into missing or short slab files; dropped (lost_blocks)",
@@ -346,14 +284,23 @@ class DiskIndex:
             self.seq += n
         return first
 
-    def commit(self, entries: list[tuple[BlockKey, IndexEntry]]) -> None:
-        """Write the records in one transaction, then show them in the mirror."""
+    def commit(self, entries: list[tuple[BlockKey, IndexEntry]]) -> list[int]:
+        """Write the records in one transaction, then show them in the mirror.
+
+        Returns the slots that the same keys held before, now named by no
+        record (two stores of one key that raced past the free-slot check),
+        for the caller to free under the lock it holds.
+        """
         with self._env.begin(write=True, db=self._blocks) as txn:
             for key, entry in entries:
                 txn.put(key, encode_record(entry))
+        replaced = []
         with self._lock:
             for key, entry in entries:
-                self.mirror[key] = entry
+                old = self.mirror.put(key, entry)
+                if old is not None:
+                    replaced.append(old)
+        return replaced
 
     def remove(self, keys: Sequence[BlockKey]) -> list[IndexEntry]:
         """Delete the records of ``keys`` that exist; the entries removed (none when the delete failed).
@@ -361,7 +308,7 @@ class DiskIndex:
         The caller holds the lock, and frees the slots of what this returns in the same critical section.
         A failed delete puts the entries back, counted and logged once.
         """
-        gone = [(k, self.mirror.pop(k)) for k in dict.fromkeys(keys) if k in self.mirror]
+        gone = [(k, e) for k in dict.fromkeys(keys) if (e := self.mirror.pop(k)) is not None]
         if not gone:
             return []
         try:
@@ -372,11 +319,11 @@ class DiskIndex:
             self._stats.add(errors=1)
             warn_once("disk-remove", "disk tier index delete failed (%s)", err)
             for key, entry in gone:
-                self.mirror[key] = entry
+                self.mirror.put(key, entry)
             return []
         return [entry for _, entry in gone]
 
-    def in_store_order(self) -> list[tuple[BlockKey, IndexEntry]]:
+    def in_store_order(self) -> Iterator[tuple[BlockKey, IndexEntry]]:
         """A snapshot of the mirror, oldest store first."""
         with self._lock:
-            return sorted(self.mirror.items(), key=lambda kv: kv[1].seq)
+            return self.mirror.in_store_order()

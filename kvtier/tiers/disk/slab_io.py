@@ -26,7 +26,7 @@ from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import DiskStats
 from kvtier.tiers import native
-from kvtier.tiers.disk.index import IndexEntry, pack_checksums
+from kvtier.tiers.disk.records import IndexEntry, pack_checksums
 from kvtier.tiers.disk.slabs import DiskSlabs, IOMode
 from kvtier.tiers.host import SLOT_ALIGN
 

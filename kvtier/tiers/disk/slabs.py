@@ -17,8 +17,10 @@ import enum
 import heapq
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from kvtier.config import DiskIO
 from kvtier.errors import KVTierError, warn_once
@@ -29,7 +31,7 @@ from kvtier.stats import DiskStats
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord
 from kvtier.tiers.disk.directory import DiskDir
-from kvtier.tiers.disk.index import IndexEntry
+from kvtier.tiers.disk.records import IndexEntry
 from kvtier.tiers.host import align_up
 
 
@@ -150,10 +152,15 @@ class DiskSlabs:
             )
             os.ftruncate(fd, size)
 
-    def holding(self) -> Callable[[int], bool]:
-        """A test of whether a slot's slab file, at its length now, is long enough to hold the slot's block."""
-        sizes = {i: os.fstat(fd).st_size for i, fd in self.fds.items()}
-        return lambda slot: self.slot_end(slot) <= sizes.get(self.file_of(slot), 0)
+    def held(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` their slab file, at its length now, is long enough to hold (a bool per slot)."""
+        files = int(-(-self._num_slots // self._slots_per_file))
+        sizes = np.zeros(files, dtype=np.int64)
+        for i, fd in self.fds.items():
+            sizes[i] = os.fstat(fd).st_size
+        slots = slots.astype(np.int64)
+        ends = (slots % self._slots_per_file) * self._slot_bytes + self._block_bytes
+        return ends <= sizes[slots // self._slots_per_file]
 
     def drop_page_cache(self) -> bool:
         """Evict the slab pages from the OS page cache (for cold-read benchmarks)."""
@@ -190,12 +197,14 @@ class DiskSlabs:
         return self._dir.slab_path(self.file_of(slot)), self.offset_of(slot)
 
     # -- free slots ----------------------------------------------------------
-    def free_all_but(self, used: set[int]) -> None:
+    def free_all_but(self, used: np.ndarray) -> None:
         """Make every slot free that ``used`` does not name (at open: the index names the used ones)."""
-        self._free = [s for s in range(self._num_slots) if s not in used]  # sorted: already a heap
+        free = np.ones(self._num_slots, dtype=bool)
+        free[used] = False
+        self._free = np.flatnonzero(free).tolist()  # sorted: already a heap
 
     def allocate(
-        self, keys: Sequence[BlockKey], records: Sequence[BlockRecord], stored: Mapping[BlockKey, IndexEntry]
+        self, keys: Sequence[BlockKey], records: Sequence[BlockRecord], stored: Callable[[BlockKey], IndexEntry | None]
     ) -> tuple[list[bool], list[tuple[int, int]]]:
         """A free slot for each key not ``stored`` yet, once per key: (results, [(index in keys, slot)]).
 
@@ -206,7 +215,7 @@ class DiskSlabs:
         seen: set[BlockKey] = set()
         with self._lock:
             for i, (key, record) in enumerate(zip(keys, records, strict=True)):
-                entry = stored.get(key)
+                entry = stored(key)
                 if entry is not None:
                     results[i] = entry.record.matches(record.digest)
                 elif key in seen:

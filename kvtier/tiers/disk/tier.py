@@ -9,9 +9,11 @@ answers lookups without a transaction.
 :class:`DiskTier` is the tier's public face and owns the order of things
 (open, store, read, drop); each job under it is its own module:
 
-* :mod:`kvtier.tiers.disk.index`: the LMDB index, its header and record
-  encoding, and what opening does with an index that is damaged, written for
-  another setup, or of an older format.
+* :mod:`kvtier.tiers.disk.index`: the LMDB index, its header, and what
+  opening does with an index that is damaged, written for another setup, or
+  of an older format; :mod:`kvtier.tiers.disk.records` encodes its records.
+* :mod:`kvtier.tiers.disk.mirror`: the index in memory, in flat arrays by
+  slot, with the tier's recency list.
 * :mod:`kvtier.tiers.disk.slabs`: the slab files, where a slot lies, the I/O
   mode (O_DIRECT when the filesystem allows it), and the free slots.
 * :mod:`kvtier.tiers.disk.slab_io`: a batch of reads or writes as one native call,
@@ -52,16 +54,9 @@ from kvtier.stats import DiskStats
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord, TierKind
 from kvtier.tiers.disk.directory import DiskDir
-from kvtier.tiers.disk.index import (
-    FORMAT_VERSION,
-    DiskIndex,
-    IndexDamage,
-    IndexEntry,
-    decode_record,
-    encode_record,
-    index_header,
-    record_bytes,
-)
+from kvtier.tiers.disk.index import FORMAT_VERSION, DiskIndex, index_header
+from kvtier.tiers.disk.mirror import SlotMirror
+from kvtier.tiers.disk.records import IndexDamage, IndexEntry, decode_record, encode_record, record_bytes
 from kvtier.tiers.disk.slab_io import BOUNCE_BYTES, SlabIO, SlotRead
 from kvtier.tiers.disk.slabs import DiskSlabs, IOMode, choose_io_mode, io_mode_for
 from kvtier.tiers.host import SLOT_ALIGN, align_up
@@ -139,8 +134,8 @@ class DiskTier:
         )
         self._index.open(on_mismatch, on_corrupt)
         self._slabs.open(self._io_mode)
-        self._index.drop_lost(self._slabs.holding())
-        self._slabs.free_all_but({e.slot for e in self._index.mirror.values()})
+        self._index.drop_lost(self._slabs.held)
+        self._slabs.free_all_but(self._index.mirror.slots())
         self._dir.warn_if_short_of_space(self.capacity_bytes)
 
     def _abandon(self) -> None:
@@ -208,7 +203,7 @@ class DiskTier:
         slot is free for a block that can be read.
         """
         with self._lock:
-            if self._index.mirror.get(r.key) is not r.entry:
+            if self._index.mirror.get(r.key) != r.entry:
                 return  # the slot was reused while we read it: a race, not damage on disk
         self.remove(r.key)
 
@@ -229,7 +224,7 @@ class DiskTier:
         for data in datas:
             if data.nbytes != self.layout.block_bytes:
                 raise ValueError(f"a disk tier payload is {self.layout.block_bytes} B, got {data.nbytes} B")
-        results, todo = self._slabs.allocate(keys, records, self._index.mirror)
+        results, todo = self._slabs.allocate(keys, records, self._index.mirror.get)
         if not todo:
             return results
         batches = [[t] for t in todo] if self.fsync is FsyncMode.ALWAYS else [todo]
@@ -259,7 +254,10 @@ class DiskTier:
 
     def _commit(self, entries: list[tuple[BlockKey, IndexEntry]]) -> None:
         """The acknowledgement point: after this returns, the blocks survive a crash."""
-        self._index.commit(entries)
+        replaced = self._index.commit(entries)
+        if replaced:
+            with self._lock:
+                self._slabs.release(replaced)
 
     # -- removal -------------------------------------------------------------
     def remove(self, key: BlockKey) -> bool:
@@ -285,8 +283,12 @@ class DiskTier:
         return self._slabs.path_of(slot)
 
     def slot_of(self, key: BlockKey) -> int | None:
-        entry = self._index.mirror.get(key)
-        return None if entry is None else entry.slot
+        return self._index.mirror.slot_of(key)
+
+    @property
+    def recency(self) -> SlotMirror:
+        """The tier's own recency list over what it holds, for an LRU policy to rank by (see the mirror)."""
+        return self._index.mirror
 
     def close(self) -> None:
         """Close the files and the index, then release the directory's lock (idempotent)."""
