@@ -638,6 +638,7 @@ def modes(root: Path) -> dict[str, int]:
 
 def expected_modes(root: Path) -> dict[str, int]:
     names = {".", "lock", "index.lmdb", "index.lmdb/data.mdb", "index.lmdb/lock.mdb", "slab-0000.bin"}
+    names |= {"index.lmdb/seal.json", "index.lmdb/mirror.bin"}  # a clean close's seal (kvtier.tiers.disk.seal)
     assert set(modes(root)) == names
     return {name: 0o700 if (root / name).is_dir() else 0o600 for name in names}
 
@@ -677,5 +678,105 @@ def test_a_reopened_tier_lists_its_blocks_in_store_order_not_key_order(tmp_path:
         assert tier.recency.oldest(100) == [key(i) for i in order]
         assert [k for k, _ in tier.entries()] == [key(i) for i in order]
         assert all(tier.record(key(i)) == rec(i) for i in order) and read(tier, 9) is not None
+    finally:
+        tier.close()
+
+
+# -- the clean close's seal ------------------------------------------------------------------------------------------
+class OpenPath:
+    """Counts the slow steps of an open: the page walk over ``data.mdb`` and the cursor pass over its records."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvtier.tiers.disk import index
+
+        self.walks = self.cursor_reads = 0
+        walk, read_records = index.index_damage, index.DiskIndex._read_records
+
+        def counted_walk(*args, **kw):
+            self.walks += 1
+            return walk(*args, **kw)
+
+        def counted_read(*args, **kw):
+            self.cursor_reads += 1
+            return read_records(*args, **kw)
+
+        monkeypatch.setattr(index, "index_damage", counted_walk)
+        monkeypatch.setattr(index.DiskIndex, "_read_records", counted_read)
+
+
+def sealed_files(path: Path) -> list[str]:
+    return sorted(p.name for p in (path / "index.lmdb").iterdir() if p.name in ("seal.json", "mirror.bin"))
+
+
+def test_a_cleanly_closed_tier_reopens_from_its_seal_without_a_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order = [5, 1, 9, 3, 12, 0, 7]
+    tier = open_disk(tmp_path)
+    for i in order:
+        assert tier.put(key(i), payload(tier.layout, i), rec(i))
+    tier.close()
+    assert sealed_files(tmp_path) == ["mirror.bin", "seal.json"]
+    path = OpenPath(monkeypatch)
+    tier = open_disk(tmp_path)
+    try:
+        assert (path.walks, path.cursor_reads) == (0, 0)
+        assert sealed_files(tmp_path) == []  # taken at open: a crash from here on leaves nothing to trust
+        assert tier.recency.oldest(100) == [key(i) for i in order]
+        assert all(tier.record(key(i)) == rec(i) for i in order)
+        assert all(torch.equal(read(tier, i), as_bytes(payload(tier.layout, i))) for i in order)
+        assert tier.put(key(40), payload(tier.layout, 40), rec(40))  # the index takes writes as before
+    finally:
+        tier.close()
+    tier = open_disk(tmp_path)
+    try:
+        assert (path.walks, path.cursor_reads) == (0, 0)  # sealed again by the second clean close
+        assert tier.recency.oldest(100) == [key(i) for i in [*order, 40]]
+    finally:
+        tier.close()
+
+
+def test_an_index_changed_after_its_seal_is_walked_and_read_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fill(tmp_path, 6).close()
+    env = lmdb.open(str(tmp_path / "index.lmdb"), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        assert txn.delete(dkey(2))  # the file no longer matches its seal; the sealed mirror still lists dkey(2)
+    env.close()
+    path = OpenPath(monkeypatch)
+    tier = open_disk(tmp_path)
+    try:
+        assert (path.walks, path.cursor_reads) == (1, 1)
+        assert sorted(i for i in range(6) if tier.contains(dkey(i))) == [0, 1, 3, 4, 5]
+        assert tier.stats.quarantined == 0 and sealed_files(tmp_path) == []
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "missing"])
+def test_a_damaged_sealed_mirror_is_read_from_the_index_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    order = [5, 1, 9, 3, 12, 0, 7]
+    tier = open_disk(tmp_path)
+    for i in order:
+        assert tier.put(key(i), payload(tier.layout, i), rec(i))
+    tier.close()
+    mirror = tmp_path / "index.lmdb" / "mirror.bin"
+    blob = bytearray(mirror.read_bytes())
+    if damage == "flipped byte":
+        blob[len(blob) // 2] ^= 0x10
+        mirror.write_bytes(blob)
+    elif damage == "truncated":
+        mirror.write_bytes(blob[:-1])
+    else:
+        mirror.unlink()
+    path = OpenPath(monkeypatch)
+    tier = open_disk(tmp_path)
+    try:
+        assert (path.walks, path.cursor_reads) == (0, 1)  # the index itself is still the sealed one
+        assert tier.recency.oldest(100) == [key(i) for i in order]
+        assert all(tier.record(key(i)) == rec(i) for i in order) and sealed_files(tmp_path) == []
     finally:
         tier.close()

@@ -33,6 +33,7 @@ from kvtier.keys import KEY_BYTES, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.private import FILE_MODE, make_private, private_dir, sync_dir
 from kvtier.stats import DiskStats
+from kvtier.tiers.disk import seal
 from kvtier.tiers.disk.directory import DiskDir, index_damage
 from kvtier.tiers.disk.mirror import SlotMirror
 from kvtier.tiers.disk.records import IndexDamage, IndexEntry, decode_record, encode_record, record_bytes
@@ -104,12 +105,19 @@ class DiskIndex:
 
     # -- opening -------------------------------------------------------------
     def open(self, on_mismatch: OnMismatch, on_corrupt: OnCorrupt) -> None:
-        """Verify, open and load the index; a damaged one is quarantined (the tier starts empty) or refused."""
-        damage = index_damage(self._dir.index_path)
+        """Verify, open and load the index; a damaged one is quarantined (the tier starts empty) or refused.
+
+        An index sealed by a clean close (:mod:`kvtier.tiers.disk.seal`) whose
+        file is still the one sealed needs no walk, and its mirror is read in one go.
+        """
+        index = self._dir.index_path
+        sealed = seal.take(index) if index.is_dir() else None
+        trusted = sealed is not None and sealed.trusts_index(index)
+        damage = None if trusted else index_damage(index)
         if damage is None:
             try:
                 self._env = self._open_env(on_mismatch)
-                self._load()
+                self._load(sealed if trusted else None)
                 return
             except (IndexDamage, *_LMDB_DAMAGE) as err:
                 damage = f"{type(err).__name__}: {err}"
@@ -119,10 +127,18 @@ class DiskIndex:
         self._on_damage(damage, on_corrupt)
         self._env = self._open_env(on_mismatch)
 
-    def close(self) -> None:
+    def close(self, *, seal_it: bool = False) -> None:
+        """Close the index; ``seal_it`` (a clean close) also seals it for a quick next open."""
         env = self.__dict__.pop("_env", None)  # absent until the index opened
-        if env is not None:
-            env.close()
+        if env is None:
+            return
+        env.close()
+        if seal_it:
+            keys, values = self.mirror.in_store_order_packed()
+            try:
+                seal.write(self._dir.index_path, keys, values, len(self.mirror), record_bytes(self._layout.num_layers))
+            except OSError as err:
+                log.warning("disk tier index %s: not sealed (%s); the next open walks it", self._dir.index_path, err)
 
     def _on_damage(self, damage: str, on_corrupt: OnCorrupt) -> None:
         data = self._dir.index_path / "data.mdb"
@@ -219,10 +235,11 @@ class DiskIndex:
         sync_dir(index)  # LMDB syncs its file at every commit, never the name that finds it
         return env
 
-    def _load(self) -> None:
+    def _load(self, sealed: seal.Seal | None) -> None:
         """Mirror the index in memory, dropping records past the capacity (it shrank since they were written).
 
-        The keys and the records are each read end to end in one buffer (a
+        From the sealed mirror when there is one for this index; else the
+        keys and the records are each read end to end in one buffer (a
         cursor pass apiece, no object per record kept), every record checked
         for this format's size first (a pass of ``len`` over each, since two
         wrong sizes could cancel in a total). The mirror copies them into its
@@ -231,7 +248,9 @@ class DiskIndex:
         size = record_bytes(self._layout.num_layers)
         with self._env.begin(db=self._blocks) as txn:
             count = txn.stat(self._blocks)["entries"]
-            keys, values = self._read_records(txn, count, size)
+            found = None if sealed is None else sealed.mirror(self._dir.index_path, count, size)
+            keys, values = found or self._read_records(txn, count, size)
+        seal.discard_mirror(self._dir.index_path)
         stale = self.mirror.load(keys, values)
         if count:
             self.seq = int(np.frombuffer(values, np.uint8).reshape(count, size)[:, 4:12].copy().view("<u8").max())

@@ -14,6 +14,8 @@ answers lookups without a transaction.
   of an older format; :mod:`kvtier.tiers.disk.records` encodes its records.
 * :mod:`kvtier.tiers.disk.mirror`: the index in memory, in flat arrays by
   slot, with the tier's recency list.
+* :mod:`kvtier.tiers.disk.seal`: what a clean close leaves so the next open
+  trusts the index without walking it and reads the mirror in one go.
 * :mod:`kvtier.tiers.disk.slabs`: the slab files, where a slot lies, the I/O
   mode (O_DIRECT when the filesystem allows it), and the free slots.
 * :mod:`kvtier.tiers.disk.slab_io`: a batch of reads or writes as one native call,
@@ -291,9 +293,11 @@ class DiskTier:
         return self._index.mirror
 
     def close(self) -> None:
-        """Close the files and the index, then release the directory's lock (idempotent)."""
+        """Close the files, seal the index (a quick next open), then release the directory's lock (idempotent)."""
         with self._lock:
-            self._abandon()
+            self._slabs.close()
+            self._index.close(seal_it=True)
+            self._dir.close()
 
     # -- parts that tests reach for (fault injection, O_DIRECT flags, bounce buffers) --
     @property
