@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import lmdb
+import numpy as np
 import pytest
 import torch
 
@@ -780,3 +781,29 @@ def test_a_damaged_sealed_mirror_is_read_from_the_index_instead(
         assert all(tier.record(key(i)) == rec(i) for i in order) and sealed_files(tmp_path) == []
     finally:
         tier.close()
+
+
+def test_free_slots_hand_out_the_lowest_free_slot_as_a_heap_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact free list (a sorted array, then a heap merged in) answers as one heap of every free slot."""
+    import heapq
+
+    from kvtier.tiers.disk.slabs import FreeSlots
+
+    monkeypatch.setattr(FreeSlots, "MERGE_AT", 7)  # merge often
+    rng = random.Random(5)
+    start = sorted(rng.sample(range(500), 200))
+    free, model = FreeSlots(np.array(start, dtype=np.uint32)), list(start)
+    taken: list[int] = []
+    for _ in range(3000):
+        if model and (rng.random() < 0.5 or not taken):
+            slot = free.pop()
+            assert slot == heapq.heappop(model)
+            taken.append(slot)
+        elif taken:
+            slot = taken.pop(rng.randrange(len(taken)))
+            free.push(slot)
+            heapq.heappush(model, slot)
+        assert len(free) == len(model)
+    assert [free.pop() for _ in range(len(free))] == sorted(model)
+    with pytest.raises(IndexError):
+        free.pop()

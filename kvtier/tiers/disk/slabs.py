@@ -96,7 +96,7 @@ class DiskSlabs:
         self._stats = stats
         self._lock = lock
         self._flags = os.O_RDWR
-        self._free: list[int] = []  # a heap: the lowest free slot first, so files fill in order
+        self._free = FreeSlots(np.empty(0, dtype=np.uint32))
 
     # -- files ---------------------------------------------------------------
     def open(self, io_mode: IOMode) -> None:
@@ -201,7 +201,7 @@ class DiskSlabs:
         """Make every slot free that ``used`` does not name (at open: the index names the used ones)."""
         free = np.ones(self._num_slots, dtype=bool)
         free[used] = False
-        self._free = np.flatnonzero(free).tolist()  # sorted: already a heap
+        self._free = FreeSlots(np.flatnonzero(free).astype(np.uint32))
 
     def allocate(
         self, keys: Sequence[BlockKey], records: Sequence[BlockRecord], stored: Callable[[BlockKey], IndexEntry | None]
@@ -221,7 +221,7 @@ class DiskSlabs:
                 elif key in seen:
                     continue
                 elif self._free:
-                    todo.append((i, heapq.heappop(self._free)))
+                    todo.append((i, self._free.pop()))
                     seen.add(key)
                 else:
                     self._stats.add(rejected_stores=1)
@@ -230,7 +230,41 @@ class DiskSlabs:
     def release(self, slots: Iterable[int]) -> None:
         """Free ``slots`` again (the caller holds the lock)."""
         for slot in slots:
-            heapq.heappush(self._free, slot)
+            self._free.push(slot)
 
     def free_count(self) -> int:
         return len(self._free)
+
+
+class FreeSlots:
+    """The free slots of a disk tier, lowest first (so files fill in order), at about 4 bytes a slot.
+
+    An empty terabyte of small slots has hundreds of millions free: a heap of
+    Python ints would cost 36 bytes each. The slots free at open are a sorted
+    array taken from the front; slots freed later go on a heap, merged into
+    a new sorted array once it grows past :data:`MERGE_AT` (a clear or a
+    big eviction frees many at once).
+    """
+
+    MERGE_AT = 65536
+
+    def __init__(self, sorted_slots: np.ndarray) -> None:
+        self._run = sorted_slots
+        self._at = 0
+        self._heap: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._run) - self._at + len(self._heap)
+
+    def pop(self) -> int:
+        """The lowest free slot, taken; ``IndexError`` when none is free."""
+        if self._at < len(self._run) and (not self._heap or int(self._run[self._at]) < self._heap[0]):
+            self._at += 1
+            return int(self._run[self._at - 1])
+        return heapq.heappop(self._heap)
+
+    def push(self, slot: int) -> None:
+        heapq.heappush(self._heap, slot)
+        if len(self._heap) >= self.MERGE_AT:
+            merged = np.concatenate([self._run[self._at :], np.array(self._heap, dtype=np.uint32)])
+            self._run, self._at, self._heap = np.sort(merged), 0, []
