@@ -35,6 +35,6 @@ def _load(name: str) -> ModuleType:
 kernels = _load("kvtier._native_kernels")
 """Block keys (the xxh3-128 chain), region copies, attention, row and quantized-matvec kernels."""
 io = _load("kvtier._native_io")
-"""The disk tier's batched, aligned reads and writes and their CRC-32C."""
+"""The disk tier's batched, aligned reads and writes and their CRC-32C; the tiers' slot index (``SlotIndex``)."""
 
 kernels.bind_xxh3(xxhash._xxhash.__file__)  # the key chain calls the xxhash library's own XXH3_128bits_withSeed

@@ -81,7 +81,9 @@ class Holder(Protocol):
     @property
     def kind(self) -> TierKind: ...
 
-    def record(self, key: BlockKey, /) -> Evidence | None: ...
+    def confirm(self, key: BlockKey, evidence: Any, /) -> bool | None:
+        """Whether what it holds under ``key`` matches ``evidence`` (see :class:`Evidence`); None when absent."""
+        ...
 
 
 def longest_prefix(
@@ -99,10 +101,10 @@ def longest_prefix(
     for i in range(start, min(len(keys), len(digests))):
         key = keys[i]
         for tier in tiers:
-            record = tier.record(key)
-            if record is None:
+            held = tier.confirm(key, digests[i])
+            if held is None:
                 continue
-            if not record.matches(digests[i]):
+            if not held:
                 return Probe(found, MissReason.CONFIRM_MISMATCH, tier.kind)
             found.append(tier.kind)
             break

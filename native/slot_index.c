@@ -221,6 +221,32 @@ static PyObject *si_get(SlotIndex *s, PyObject *key) {
     return Py_BuildValue("(ny#)", slot, (const char *)s->recs + slot * s->rec, s->rec);
 }
 
+/* confirm(key, evidence, at) -> int: -1 when key is absent, else whether the record holds evidence's bytes
+ * at offset at (1) or not (0): a lookup confirms a block without a Python object made for its record. */
+static PyObject *si_confirm(SlotIndex *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "confirm(key, evidence, at)");
+        return NULL;
+    }
+    const uint8_t *k = key_arg(args[0], "confirm");
+    if (k == NULL) return NULL;
+    if (!PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "confirm: evidence is bytes");
+        return NULL;
+    }
+    Py_ssize_t at = PyLong_AsSsize_t(args[2]);
+    if (at == -1 && PyErr_Occurred()) return NULL;
+    if (at < 0 || at > s->rec) {
+        PyErr_Format(PyExc_ValueError, "confirm: offset %zd outside a %zd-byte record", at, s->rec);
+        return NULL;
+    }
+    int64_t pos = probe(s, k);
+    if (pos < 0) return PyLong_FromLong(-1);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[1]);
+    const uint8_t *rec = s->recs + ((Py_ssize_t)s->table[pos] - 1) * s->rec;
+    return PyLong_FromLong(n == s->rec - at && memcmp(rec + at, PyBytes_AS_STRING(args[1]), (size_t)n) == 0);
+}
+
 static PyObject *si_record(SlotIndex *s, PyObject *arg) {
     Py_ssize_t slot;
     if (slot_arg(s, arg, &slot) < 0) return NULL;
@@ -487,6 +513,9 @@ static PyObject *si_table_bytes(SlotIndex *s, void *Py_UNUSED(c)) {
 static PyMethodDef si_methods[] = {
     {"find", (PyCFunction)si_find, METH_O, "find(key) -> int: the key's slot, or -1."},
     {"get", (PyCFunction)si_get, METH_O, "get(key) -> (slot, record) | None."},
+    {"confirm", (PyCFunction)(void (*)(void))si_confirm, METH_FASTCALL,
+     "confirm(key, evidence, at) -> int: -1 when key is absent; 1 when its record ends with evidence's bytes "
+     "from offset at, else 0."},
     {"record", (PyCFunction)si_record, METH_O, "record(slot) -> bytes | None: the record of the block in slot."},
     {"key", (PyCFunction)si_key, METH_O, "key(slot) -> bytes | None: the key of the block in slot."},
     {"put", (PyCFunction)(void (*)(void))si_put, METH_FASTCALL,

@@ -68,6 +68,10 @@ class ResidentBlocks:
     def record(self, key: BlockKey) -> _Resident | None:
         return self._blocks.get(key)
 
+    def confirm(self, key: BlockKey, tokens: np.ndarray) -> bool | None:
+        resident = self._blocks.get(key)
+        return None if resident is None else resident.matches(tokens)
+
     def match(self, keys: list[BlockKey], blocks: np.ndarray, window: SlidingWindow | None = None) -> list[int]:
         """Pool block ids of the longest confirmed run of ``keys`` held here (they become most recent).
 

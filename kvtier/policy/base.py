@@ -62,7 +62,7 @@ class _Either:
 
 @runtime_checkable
 class Recency(Protocol):
-    """A recency list kept by a tier over the blocks it holds (the disk tier's mirror keeps one).
+    """A recency list kept by a tier over the blocks it holds (both local tiers: :mod:`kvtier.tiers.slot_index`).
 
     The policy says who is on it and where (``enter``, ``touch``, ``leave``);
     the tier only takes a block off when it drops the block. A policy that

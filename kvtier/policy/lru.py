@@ -20,7 +20,7 @@ class LRUPolicy(EvictionPolicy):
     ones it has to skip. Inserting a resident key again counts as an access.
 
     Over a tier that keeps a recency list for it (:meth:`load` is given one:
-    the disk tier's), the policy keeps its order there and nothing per key
+    both local tiers keep one), the policy keeps its order there and nothing per key
     here: the same events move the same keys, so the victims are the same;
     at ten million blocks, the dict and its keys would cost more than the
     tier's whole index.

@@ -76,6 +76,14 @@ class Tier(Protocol):
 
     def record(self, key: BlockKey) -> BlockRecord | None: ...
 
+    def confirm(self, key: BlockKey, digest: BlockDigest, /) -> bool | None:
+        """Whether the block under ``key`` holds these tokens (its record has ``digest``); None when it is absent.
+
+        What a lookup asks of each block, so a tier keeping its records in
+        flat memory answers it without making a record object.
+        """
+        ...
+
     def get(self, key: BlockKey, out: torch.Tensor) -> bool:
         """Copy the block's payload into ``out`` (uint8, ``layout.block_bytes``)."""
         ...

@@ -11,7 +11,13 @@ Stores are two-phase (:meth:`HostTier.reserve` → fill → :meth:`HostTier.comm
 or :meth:`HostTier.abort`): a reserved slot is invisible to lookups until
 committed, so a half-written block can never be served.
 
-Locking: one small lock guards the key→slot map and the free list; payload
+The index (key → slot and record) is a native slot index
+(:data:`kvtier.tiers.slot_index.SlotIndex`, as the disk tier's mirror): keys and
+records in arrays by slot, not a dict of Python objects, and a recency list
+over the slots that the LRU policy ranks by (:class:`SlotRecency`). A block
+indexed costs bytes the same at a hundred blocks or at millions.
+
+Locking: one small lock guards the index and the free list; payload
 copies run outside it. Keeping a slot alive while someone copies out of it is
 the manager's job (pins), not this tier's.
 """
@@ -19,7 +25,9 @@ the manager's job (pins), not this tier's.
 from __future__ import annotations
 
 import os
+import struct
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,13 +35,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.keys import BlockKey
+from kvtier.keys import DIGEST_BYTES, KEY_BYTES, BlockDigest, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import TierStats
 from kvtier.tiers import native
 from kvtier.tiers.base import BlockRecord, TierKind
+from kvtier.tiers.slot_index import CONFIRMED, SlotIndex, SlotRecency
 
 SLOT_ALIGN = 4096
+_RECORD = struct.Struct(f"<QB{KEY_BYTES}s{DIGEST_BYTES}s")  # store sequence | has parent | parent | digest
+_DIGEST_AT = _RECORD.size - DIGEST_BYTES
 
 
 def align_up(n: int, align: int = SLOT_ALIGN) -> int:
@@ -46,6 +57,18 @@ PARALLEL_COPY_MIN = 16  # blocks; below this a second thread costs more than it 
 def _copy_all(work: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dst, src in work:
         copy_bytes(dst, src)
+
+
+def _encode(seq: int, record: BlockRecord) -> bytes:
+    parent = record.parent
+    if len(record.digest) != DIGEST_BYTES or (parent is not None and len(parent) != KEY_BYTES):
+        raise ValueError(f"a block record is a {DIGEST_BYTES}-byte digest and a {KEY_BYTES}-byte parent key")
+    return _RECORD.pack(seq, parent is not None, parent or bytes(KEY_BYTES), record.digest)
+
+
+def _decode(raw: bytes) -> BlockRecord:
+    _, has_parent, parent, digest = _RECORD.unpack(raw)
+    return BlockRecord(BlockDigest(digest), BlockKey(parent) if has_parent else None)
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -97,18 +120,19 @@ class HostTier:
             # copy) and lazily backed: untouched pages cost no memory.
             self._backing = native.alloc_aligned(nbytes)
             self._slab = torch.frombuffer(self._backing, dtype=torch.uint8)
-        self._records: list[BlockRecord | None] = [None] * num_slots
-        self._slot_of: dict[BlockKey, int] = {}  # committed blocks, insertion (store) order
-        self._reserved: dict[BlockKey, int] = {}
+        self._index = SlotIndex(num_slots, _RECORD.size)  # committed blocks only
+        self._seq = 0  # reservation order, kept in each record: what entries() sorts by
+        self.recency = SlotRecency(self._index)
+        self._reserved: dict[BlockKey, tuple[int, bytes]] = {}  # slot and encoded record, until committed
         self._withheld = 0  # slots out of both maps and the free list: see withhold()
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free = array("i", range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first; 4 B a slot
         self._lock = threading.Lock()
         self._copier: ThreadPoolExecutor | None = None  # the second copy thread of get_many, made on first use
 
     # -- sizes ---------------------------------------------------------------
     @property
     def capacity_blocks(self) -> int:
-        return len(self._records)
+        return self._index.capacity
 
     @property
     def slot_bytes(self) -> int:
@@ -123,18 +147,21 @@ class HostTier:
         return (self.capacity_blocks - len(self._free)) * self._slot_bytes
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._index)
 
     def free_blocks(self) -> int:
         return len(self._free)
 
     # -- lookups -------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
-        return key in self._slot_of
+        return key in self._index
 
     def record(self, key: BlockKey) -> BlockRecord | None:
-        slot = self._slot_of.get(key)
-        return None if slot is None else self._records[slot]
+        found = self._index.get(key)
+        return None if found is None else _decode(found[1])
+
+    def confirm(self, key: BlockKey, digest: BlockDigest) -> bool | None:
+        return CONFIRMED[self._index.confirm(key, digest, _DIGEST_AT)]
 
     def offset(self, view: torch.Tensor) -> int:
         """Byte offset in the slab of a slot view this tier handed out (what a mapping client indexes by)."""
@@ -142,8 +169,8 @@ class HostTier:
 
     def view(self, key: BlockKey) -> torch.Tensor | None:
         """The block's slot itself (uint8, ``block_bytes``): zero-copy, valid while pinned."""
-        slot = self._slot_of.get(key)
-        return None if slot is None else self._slot(slot)
+        slot = self._index.find(key)
+        return None if slot < 0 else self._slot(slot)
 
     def _slot(self, slot: int) -> torch.Tensor:
         start = slot * self._slot_bytes
@@ -165,11 +192,11 @@ class HostTier:
         releases the GIL while it copies) move more bytes per second than one.
         """
         with self._lock:
-            slots = [self._slot_of.get(k) for k in keys]
+            slots = [self._index.find(k) for k in keys]
             if self._copier is None and len(slots) >= PARALLEL_COPY_MIN:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-host-copy")
         bb, sb = self.layout.block_bytes, self._slot_bytes
-        work = [(out, self._slab[s * sb : s * sb + bb]) for s, out in zip(slots, outs, strict=True) if s is not None]
+        work = [(out, self._slab[s * sb : s * sb + bb]) for s, out in zip(slots, outs, strict=True) if s >= 0]
         if len(work) >= PARALLEL_COPY_MIN:
             half = len(work) // 2
             assert self._copier is not None
@@ -179,33 +206,33 @@ class HostTier:
         else:
             _copy_all(work)
         self.stats.add(bytes_read=len(work) * bb)
-        return [s is not None for s in slots]
+        return [s >= 0 for s in slots]
 
     # -- two-phase store -----------------------------------------------------
     def reserve(self, key: BlockKey, record: BlockRecord) -> torch.Tensor | None:
         """Take a free slot for ``key`` and return it to be filled; None when full or already present."""
         with self._lock:
-            if key in self._slot_of or key in self._reserved or not self._free:
+            if key in self._index or key in self._reserved or not self._free:
                 return None
+            self._seq += 1
+            raw = _encode(self._seq, record)  # raises before a slot is taken
             slot = self._free.pop()
-            self._reserved[key] = slot
-            self._records[slot] = record
+            self._reserved[key] = (slot, raw)
         return self._slot(slot)
 
     def commit(self, key: BlockKey) -> None:
         """Publish a reserved slot: from now on lookups see the block."""
         with self._lock:
-            slot = self._reserved.pop(key)
-            self._slot_of[key] = slot
+            slot, raw = self._reserved.pop(key)
+            self._index.put(key, slot, raw)
         self.stats.add(bytes_written=self.layout.block_bytes)
 
     def abort(self, key: BlockKey) -> None:
         """Give a reserved slot back unpublished (a failed store is never indexed)."""
         with self._lock:
-            slot = self._reserved.pop(key, None)
-            if slot is not None:
-                self._records[slot] = None
-                self._free.append(slot)
+            reserved = self._reserved.pop(key, None)
+            if reserved is not None:
+                self._free.append(reserved[0])
 
     def withhold(self, key: BlockKey) -> int | None:
         """Drop ``key``'s reservation but keep its slot out of the free list; the slot, for :meth:`release`.
@@ -217,11 +244,11 @@ class HostTier:
         a block someone else committed there.
         """
         with self._lock:
-            slot = self._reserved.pop(key, None)
-            if slot is not None:
-                self._records[slot] = None
-                self._withheld += 1
-        return slot
+            reserved = self._reserved.pop(key, None)
+            if reserved is None:
+                return None
+            self._withheld += 1
+        return reserved[0]
 
     def release(self, slots: Sequence[int]) -> None:
         """Withheld slots back to the free list: their writer can no longer write."""
@@ -258,10 +285,9 @@ class HostTier:
     # -- removal -------------------------------------------------------------
     def remove(self, key: BlockKey) -> bool:
         with self._lock:
-            slot = self._slot_of.pop(key, None)
-            if slot is None:
+            slot = self._index.pop(key)
+            if slot < 0:
                 return False
-            self._records[slot] = None
             self._free.append(slot)
         return True
 
@@ -269,12 +295,13 @@ class HostTier:
         return sum(self.remove(k) for k in keys)
 
     def entries(self) -> Iterator[tuple[BlockKey, BlockRecord]]:
+        """Every committed block, oldest store first: a snapshot taken at the first step."""
         with self._lock:
-            items = list(self._slot_of.items())
-        for key, slot in items:
-            record = self._records[slot]
-            if record is not None:
-                yield key, record
+            _, keys, records = self._index.dump()
+        count, size = len(keys) // KEY_BYTES, _RECORD.size
+        seqs = np.frombuffer(records, np.uint8).reshape(count, size)[:, :8].copy().view("<u8").ravel()
+        for i in np.argsort(seqs, kind="stable").tolist():
+            yield BlockKey(keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]), _decode(records[i * size : (i + 1) * size])
 
     def close(self) -> None:
         if self._copier is not None:

@@ -87,3 +87,32 @@ def test_large_batches_split_over_two_copy_threads_stay_bit_exact() -> None:
     assert all(torch.equal(o, as_bytes(b)) for o, b in zip(outs, blocks, strict=False))
     assert tier.stats.bytes_read == 40 * layout.block_bytes
     tier.close()
+
+
+def test_entries_list_committed_blocks_in_store_order_with_their_records() -> None:
+    """The index keeps no Python objects per block: records come back decoded, parents and all, oldest first."""
+    tier = HostTier(toy_layout(), 8 * 4096, pin=False)
+    layout = tier.layout
+    order = [5, 1, 9, 3]
+    for i in order:
+        assert tier.put(key(i), payload(layout, i), record(i, key(i - 1) if i % 2 else None))
+    late = tier.reserve(key(7), rec(7))  # reserved, not committed: not an entry
+    assert late is not None
+    assert tier.remove(key(9)) and not tier.contains(key(9))
+    assert tier.put(key(9), payload(layout, 90), rec(90))  # stored again: now the newest
+    assert list(tier.entries()) == [
+        (key(5), record(5, key(4))),
+        (key(1), record(1, key(0))),
+        (key(3), record(3, key(2))),
+        (key(9), rec(90)),
+    ]
+    assert tier.record(key(7)) is None and tier.record(key(1)) == record(1, key(0))
+    tier.abort(key(7))
+    assert (len(tier), tier.free_blocks()) == (4, 4)
+
+
+def test_a_record_the_index_cannot_hold_is_refused_before_a_slot_is_taken() -> None:
+    tier = HostTier(toy_layout(), 2 * 4096, pin=False)
+    with pytest.raises(ValueError, match="digest"):
+        tier.reserve(key(0), BlockRecord(b"short", None))  # type: ignore[arg-type]
+    assert (len(tier), tier.free_blocks()) == (0, 2)

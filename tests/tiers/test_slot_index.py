@@ -1,4 +1,4 @@
-"""The disk tier's in-memory index (native/slot_index.c) against a model of dicts, and the LRU that ranks by it."""
+"""The tiers' native slot index (native/slot_index.c) against a model of dicts, and the LRU that ranks by it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtier._native_io import SlotIndex
 
 from kvtier.policy.lru import LRUPolicy
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.slot_index import SlotIndex
 from tests.helpers import payload, record, toy_layout
 
 KEY = 16
@@ -121,10 +122,14 @@ def test_a_bulk_load_refuses_an_index_no_tier_could_have_written(
         SlotIndex(4, 16).load(b"".join(keys), _records(slots, [1, 2]), np.arange(2, dtype=np.int64))
 
 
-def test_lru_over_the_disk_tiers_recency_list_picks_the_victims_of_lru_over_its_own_dict(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["disk", "host"])
+def test_lru_over_a_tiers_recency_list_picks_the_victims_of_lru_over_its_own_dict(tmp_path: Path, kind: str) -> None:
     """The same events, in the same order, give the same victims, whichever list the LRU keeps."""
     rng = random.Random(11)
-    tier = DiskTier(tmp_path, toy_layout(), 24 * 4096, model_fingerprint="toy-model")
+    if kind == "disk":
+        tier: DiskTier | HostTier = DiskTier(tmp_path, toy_layout(), 24 * 4096, model_fingerprint="toy-model")
+    else:
+        tier = HostTier(toy_layout(), 24 * 4096, pin=False)
     try:
         on_tier, own = LRUPolicy(), LRUPolicy()
         on_tier.load([], tier.recency)
@@ -149,5 +154,37 @@ def test_lru_over_the_disk_tiers_recency_list_picks_the_victims_of_lru_over_its_
             else:
                 assert (k in on_tier) == (k in own) and len(on_tier) == len(own)
         assert on_tier.victims(100) == own.victims(100)
+    finally:
+        tier.close()
+
+
+def test_confirm_compares_the_records_last_bytes_without_decoding_them() -> None:
+    index = SlotIndex(4, 40)
+    record = bytes(8) + b"d" * 32
+    index.put(b"k" * KEY, 2, record)
+    assert index.confirm(b"k" * KEY, b"d" * 32, 8) == 1
+    assert index.confirm(b"k" * KEY, b"d" * 31 + b"e", 8) == 0  # other tokens under the key
+    assert index.confirm(b"k" * KEY, b"d" * 31, 8) == 0  # evidence of another length never matches
+    assert index.confirm(b"x" * KEY, b"d" * 32, 8) == -1  # absent
+    with pytest.raises(ValueError, match="offset"):
+        index.confirm(b"k" * KEY, b"d" * 32, 41)
+
+
+@pytest.mark.parametrize("kind", ["disk", "host"])
+def test_a_tiers_confirm_agrees_with_its_record(tmp_path: Path, kind: str) -> None:
+    """``Tier.confirm`` is ``record(key).matches(digest)``, answered in C: the lookups' hot path."""
+    if kind == "disk":
+        tier: DiskTier | HostTier = DiskTier(tmp_path, toy_layout(), 8 * 4096, model_fingerprint="toy-model")
+    else:
+        tier = HostTier(toy_layout(), 8 * 4096, pin=False)
+    try:
+        keys = [i.to_bytes(KEY, "little") for i in range(4)]
+        for i, k in enumerate(keys[:3]):
+            assert tier.put(k, payload(tier.layout, i), record(i, keys[i - 1] if i else None))
+        for k in keys:
+            for j in range(4):
+                held = tier.record(k)
+                want = None if held is None else held.matches(record(j).digest)
+                assert tier.confirm(k, record(j).digest) is want
     finally:
         tier.close()

@@ -3,19 +3,16 @@
 The mirror answers every lookup of the disk tier without a transaction, so
 it holds one entry per indexed block, and its cost per block is what a node
 with terabytes of NVMe pays tens of millions of times. It is a
-:class:`kvtier._native_io.SlotIndex` (``native/slot_index.c``): the key, the
+:data:`kvtier.tiers.slot_index.SlotIndex` (``native/slot_index.c``): the key, the
 record's bytes exactly as the LMDB index stores them, and two links of a
 recency list, each in an array by slot, with an open-addressing table from
 key to slot. Entries are decoded into :class:`IndexEntry` objects only when
 asked for, one at a time. ``kvtier bench scale`` has the bytes per block and
 the start-up times (bench/README.md).
 
-The mirror also keeps a recency list over its slots for the LRU policy to
-rank by (:class:`kvtier.policy.base.Recency`) instead of keeping every key
-again in a dict of its own. The policy says who is on it and where; the
-mirror only takes a block off when it drops the block, so the list never
-names a slot the tier does not hold. A reopened tier's blocks are on it,
-oldest store first.
+The mirror is also the tier's recency list for the LRU policy
+(:class:`kvtier.tiers.slot_index.SlotRecency`); a reopened tier's blocks are on
+it, oldest store first.
 """
 
 from __future__ import annotations
@@ -24,17 +21,18 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvtier._native_io import SlotIndex
-from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.keys import DIGEST_BYTES, KEY_BYTES, BlockKey
 from kvtier.tiers.disk.records import IndexDamage, IndexEntry, decode_value, encode_record, record_bytes
+from kvtier.tiers.slot_index import CONFIRMED, SlotIndex, SlotRecency
 
 
-class SlotMirror:
-    """The records of one disk tier by key, decoded on demand; what changes it holds the tier's lock."""
+class SlotMirror(SlotRecency):
+    """The records of one disk tier by key, decoded on demand, and their recency list; changed under the tier's lock."""
 
     def __init__(self, num_slots: int, num_layers: int) -> None:
+        super().__init__(SlotIndex(num_slots, record_bytes(num_layers)))
         self._num_layers = num_layers
-        self._slots = SlotIndex(num_slots, record_bytes(num_layers))
+        self._digest_at = record_bytes(num_layers) - DIGEST_BYTES
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -45,6 +43,10 @@ class SlotMirror:
     def get(self, key: BlockKey) -> IndexEntry | None:
         found = self._slots.get(key)
         return None if found is None else decode_value(found[1], self._num_layers)
+
+    def confirm(self, key: BlockKey, digest: bytes) -> bool | None:
+        """Whether ``key``'s record has ``digest`` (the record's last field), None when absent: nothing decoded."""
+        return CONFIRMED[self._slots.confirm(key, digest, self._digest_at)]
 
     def slot_of(self, key: BlockKey) -> int | None:
         slot = self._slots.find(key)
@@ -106,26 +108,3 @@ class SlotMirror:
         rows = np.frombuffer(values, dtype=np.uint8).reshape(count, size)
         order = np.argsort(rows[:, 4:12].copy().view("<u8").ravel(), kind="stable")
         return np.frombuffer(keys, np.uint8).reshape(count, KEY_BYTES)[order].tobytes(), rows[order].tobytes()
-
-    # -- the recency list an LRU policy ranks by (kvtier.policy.base.Recency) ---------------------
-    def enter(self, key: BlockKey) -> None:
-        """Put an indexed ``key`` at the most recent end (moving it there if it is on the list already)."""
-        self._slots.enter(key)
-
-    def touch(self, key: BlockKey) -> None:
-        """Move ``key`` to the most recent end if it is on the list."""
-        self._slots.touch(key)
-
-    def leave(self, key: BlockKey) -> None:
-        """Take ``key`` off the list; it stays indexed."""
-        self._slots.leave(key)
-
-    def ranks(self, key: object) -> bool:
-        return isinstance(key, bytes) and len(key) == KEY_BYTES and self._slots.is_linked(key)
-
-    def ranked(self) -> int:
-        return self._slots.linked
-
-    def oldest(self, n: int, skip: int = 0) -> list[BlockKey]:
-        """Up to ``n`` keys from the least recent end, after the first ``skip``: a snapshot of that window."""
-        return self._slots.oldest(n, skip)

@@ -50,7 +50,7 @@ import torch
 
 from kvtier.config import FsyncMode, OnCorrupt, OnMismatch
 from kvtier.errors import DiskUnavailableError, warn_once
-from kvtier.keys import BlockKey
+from kvtier.keys import BlockDigest, BlockKey
 from kvtier.layout import KVLayout
 from kvtier.stats import DiskStats
 from kvtier.tiers import native
@@ -185,6 +185,9 @@ class DiskTier:
     def record(self, key: BlockKey) -> BlockRecord | None:
         entry = self._index.mirror.get(key)
         return None if entry is None else entry.record
+
+    def confirm(self, key: BlockKey, digest: BlockDigest) -> bool | None:
+        return self._index.mirror.confirm(key, digest)
 
     # -- reads ---------------------------------------------------------------
     def get(self, key: BlockKey, out: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from kvtier.config import RemoteConfig
-from kvtier.keys import BlockKey, Secret
+from kvtier.keys import BlockDigest, BlockKey, Secret
 from kvtier.layout import KVLayout
 from kvtier.stats import RemoteSnapshot, RemoteStats
 from kvtier.tiers.base import BlockRecord, TierKind
@@ -111,6 +111,10 @@ class RemoteTier:
         """The authentic header a probe saw for ``key`` (a hint: the value may have expired since)."""
         with self._seen_lock:
             return self._seen.get(key)
+
+    def confirm(self, key: BlockKey, digest: BlockDigest) -> bool | None:
+        record = self.record(key)
+        return None if record is None else record.matches(digest)
 
     def _remember(self, key: BlockKey, record: BlockRecord | None) -> None:
         with self._seen_lock:
