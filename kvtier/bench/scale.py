@@ -8,7 +8,12 @@ over it (host tier + that disk tier, write-through) and measures:
 
 * ``startup_s``: constructing the manager, i.e. opening the disk tier over N
   blocks (index verified and mirrored, free list rebuilt) and rebuilding its
-  eviction policy;
+  eviction policy, after a clean close sealed the index
+  (:mod:`kvtier.tiers.disk.seal`): the start-up of a restart;
+* ``startup_after_crash_s``: the same over the index as a crash leaves it, no
+  seal: every page walked and every record read through a cursor. It is
+  measured first, in a process of its own whose clean close then seals the
+  index the other figures open;
 * ``disk_ram_bytes_per_block``: the growth of that process's anonymous
   resident memory (``RssAnon``) across the start-up, over N: the disk
   tier's in-memory index and its policy's metadata, allocator slack included;
@@ -24,12 +29,13 @@ over it (host tier + that disk tier, write-through) and measures:
 
 Two more figures, each in a process of its own: ``host_ram_bytes_per_block``
 (tracemalloc's traced Python memory of a host tier and its LRU policy
-holding ``min(N, host_blocks)`` blocks: its slots' payload pages are outside
-the count by construction) and ``router_bytes_per_block`` (tracemalloc's
+holding ``min(N, host_blocks)`` blocks, plus what the tier's native slot
+index allocated: its slots' payload pages are outside the count by
+construction) and ``router_bytes_per_block`` (tracemalloc's
 traced memory of the router's :class:`~kvtier.route.index.BlockIndex` as
 ``backends`` backends each report the same N keys, each key its own object as
 decoded from each backend's events), over N times the backends.
-``ram_bytes_per_block`` is the disk tier's figure: the tier that holds N.
+``ram_bytes_per_block`` is the larger of the disk and host figures.
 
 How the N blocks get there: their index records are written into the tier's
 own LMDB index (the record encoding of :mod:`kvtier.tiers.disk.records`, real
@@ -127,7 +133,7 @@ def rss_anon() -> int:
 
 # -- filling a disk tier to N blocks ---------------------------------------------------------------
 def fill(data_dir: Path, blocks: int, stores: int) -> None:
-    """A disk tier at ``data_dir/disk`` indexing ``blocks`` blocks (prompts 0.. in order), slabs sparse."""
+    """A disk tier at ``data_dir/disk`` indexing ``blocks`` blocks (prompts 0.. in order), slabs sparse, unsealed."""
     from kvtier.keys import KeyHasher, Secret
     from kvtier.tiers.disk import DiskTier
 
@@ -148,7 +154,7 @@ def fill(data_dir: Path, blocks: int, stores: int) -> None:
         _sparse_slabs(tier, lay)
         _write_records(tier, hasher, lay, blocks)
     finally:
-        tier.close()
+        tier._abandon()  # no seal: this process's mirror never saw the records, and a crash leaves none either
 
 
 def _sparse_slabs(tier: Any, lay: Any) -> None:
@@ -212,6 +218,21 @@ def measure_manager(data_dir: Path, blocks: int, spec: ScaleSpec) -> dict[str, A
     return out
 
 
+def measure_reopen(data_dir: Path, blocks: int, spec: ScaleSpec) -> dict[str, Any]:
+    """Start-up over an unsealed index (as after a crash); the clean close that follows seals it."""
+    from kvtier.manager import CacheManager
+
+    t0 = time.perf_counter()
+    manager = CacheManager(config(data_dir, blocks, spec.stores), layout(), model_fingerprint=FINGERPRINT)
+    startup = time.perf_counter() - t0
+    try:
+        if manager.disk is None or len(manager.disk) != blocks:
+            raise RuntimeError(f"the disk tier opened with {manager.disk and len(manager.disk)} blocks, not {blocks}")
+    finally:
+        manager.close(0)
+    return {"startup_after_crash_s": startup}
+
+
 def lookups(manager: Any, blocks: int, spec: ScaleSpec) -> dict[str, float]:
     """``spec.lookups`` lookups, cached and absent prompts interleaved; each checked for its expected answer.
 
@@ -268,7 +289,12 @@ def _store_rate(manager: Any, payload: torch.Tensor, prompts: range) -> float:
 
 
 def measure_host(blocks: int) -> dict[str, float]:
-    """Traced Python bytes per block of a host tier and its LRU policy holding ``blocks`` blocks."""
+    """Bytes per block of a host tier and its LRU policy holding ``blocks`` blocks: traced Python and native index.
+
+    The tier's slot index is allocated whole at start-up, outside Python's
+    allocator: its bytes are counted from what it allocated (the tier is
+    full, so every page of it is in use).
+    """
     from kvtier.policy import make_policy
     from kvtier.policy.base import PolicyName
     from kvtier.tiers.base import BlockRecord
@@ -277,6 +303,7 @@ def measure_host(blocks: int) -> dict[str, float]:
     lay = layout()
     tier = HostTier(lay, blocks * 4096, pin=False)
     policy = make_policy(PolicyName.LRU)
+    policy.load((), tier.recency)  # as the manager's eviction hands it the tier's recency list
     payload = torch.zeros(lay.block_bytes, dtype=torch.uint8)
     raw = os.urandom(48 * blocks)
     gc.collect()
@@ -291,7 +318,12 @@ def measure_host(blocks: int) -> dict[str, float]:
     tracemalloc.stop()
     if len(tier) != blocks:
         raise RuntimeError(f"the host tier holds {len(tier)} of {blocks} blocks")
-    return {"host_ram_bytes_per_block": traced / blocks, "host_ram_blocks": blocks}
+    native_bytes = tier._index.allocated_bytes
+    return {
+        "host_ram_bytes_per_block": (traced + native_bytes) / blocks,
+        "host_native_bytes_per_block": native_bytes / blocks,
+        "host_ram_blocks": blocks,
+    }
 
 
 def measure_router(blocks: int, backends: int) -> dict[str, float]:
@@ -333,9 +365,9 @@ def _child(what: str, *args: str) -> dict[str, Any]:
 
 
 def _run_child(what: str, args: list[str]) -> dict[str, Any]:
-    if what == "manager":
-        spec = ScaleSpec(**json.loads(args[2]))
-        return measure_manager(Path(args[0]), int(args[1]), spec)
+    if what in ("manager", "reopen"):
+        measure = measure_manager if what == "manager" else measure_reopen
+        return measure(Path(args[0]), int(args[1]), ScaleSpec(**json.loads(args[2])))
     if what == "host":
         return measure_host(int(args[0]))
     if what == "router":
@@ -350,10 +382,11 @@ def point(blocks: int, spec: ScaleSpec, work: Path, progress: Callable[[str], No
     progress(f"  {blocks:>10,} blocks: index filled in {time.perf_counter() - t0:.1f} s")
     spec_json = json.dumps(asdict(spec) | {"points": list(spec.points)})
     out: dict[str, Any] = {"blocks": blocks}
+    out |= _child("reopen", str(data_dir), str(blocks), spec_json)
     out |= _child("manager", str(data_dir), str(blocks), spec_json)
     out |= _child("host", str(min(blocks, spec.host_blocks)))
     out |= _child("router", str(blocks), str(spec.backends))
-    out["ram_bytes_per_block"] = out["disk_ram_bytes_per_block"]
+    out["ram_bytes_per_block"] = max(out["disk_ram_bytes_per_block"], out["host_ram_bytes_per_block"])
     progress(f"  {blocks:>10,} blocks: " + ", ".join(f"{k} {_fmt(out[k])}" for k in FIELDS[1:]))
     return out
 
@@ -373,11 +406,14 @@ def run(spec: ScaleSpec, *, workdir: Path | None = None, progress: Callable[[str
             "layout": layout().descriptor,
             "prompt_blocks": PROMPT_BLOCKS,
             "ram_method": {
-                "ram_bytes_per_block": "disk_ram_bytes_per_block",
+                "ram_bytes_per_block": "max(disk_ram_bytes_per_block, host_ram_bytes_per_block)",
                 "disk_ram_bytes_per_block": "RssAnon growth across CacheManager start-up, fresh process, over N",
-                "host_ram_bytes_per_block": "tracemalloc, host tier + LRU policy, over host_ram_blocks",
+                "host_ram_bytes_per_block": "tracemalloc + the native slot index's allocation, host tier + LRU"
+                " policy, over host_ram_blocks (the tier full)",
                 "router_bytes_per_block": "tracemalloc, BlockIndex, over N x backends",
                 "lookup_p50_us": "hits only (128 blocks confirmed); absent_*: misses at the first block",
+                "startup_s": "CacheManager construction after a clean close (sealed index)",
+                "startup_after_crash_s": "CacheManager construction over an unsealed index (walked, cursor read)",
             },
             **asdict(spec),
         },
@@ -405,13 +441,13 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"kvtier bench scale, {s['date']}: layout {s['layout']}, {s['prompt_blocks']}-block prompts",
         f"  {'blocks':>10} {'lookup p50/p99 us':>18} {'store/s':>9} {'evict/s':>9} {'RAM B/blk':>10}"
-        f" {'host B/blk':>10} {'start s':>8} {'router B/blk':>12}",
+        f" {'host B/blk':>10} {'start s':>8} {'crash s':>8} {'router B/blk':>12}",
     ]
     for p in result["points"]:
         lines.append(
             f"  {p['blocks']:>10,} {p['lookup_p50_us']:>8.0f}/{p['lookup_p99_us']:<9.0f} {p['store_blocks_s']:>9.0f}"
             f" {p['evict_blocks_s']:>9.0f} {p['ram_bytes_per_block']:>10.0f} {p['host_ram_bytes_per_block']:>10.0f}"
-            f" {p['startup_s']:>8.2f} {p['router_bytes_per_block']:>12.0f}"
+            f" {p['startup_s']:>8.2f} {p['startup_after_crash_s']:>8.2f} {p['router_bytes_per_block']:>12.0f}"
         )
     return "\n".join(lines)
 

@@ -24,7 +24,9 @@ def test_scale_bench_reports_every_field_of_every_point_and_sane_values(tmp_path
             assert p[field] > 0, field
         assert p["lookup_p99_us"] >= p["lookup_p50_us"] and p["absent_p99_us"] >= p["absent_p50_us"] > 0
         assert p["host_ram_blocks"] == min(p["blocks"], SPEC.host_blocks)
-        assert p["ram_bytes_per_block"] == p["disk_ram_bytes_per_block"]
+        assert p["ram_bytes_per_block"] == max(p["disk_ram_bytes_per_block"], p["host_ram_bytes_per_block"])
+        assert 0 < p["host_native_bytes_per_block"] < p["host_ram_bytes_per_block"]
+        assert p["startup_after_crash_s"] > 0  # the unsealed open, measured before the one after a clean close
     setup = result["setup"]
     assert setup["date"].endswith("Z") and "isa" in setup["machine"]
     assert set(setup["ram_method"]) >= {"ram_bytes_per_block", "router_bytes_per_block"}
@@ -57,3 +59,13 @@ def test_a_filled_tier_opens_with_every_block_and_serves_it_confirmed(tmp_path: 
         assert tier.get(prompt.keys[3], out) and not out.any()  # a sparse slot: zeros, which pass their checksum
     finally:
         tier.close()
+
+
+def test_a_sealed_tier_of_a_hundred_thousand_blocks_opens_within_200_bytes_a_block(tmp_path: Path) -> None:
+    """Issue 32's RAM target, held at a size where the start-up's freed buffers once doubled it (221 B a block)."""
+    blocks, spec = 100_000, scale.ScaleSpec(points=(100_000,), lookups=20, stores=256)
+    scale.fill(tmp_path, blocks, spec.stores)
+    spec_json = json.dumps({**scale.asdict(spec), "points": list(spec.points)})
+    assert scale._child("reopen", str(tmp_path), str(blocks), spec_json)["startup_after_crash_s"] > 0  # seals it
+    opened = scale._child("manager", str(tmp_path), str(blocks), spec_json)
+    assert opened["disk_ram_bytes_per_block"] <= 200, opened

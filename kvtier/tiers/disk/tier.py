@@ -138,6 +138,7 @@ class DiskTier:
         self._slabs.open(self._io_mode)
         self._index.drop_lost(self._slabs.held)
         self._slabs.free_all_but(self._index.mirror.slots())
+        native.return_freed_heap()  # the index was read through buffers as large as itself, now freed
         self._dir.warn_if_short_of_space(self.capacity_bytes)
 
     def _abandon(self) -> None:
