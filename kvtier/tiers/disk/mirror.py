@@ -71,7 +71,7 @@ class SlotMirror(SlotRecency):
         key = self._slots.key(slot)
         return None if key is None else BlockKey(key)
 
-    def load(self, keys: bytes, values: bytes) -> list[int]:
+    def load(self, keys: bytes | memoryview, values: bytes | memoryview) -> list[int]:
         """Fill the empty mirror from the index's keys and records, each joined end to end; oldest store first.
 
         Returns the positions of the records whose slot lies past the

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,18 +62,27 @@ class Seal:
         except OSError:
             return False
 
-    def mirror(self, index: Path, records: int, record_bytes: int) -> tuple[bytes, memoryview] | None:
-        """The sealed mirror's keys and records, when it holds ``records`` of ``record_bytes`` and reads intact."""
+    def mirror(self, index: Path, records: int, record_bytes: int) -> tuple[memoryview, memoryview] | None:
+        """The sealed mirror's keys and records, when it holds ``records`` of ``record_bytes`` and reads intact.
+
+        Mapped, not read: the file is as large as the index, and a copy on
+        the heap would double the start-up's peak memory for a moment. The
+        mapping goes when the caller drops the two views.
+        """
         if (records, record_bytes) != (self.records, self.record_bytes):
             return None
         try:
-            blob = (index / MIRROR_FILE).read_bytes()
+            with open(index / MIRROR_FILE, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != self.mirror_bytes:
+                    return None
+                view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b"")
         except OSError:
             return None
-        if len(blob) != self.mirror_bytes or native.BACKEND.crc32c(blob) != self.mirror_crc32c:
+        if native.BACKEND.crc32c(view) != self.mirror_crc32c:
             return None
-        view, cut = memoryview(blob), records * 16
-        return bytes(view[:cut]), view[cut:]
+        cut = records * 16
+        return view[:cut], view[cut:]
 
 
 def file_crc32c(path: Path) -> int:
