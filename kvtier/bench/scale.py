@@ -440,13 +440,14 @@ def table(result: dict[str, Any]) -> str:
     s = result["setup"]
     lines = [
         f"kvtier bench scale, {s['date']}: layout {s['layout']}, {s['prompt_blocks']}-block prompts",
-        f"  {'blocks':>10} {'lookup p50/p99 us':>18} {'store/s':>9} {'evict/s':>9} {'RAM B/blk':>10}"
+        f"  {'blocks':>10} {'lookup p50/p99 us':>18} {'store/s':>9} {'evict/s':>9} {'disk B/blk':>10}"
         f" {'host B/blk':>10} {'start s':>8} {'crash s':>8} {'router B/blk':>12}",
     ]
     for p in result["points"]:
         lines.append(
             f"  {p['blocks']:>10,} {p['lookup_p50_us']:>8.0f}/{p['lookup_p99_us']:<9.0f} {p['store_blocks_s']:>9.0f}"
-            f" {p['evict_blocks_s']:>9.0f} {p['ram_bytes_per_block']:>10.0f} {p['host_ram_bytes_per_block']:>10.0f}"
+            f" {p['evict_blocks_s']:>9.0f} {p['disk_ram_bytes_per_block']:>10.0f}"
+            f" {p['host_ram_bytes_per_block']:>10.0f}"
             f" {p['startup_s']:>8.2f} {p['startup_after_crash_s']:>8.2f} {p['router_bytes_per_block']:>12.0f}"
         )
     return "\n".join(lines)
@@ -464,12 +465,13 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     a.set(xscale="log", xlabel="indexed blocks", ylabel="µs per 128-block lookup", title="lookup")
     a.legend()
     for key, label in (
-        ("ram_bytes_per_block", "disk tier + policy"),
+        ("disk_ram_bytes_per_block", "disk tier + policy"),
         ("host_ram_bytes_per_block", "host tier + policy"),
         ("router_bytes_per_block", "router, per backend"),
     ):
         b.plot(n, [p[key] for p in pts], "o-", label=label)
-    b.set(xscale="log", xlabel="indexed blocks", ylabel="bytes of RAM per block", title="memory")
+    b.set(xscale="log", xlabel="indexed blocks", ylabel="bytes of RAM per block", title="memory", ylim=(0, None))
+    a.set(ylim=(0, None))
     b.legend()
     fig.suptitle(f"kvtier bench scale, {result['setup']['date']}")
     fig.tight_layout()
