@@ -164,6 +164,10 @@ class ObservedPolicy(EvictionPolicy):
         if held:
             self._sink.removed(self._tier, [key])
 
+    def on_lost(self, key: BlockKey) -> None:
+        self.inner.on_lost(key)
+        self._sink.removed(self._tier, [key])  # gone from the tier, whatever the policy still ranks
+
     def victims(self, n: int, exclude: Container[BlockKey] = frozenset()) -> list[BlockKey]:
         return self.inner.victims(n, exclude)
 

@@ -9,7 +9,7 @@ what enters and leaves. Everything here runs with the tier set's lock held.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvtier.events import BlockEventSink, ObservedPolicy
 from kvtier.explain import EvictionLog
@@ -57,6 +57,17 @@ class Eviction:
         for (key, record), stored in zip(written, ok, strict=True):
             if stored and key not in policy:
                 policy.on_insert(key, record.parent)
+
+    def lost(self, tier: Tier, keys: Iterable[BlockKey]) -> None:
+        """Keys whose read from an owned tier failed: those the tier dropped by itself leave its policy (and sinks).
+
+        Under the lock. A key the tier holds (a failure it kept, or a block
+        stored again since) is left alone.
+        """
+        policy = self.policies[tier.kind]
+        for key in keys:
+            if not tier.contains(key):
+                policy.on_lost(key)
 
     # -- making room -----------------------------------------------------------------------------
     def make_room(self, tier: Tier, n: int) -> bool:

@@ -96,7 +96,7 @@ class Promoter:
         views: list[torch.Tensor] = []
         with self.tiers.lock:
             for key, digest in zip(keys, digests, strict=True):
-                view = host.view(key) if _confirmed(host.record(key), digest) else None
+                view = host.view(key) if digest is None or host.confirm(key, digest) else None
                 if view is None:
                     break
                 self.pins.pin((key,))
@@ -134,11 +134,13 @@ class Promoter:
         good = self._read_below(reads, views)
         host = self.tiers.host
         with self.tiers.lock:
+            for owned in self.tiers.owned:  # a block that failed its checksum was dropped there
+                self.eviction.lost(owned, [key for i, key, _, tier in reads if tier is owned and not good[i]])
             # A tier read by key outside the lock: if another prompt's block took the key meanwhile (keys
             # collide; confirmation tells them apart), the bytes read may be that block's, checksums and all.
             # Ours cannot come back under the key while we hold its host reservation, so this check is exact.
             for i, key, record, tier in reads:
-                good[i] = good[i] and _confirmed(tier.record(key), record.digest)
+                good[i] = good[i] and tier.confirm(key, record.digest) is True
         bad = next((i for i, _, _, _ in reads if not good[i]), len(views))
         self._count_served(reads, good, bad)
         with self.tiers.lock:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvtier.config import WriteMode
+from kvtier.events import HeldKeys
 from kvtier.index import MissReason
 from kvtier.manager import CacheManager
 from kvtier.policy import PolicyName, make_policy, registered
@@ -459,6 +460,10 @@ def test_a_named_block_corrupted_on_disk_is_a_counted_miss_never_wrong_bytes(tmp
         data = kv(3, seed=44)
         m.named_store_from(names(3), filler(data), NS)
         m.clear(TierKind.HOST)
+        held = HeldKeys()
+        m.observe(held)
+        damaged = m.hasher.named(b"obj/1", NS)
+        assert damaged in held.snapshot()[D]
         path, offset = m.disk.slab_path(m.disk.slot_of(m.hasher.named(b"obj/1", NS)))
         with open(path, "r+b") as f:
             f.seek(offset + 9)
@@ -470,6 +475,8 @@ def test_a_named_block_corrupted_on_disk_is_a_counted_miss_never_wrong_bytes(tmp
             assert torch.equal(handle.blocks[0], as_bytes(data[0]))
         assert m.stats().tiers["disk"].checksum_failures == 1
         assert m.named_exists(names(3), NS) == [True, False, True]  # the damaged record is dropped
+        assert damaged not in held.snapshot()[D]  # and a router following the events hears it left
+        assert len(held.snapshot()[D]) == 2
 
 
 def test_a_keyed_prompt_is_never_hashed_again_on_its_way(tmp_path: Path) -> None:

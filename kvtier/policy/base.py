@@ -109,6 +109,14 @@ class EvictionPolicy(ABC):
     def on_remove(self, key: BlockKey) -> None:
         """``key`` left the tier (evicted or removed). Unknown keys are ignored."""
 
+    def on_lost(self, key: BlockKey) -> None:
+        """``key`` is gone from the tier already: the tier dropped it by itself (its bytes failed their read).
+
+        A policy ranking by the tier's own recency list no longer holds it
+        by now; :class:`~kvtier.events.ObservedPolicy` reports it all the same.
+        """
+        self.on_remove(key)
+
     @abstractmethod
     def victims(self, n: int, exclude: Container[BlockKey] = frozenset()) -> list[BlockKey]:
         """Up to ``n`` keys to evict, first victim first, skipping ``exclude``.
