@@ -667,13 +667,21 @@ def test_a_slab_that_cannot_be_preallocated_is_said_naming_the_file(tmp_path: Pa
     assert str(tmp_path / "slab-0000.bin") in said
 
 
-def test_a_reopened_tier_lists_its_blocks_in_store_order_not_key_order(tmp_path: Path) -> None:
-    """The LRU policy ranks a reopened tier by its recency list: oldest store first, whatever LMDB's key order."""
-    order = [5, 1, 9, 3, 12, 0, 7]  # key(i)'s bytes sort by i's low byte: store order is not key order
-    tier = open_disk(tmp_path)
+STORE_ORDER = [5, 1, 9, 3, 12, 0, 7]  # key(i)'s bytes sort by i's low byte: store order is not key order
+
+
+def closed_after_storing(path: Path, order: list[int]) -> list[int]:
+    """A tier at ``path`` that stored ``key(i)`` for each ``i`` in ``order``, then closed cleanly (sealed)."""
+    tier = open_disk(path)
     for i in order:
         assert tier.put(key(i), payload(tier.layout, i), rec(i))
     tier.close()
+    return order
+
+
+def test_a_reopened_tier_lists_its_blocks_in_store_order_not_key_order(tmp_path: Path) -> None:
+    """The LRU policy ranks a reopened tier by its recency list: oldest store first, whatever LMDB's key order."""
+    order = closed_after_storing(tmp_path, STORE_ORDER)
     tier = open_disk(tmp_path)
     try:
         assert tier.recency.oldest(100) == [key(i) for i in order]
@@ -712,11 +720,7 @@ def sealed_files(path: Path) -> list[str]:
 def test_a_cleanly_closed_tier_reopens_from_its_seal_without_a_walk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    order = [5, 1, 9, 3, 12, 0, 7]
-    tier = open_disk(tmp_path)
-    for i in order:
-        assert tier.put(key(i), payload(tier.layout, i), rec(i))
-    tier.close()
+    order = closed_after_storing(tmp_path, STORE_ORDER)
     assert sealed_files(tmp_path) == ["mirror.bin", "seal.json"]
     path = OpenPath(monkeypatch)
     tier = open_disk(tmp_path)
@@ -759,11 +763,7 @@ def test_an_index_changed_after_its_seal_is_walked_and_read_as_it_is(
 def test_a_damaged_sealed_mirror_is_read_from_the_index_instead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
 ) -> None:
-    order = [5, 1, 9, 3, 12, 0, 7]
-    tier = open_disk(tmp_path)
-    for i in order:
-        assert tier.put(key(i), payload(tier.layout, i), rec(i))
-    tier.close()
+    order = closed_after_storing(tmp_path, STORE_ORDER)
     mirror = tmp_path / "index.lmdb" / "mirror.bin"
     blob = bytearray(mirror.read_bytes())
     if damage == "flipped byte":
