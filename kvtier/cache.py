@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from kvtier.breakeven import BreakEvenModel
     from kvtier.config import Config
-    from kvtier.events import BlockEventSink
+    from kvtier.events import BlockEventSink, HeldKeys
     from kvtier.explain import Explanation
     from kvtier.index import LookupResult
     from kvtier.keys import BlockKey, KeyedTokens, KeyHasher
@@ -183,6 +183,10 @@ class Cache(Protocol):
     # -- operators --------------------------------------------------------------------------------
     def observe(self, sink: BlockEventSink) -> bool:
         """Tell ``sink`` of every key entering or leaving this process's tiers; False when they are not here."""
+        ...
+
+    def follow(self, held: HeldKeys) -> bool:
+        """:meth:`observe` for a :class:`~kvtier.events.HeldKeys`, which lists the tiers' keys from them when asked."""
         ...
 
     def pin_for(self, prompt: KeyedTokens, ttl_s: float, *, tier: TierKind = TierKind.HOST) -> int:

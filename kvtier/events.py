@@ -15,8 +15,8 @@ about any prompt.
 from __future__ import annotations
 
 import threading
-from collections.abc import Container, Sequence
-from typing import Protocol
+from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Any, Protocol
 
 import msgspec
 
@@ -39,50 +39,90 @@ class BlockEventSink(Protocol):
     def cleared(self, tier: TierKind) -> None: ...
 
 
+Held = dict[TierKind, list[BlockKey]]
+Listing = Callable[[Callable[[Held], Any]], Any]
+"""``listing(then)``: ``then`` of every key some tiers hold, called under the lock their changes are told under."""
+
+
 class HeldKeys:
-    """The keys each tier holds, kept from the events themselves, and the sinks told of every change after it.
+    """The keys each tier holds, and the sinks told of every change after it.
 
     What a subscriber is first sent (a snapshot) and the changes it hears
     after must fit together with nothing between them: :meth:`listen` takes
     both under the one lock the changes are applied under. Sinks are called
     under that lock, on the thread that changed the tier: they only queue.
+
+    Keys are kept here from the events themselves, except those of tiers
+    that can list their own (:meth:`list_from`): a cache's tiers index every
+    key already, in native arrays, and a copy here would cost a set entry
+    and a key object per block, and the listing of every key at start-up.
+    Their part of a snapshot is listed by them, under the cache's lock,
+    which every change to them and its event happen under: taken there, with
+    this lock inside it, the snapshot and the changes still fit together
+    (a change made and not yet told can be told twice, which a set of held
+    keys absorbs).
     """
 
     def __init__(self) -> None:
         self._held: dict[TierKind, set[BlockKey]] = {}
         self._sinks: list[BlockEventSink] = []
         self._lock = threading.Lock()
+        self._listed: frozenset[TierKind] = frozenset()
+        self._listing: Listing | None = None
+
+    def list_from(self, tiers: Iterable[TierKind], listing: Listing) -> None:
+        """Keep no keys of ``tiers``: ``listing`` lists theirs when a snapshot is taken (set once, at start)."""
+        with self._lock:
+            self._listed = frozenset(tiers)
+            self._listing = listing
+            for tier in self._listed:
+                self._held.pop(tier, None)
 
     def stored(self, tier: TierKind, keys: Sequence[BlockKey]) -> None:
         with self._lock:
-            self._held.setdefault(tier, set()).update(keys)
+            if tier not in self._listed:
+                self._held.setdefault(tier, set()).update(keys)
             if keys:
                 for sink in self._sinks:
                     sink.stored(tier, keys)
 
     def removed(self, tier: TierKind, keys: Sequence[BlockKey]) -> None:
         with self._lock:
-            self._held.setdefault(tier, set()).difference_update(keys)
+            if tier not in self._listed:
+                self._held.setdefault(tier, set()).difference_update(keys)
             if keys:
                 for sink in self._sinks:
                     sink.removed(tier, keys)
 
     def cleared(self, tier: TierKind) -> None:
         with self._lock:
-            self._held[tier] = set()
+            if tier not in self._listed:
+                self._held[tier] = set()
             for sink in self._sinks:
                 sink.cleared(tier)
 
-    def snapshot(self) -> dict[TierKind, list[BlockKey]]:
+    def snapshot(self) -> Held:
         """Every key each tier holds now."""
-        with self._lock:
-            return {tier: list(keys) for tier, keys in self._held.items()}
+        return self._taken(lambda state: state)
 
-    def listen(self, sink: BlockEventSink) -> dict[TierKind, list[BlockKey]]:
+    def listen(self, sink: BlockEventSink) -> Held:
         """Tell ``sink`` of every change from now on; returns the snapshot those changes follow."""
-        with self._lock:
+
+        def add(state: Held) -> Held:
             self._sinks.append(sink)
-            return {tier: list(keys) for tier, keys in self._held.items()}
+            return state
+
+        return self._taken(add)
+
+    def _taken(self, then: Callable[[Held], Held]) -> Held:
+        """``then`` of a snapshot, under this lock (inside the listing's, when tiers list their own keys)."""
+
+        def take(listed: Held) -> Held:
+            with self._lock:
+                return then({**{tier: list(keys) for tier, keys in self._held.items()}, **listed})
+
+        listing = self._listing
+        return take({}) if listing is None else listing(take)
 
     def unlisten(self, sink: BlockEventSink) -> None:
         with self._lock:

@@ -136,15 +136,18 @@ class Eviction:
         return taken
 
     # -- operators ----------------------------------------------------------------------------------
-    def observe(self, sink: BlockEventSink) -> None:
-        """Tell ``sink`` of every key that enters or leaves a tier from now on, after the keys held now.
+    def observe(self, sink: BlockEventSink, *, announce: bool = True) -> None:
+        """Tell ``sink`` of every key that enters or leaves a tier from now on, after the keys held now (``announce``).
 
         The policies hear of every insert and removal already, so the sink
         listens beside them (:class:`ObservedPolicy`); under the lock, so no
-        change slips between the keys reported now and the first event.
+        change slips between the keys reported now and the first event. A
+        sink that lists the tiers' keys itself when it needs them is not told
+        them now (``announce=False``: see :meth:`kvtier.events.HeldKeys.list_from`).
         """
         for tier in self.tiers.local:
-            sink.stored(tier.kind, [k for k, _ in tier.entries()])
+            if announce:
+                sink.stored(tier.kind, tier.keys())
             self.policies[tier.kind] = ObservedPolicy(self.policies[tier.kind], tier.kind, sink)
 
     def clear(self, kind: TierKind | None = None, root: BlockKey | None = None) -> int:

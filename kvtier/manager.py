@@ -39,14 +39,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from kvtier.breakeven import BreakEvenModel
 from kvtier.cache import Promotion
 from kvtier.config import Config
-from kvtier.events import BlockEventSink
+from kvtier.events import BlockEventSink, HeldKeys
 from kvtier.evict import Eviction
 from kvtier.explain import EvictionLog, Explanation, diagnose
 from kvtier.fetch import Fetch, LoadHandle
@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from kvtier.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvtier")
+T = TypeVar("T")
 
 
 @contextmanager
@@ -369,6 +370,18 @@ class CacheManager:
         with self._lock:
             self.eviction.observe(sink)
         return True
+
+    def follow(self, held: HeldKeys) -> bool:
+        """``held`` hears of every change to the tiers and lists their keys from the tiers' own indexes when asked."""
+        with self._lock:
+            self.eviction.observe(held, announce=False)
+            held.list_from([tier.kind for tier in self._tiers.local], self._listed)
+        return True
+
+    def _listed(self, then: Callable[[dict[TierKind, list[BlockKey]]], T]) -> T:
+        """``then`` of every key each local tier holds, under the lock their changes and events happen under."""
+        with self._lock:
+            return then({tier.kind: tier.keys() for tier in self._tiers.local})
 
     def clear(self, kind: TierKind | None = None, namespace: str | None = None) -> int:
         """Drop every unpinned block of one tier (or all), or only ``namespace``'s; returns how many.

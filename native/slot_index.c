@@ -487,6 +487,22 @@ static PyObject *si_slots(SlotIndex *s, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+/* keys() -> list[bytes]: every key indexed, in slot order (what a snapshot of a tier lists). */
+static PyObject *si_keys(SlotIndex *s, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(s->count);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t slot = 0, j = 0; slot < s->cap && j < s->count; slot++) {
+        if (!s->used[slot]) continue;
+        PyObject *key = PyBytes_FromStringAndSize((const char *)s->keys + slot * KEY, KEY);
+        if (key == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j++, key);
+    }
+    return out;
+}
+
 /* recency() -> bytes: the linked slots as uint32, least recent first (what `oldest` walks). */
 static PyObject *si_recency(SlotIndex *s, PyObject *Py_UNUSED(ignored)) {
     PyObject *out = PyBytes_FromStringAndSize(NULL, s->linked * 4);
@@ -534,6 +550,7 @@ static PyMethodDef si_methods[] = {
      "load(keys, records, order) -> list[int]: fill an empty index in bulk (see slot_index.c)."},
     {"dump", (PyCFunction)si_dump, METH_NOARGS, "dump() -> (slots, keys, records): every entry, in slot order."},
     {"slots", (PyCFunction)si_slots, METH_NOARGS, "slots() -> bytes: the slots in use, uint32, ascending."},
+    {"keys", (PyCFunction)si_keys, METH_NOARGS, "keys() -> list[bytes]: every key indexed, in slot order."},
     {"recency", (PyCFunction)si_recency, METH_NOARGS, "recency() -> bytes: uint32 slots, least recent first."},
     {NULL, NULL, 0, NULL},
 };

@@ -111,7 +111,7 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
 def _event_feed(cache: Cache, config: Config) -> EventFeed | None:
     """Block events of the tiers in this process; a cache service's tiers are shared, not this instance's."""
     feed = EventFeed(config.cache.block_size, cache.hasher.root(config.cache.namespace))
-    return feed if cache.observe(feed) else None
+    return feed if cache.follow(feed) else None
 
 
 def _publisher(feed: EventFeed | None, cache: Cache, config: Config) -> EventPublisher | None:

@@ -39,7 +39,7 @@ import numpy as np
 from kvtier.breakeven import BreakEvenModel
 from kvtier.cache import Promotion
 from kvtier.config import Config
-from kvtier.events import BlockEventSink
+from kvtier.events import BlockEventSink, HeldKeys
 from kvtier.explain import Eviction, ExplainReason, Explanation
 from kvtier.index import LookupResult, MissReason
 from kvtier.keys import KeyedTokens, KeyHasher
@@ -313,6 +313,9 @@ class ServiceCache:
 
     def observe(self, sink: BlockEventSink) -> bool:
         """The tiers are the service's, shared by every client: this process has no events of its own to tell."""
+        return False
+
+    def follow(self, held: HeldKeys) -> bool:
         return False
 
     def clear(self, kind: TierKind | None = None, namespace: str | None = None) -> int:

@@ -391,7 +391,7 @@ class CacheService:
             buffer_batches=events.buffer_batches,
         )
         held.listen(publisher)
-        self.manager.observe(held)
+        self.manager.follow(held)
         log.info("kv events (vLLM's format) on %s, replay on %s", publisher.endpoint, publisher.replay_endpoint)
         return publisher
 

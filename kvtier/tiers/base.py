@@ -76,6 +76,10 @@ class Tier(Protocol):
 
     def record(self, key: BlockKey) -> BlockRecord | None: ...
 
+    def keys(self) -> list[BlockKey]:
+        """Every key held, in no particular order (a snapshot of the tier for a router's event stream)."""
+        ...
+
     def confirm(self, key: BlockKey, digest: BlockDigest, /) -> bool | None:
         """Whether the block under ``key`` holds these tokens (its record has ``digest``); None when it is absent.
 

@@ -160,6 +160,10 @@ class HostTier:
         found = self._index.get(key)
         return None if found is None else _decode(found[1])
 
+    def keys(self) -> list[BlockKey]:
+        with self._lock:
+            return self._index.keys()
+
     def confirm(self, key: BlockKey, digest: BlockDigest) -> bool | None:
         return CONFIRMED[self._index.confirm(key, digest, _DIGEST_AT)]
 

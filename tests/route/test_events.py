@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 
 from kvtier.config import WriteMode
-from kvtier.events import DECODER, Cleared, Hello, Removed, Snapshot, Stored
+from kvtier.events import DECODER, Cleared, HeldKeys, Hello, Removed, Snapshot, Stored
 from kvtier.keys import BlockKey
 from kvtier.manager import CacheManager
 from kvtier.server.kv_events import EventFeed
@@ -90,3 +90,30 @@ def test_feed_pings_when_idle() -> None:
     feed = EventFeed(16, BlockKey(b"r" * 16))
     *_, ping = _lines(feed, [], 3)
     assert msgspec.json.encode(ping) == b'{"type":"ping"}'
+
+
+def test_held_keys_following_a_manager_list_its_tiers_and_keep_no_key_of_their_own(tmp_path: Path) -> None:
+    """A snapshot comes from the tiers' own indexes, and fits with the events a listener hears after it."""
+    cfg = make_config(
+        tmp_path,
+        host={"capacity_bytes": 3 * 4096},
+        disk={"capacity_bytes": 16 * 4096},
+        cache={"write_mode": WriteMode.WRITE_BACK},
+    )
+    layout = toy_layout()
+    with CacheManager(cfg, layout, model_fingerprint="toy-model") as m:
+        first = prompt(2 * BLOCK, seed=1)
+        m.store(m.keyed(first), [payload(layout, i) for i in range(2)])
+        held = HeldKeys()
+        assert m.follow(held)
+        seen = Recorder()
+        start = held.listen(seen)
+        assert set(start) == {H, D} and set(start[H]) == set(m.keys(first)) and start[D] == []
+        seen.held = {tier: set(keys) for tier, keys in start.items()}
+        m.store(m.keyed(prompt(5 * BLOCK)), [payload(layout, i) for i in range(5)])  # host holds 3: some go down
+        now = {tier: set(keys) for tier, keys in held.snapshot().items()}
+        assert now == {H: set(m.host.keys()), D: set(m.disk.keys())} and now[D]
+        assert seen.held == now  # the first snapshot and the events after it add up to the tiers
+        m.clear(TierKind.HOST)
+        assert held.snapshot()[H] == [] and seen.held[H] == set()
+        assert held._held == {}  # no copy of a key the tiers index already

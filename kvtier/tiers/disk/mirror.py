@@ -63,6 +63,10 @@ class SlotMirror(SlotRecency):
             self._slots.pop(key)
         return entry
 
+    def keys(self) -> list[BlockKey]:
+        """Every key indexed, in slot order."""
+        return self._slots.keys()
+
     def slots(self) -> np.ndarray:
         """The slots in use, ascending."""
         return np.frombuffer(self._slots.slots(), dtype=np.uint32)

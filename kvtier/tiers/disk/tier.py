@@ -187,6 +187,10 @@ class DiskTier:
         entry = self._index.mirror.get(key)
         return None if entry is None else entry.record
 
+    def keys(self) -> list[BlockKey]:
+        with self._lock:
+            return self._index.mirror.keys()
+
     def confirm(self, key: BlockKey, digest: BlockDigest) -> bool | None:
         return self._index.mirror.confirm(key, digest)
 

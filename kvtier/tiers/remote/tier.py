@@ -112,6 +112,11 @@ class RemoteTier:
         with self._seen_lock:
             return self._seen.get(key)
 
+    def keys(self) -> list[BlockKey]:
+        """The keys the last probes found: what other nodes hold is theirs to report."""
+        with self._seen_lock:
+            return list(self._seen)
+
     def confirm(self, key: BlockKey, digest: BlockDigest) -> bool | None:
         record = self.record(key)
         return None if record is None else record.matches(digest)
