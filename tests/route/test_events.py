@@ -32,15 +32,20 @@ class Recorder:
         self.held[tier] = set()
 
 
-def test_observed_manager_reports_stores_demotions_and_clears(tmp_path: Path) -> None:
+def small_write_back_cache(tmp_path: Path) -> CacheManager:
+    """Three host blocks over sixteen on disk, write-back: a five-block store sends some down."""
     cfg = make_config(
         tmp_path,
         host={"capacity_bytes": 3 * 4096},
         disk={"capacity_bytes": 16 * 4096},
         cache={"write_mode": WriteMode.WRITE_BACK},
     )
+    return CacheManager(cfg, toy_layout(), model_fingerprint="toy-model")
+
+
+def test_observed_manager_reports_stores_demotions_and_clears(tmp_path: Path) -> None:
     layout = toy_layout()
-    with CacheManager(cfg, layout, model_fingerprint="toy-model") as m:
+    with small_write_back_cache(tmp_path) as m:
         first = prompt(2 * BLOCK, seed=1)
         m.store(m.keyed(first), [payload(layout, i) for i in range(2)])
         seen = Recorder()
@@ -94,14 +99,8 @@ def test_feed_pings_when_idle() -> None:
 
 def test_held_keys_following_a_manager_list_its_tiers_and_keep_no_key_of_their_own(tmp_path: Path) -> None:
     """A snapshot comes from the tiers' own indexes, and fits with the events a listener hears after it."""
-    cfg = make_config(
-        tmp_path,
-        host={"capacity_bytes": 3 * 4096},
-        disk={"capacity_bytes": 16 * 4096},
-        cache={"write_mode": WriteMode.WRITE_BACK},
-    )
     layout = toy_layout()
-    with CacheManager(cfg, layout, model_fingerprint="toy-model") as m:
+    with small_write_back_cache(tmp_path) as m:
         first = prompt(2 * BLOCK, seed=1)
         m.store(m.keyed(first), [payload(layout, i) for i in range(2)])
         held = HeldKeys()
