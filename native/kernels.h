@@ -25,6 +25,8 @@ PyObject *kvt_py_paged_prefill_attention_impls(PyObject *mod, PyObject *arg);
 
 /* Quantized matrix-vector products (quant_matvec.c). */
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw);
+/* Scales a factored row may have (quant_matvec multiplies them out on the worker's stack). */
+#define KVT_QUANT_MAX_ROW_SCALES 8192
 const char *kvt_quant_impl(void);
 int kvt_quant_bf16(void); /* whether Q4_1 times bfloat16 rows runs on AVX-512 BF16 here */
 

@@ -16,6 +16,14 @@
  *   Q8_0:  w[j] = d * q[j] (+ m where minimums are given), q an int8.
  *   Q8_16: w[j] = d[j / 16] * q[j], q an int8: two scales per 32-weight block (Q6_K).
  *
+ * The K-quants keep their scales as small integer factors of one float16 per 256 weights
+ * (Q4_K/Q5_K: 6-bit scale and minimum factors per 32, Q6_K: an int8 per 16). Repacked to a
+ * float32 per block those cost 8 bytes per 32 weights, a third of Q4_K's own bytes; so
+ * they may come factored instead (d_fac, m_fac: an int8 per scale, d and m then one
+ * float32 per 256 weights). A worker multiplies a row's factors out into a buffer of its
+ * own as it starts the row, once per row, with the float32 product gguf's dequantizer
+ * rounds them with: the same scales, and a quarter of their bytes streamed from DRAM.
+ *
  * out[i, r] = sum_j w[r, j] * x[i, j], in float32, for i < n rows of x. Per block,
  * sum_j (d q_j + m) x_j = d * (q . x) + m * sum(x): the sums of x per block are taken
  * once per call and shared by all rows. Every output row is computed by one thread in a
@@ -52,6 +60,8 @@
 #define QV_UNIT_ALIGN 16
 #define QV_MAX_X 64   /* rows of x per call: a decode batch */
 #define QV_GROUP 4    /* rows of x sharing one unpacking of a weight block */
+#define QV_SUPER 256  /* weights per factored scale (a K-quant super-block) */
+#define QV_MAX_ROW_SCALES KVT_QUANT_MAX_ROW_SCALES
 
 typedef enum { QV_Q4_1 = 0, QV_Q8_0 = 1, QV_Q8_16 = 2 } qv_kind_t;
 
@@ -60,6 +70,9 @@ typedef struct {
     const uint8_t *q;  /* rows x row_bytes */
     const float *d;    /* rows x scales */
     const float *m;    /* rows x blocks, or NULL (no minimums) */
+    const int8_t *dfac; /* factored: rows x scales, and d is rows x supers */
+    const int8_t *mfac; /* factored with minimums: rows x blocks, and m is rows x supers */
+    int64_t supers;     /* cols / QV_SUPER where factored */
     const float *x;    /* n x cols */
     const float *xsum; /* n x blocks (where m is given) */
     const uint16_t *xb; /* the bfloat16 build's x: n x pairs x 64, in its lane order (qv_arrange) */
@@ -74,17 +87,43 @@ typedef struct {
     void (*rows_fn)(const void *job, int64_t r0, int64_t r1);
 } qv_job_t;
 
+/* Row r's scales and minimums, one float32 per scale: the job's own where they are
+ * plain, multiplied out into dbuf and mbuf (QV_MAX_ROW_SCALES each) where factored. */
+static inline void qv_row_scales(const qv_job_t *j, int64_t r, float *dbuf, float *mbuf, const float **d,
+                                 const float **m) {
+    if (j->dfac == NULL) {
+        *d = j->d + r * j->scales;
+        *m = j->m == NULL ? NULL : j->m + r * j->blocks;
+        return;
+    }
+    const int64_t per_d = j->scales / j->supers, per_m = j->blocks / j->supers;
+    const float *ds = j->d + r * j->supers;
+    const int8_t *df = j->dfac + r * j->scales;
+    for (int64_t s = 0; s < j->supers; s++)
+        for (int64_t k = 0; k < per_d; k++) dbuf[s * per_d + k] = ds[s] * (float)df[s * per_d + k];
+    *d = dbuf;
+    *m = NULL;
+    if (j->m != NULL) {
+        const float *ms = j->m + r * j->supers;
+        const int8_t *mf = j->mfac + r * j->blocks;
+        for (int64_t s = 0; s < j->supers; s++)
+            for (int64_t k = 0; k < per_m; k++) mbuf[s * per_m + k] = ms[s] * (float)mf[s * per_m + k];
+        *m = mbuf;
+    }
+}
+
 /* -- portable ------------------------------------------------------------------- */
 static void qv_rows_base(const void *job, int64_t r0, int64_t r1) {
     const qv_job_t *j = job;
-    float w[QV_BLOCK];
+    float w[QV_BLOCK], dbuf[QV_MAX_ROW_SCALES], mbuf[QV_MAX_ROW_SCALES];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
+        const float *d, *m;
+        qv_row_scales(j, r, dbuf, mbuf, &d, &m);
         for (int i = 0; i < j->n; i++) {
             const float *x = j->x + (int64_t)i * j->cols;
             float total = 0.0f;
             for (int64_t b = 0; b < j->blocks; b++) {
-                const float *d = j->d + r * j->scales;
                 if (j->kind == QV_Q8_16) {
                     const int8_t *p = (const int8_t *)q + b * QV_BLOCK;
                     float lo = 0.0f, hi = 0.0f;
@@ -106,7 +145,7 @@ static void qv_rows_base(const void *job, int64_t r0, int64_t r1) {
                 }
                 for (int k = 0; k < QV_BLOCK; k++) dot += w[k] * x[b * QV_BLOCK + k];
                 total += d[b] * dot;
-                if (j->m != NULL) total += j->m[r * j->blocks + b] * j->xsum[(int64_t)i * j->blocks + b];
+                if (m != NULL) total += m[b] * j->xsum[(int64_t)i * j->blocks + b];
             }
             j->out[(int64_t)i * j->rows + r] = total;
         }
@@ -165,10 +204,9 @@ QV_AVX2 static inline __m256 qv_block_acc(const qv_job_t *j, const __m256 f[4], 
  * minimums' share. One function for one row of x and for several, so that a row's result is
  * the same bits whether it was multiplied alone or with others (a decode step and a verify
  * step of prompt lookup give a token the same logits). */
-QV_AVX2 static inline float qv_total(const qv_job_t *j, int64_t r, __m256 acc0, __m256 acc1, const float *xsum) {
+QV_AVX2 static inline float qv_total(const qv_job_t *j, const float *m, __m256 acc0, __m256 acc1, const float *xsum) {
     float total = qv_hsum(_mm256_add_ps(acc0, acc1));
-    if (j->m != NULL) {
-        const float *m = j->m + r * j->blocks;
+    if (m != NULL) {
         __m256 bias = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k + 8 <= j->blocks; k += 8) bias = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(xsum + k), bias);
@@ -179,10 +217,43 @@ QV_AVX2 static inline float qv_total(const qv_job_t *j, int64_t r, __m256 acc0, 
     return total;
 }
 
+/* qv_row_scales with the factors multiplied out eight at a time (per_d is 8 or 16, per_m 8):
+ * the scalar loop cost more than a short row's products. The same float32 products. */
+QV_AVX2 static inline void qv_row_scales_avx2(const qv_job_t *j, int64_t r, float *dbuf, float *mbuf, const float **d,
+                                              const float **m) {
+    if (j->dfac == NULL) {
+        qv_row_scales(j, r, dbuf, mbuf, d, m);
+        return;
+    }
+    const int64_t per_d = j->scales / j->supers;
+    const float *ds = j->d + r * j->supers;
+    const int8_t *df = j->dfac + r * j->scales;
+    for (int64_t s = 0; s < j->supers; s++) {
+        const __m256 sd = _mm256_set1_ps(ds[s]);
+        for (int64_t k = 0; k < per_d; k += 8) {
+            const __m256i f = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(df + s * per_d + k)));
+            _mm256_storeu_ps(dbuf + s * per_d + k, _mm256_mul_ps(sd, _mm256_cvtepi32_ps(f)));
+        }
+    }
+    *d = dbuf;
+    *m = NULL;
+    if (j->m != NULL) {
+        const float *ms = j->m + r * j->supers;
+        const int8_t *mf = j->mfac + r * j->blocks;
+        for (int64_t s = 0; s < j->supers; s++) {
+            const __m256i f = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mf + 8 * s)));
+            _mm256_storeu_ps(mbuf + 8 * s, _mm256_mul_ps(_mm256_set1_ps(ms[s]), _mm256_cvtepi32_ps(f)));
+        }
+        *m = mbuf;
+    }
+}
+
 QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, int64_t qb) {
+    float dbuf[QV_MAX_ROW_SCALES], mbuf[QV_MAX_ROW_SCALES];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
-        const float *d = j->d + r * j->scales;
+        const float *d, *m;
+        qv_row_scales_avx2(j, r, dbuf, mbuf, &d, &m);
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 1 < j->blocks; b += 2) {
@@ -197,7 +268,7 @@ QV_AVX2 static void qv_rows_avx2_one(const qv_job_t *j, int64_t r0, int64_t r1, 
             qv_unpack(j->kind, q + b * qb, f);
             acc0 = qv_block_acc(j, f, j->x + b * QV_BLOCK, d, b, acc0);
         }
-        j->out[r] = qv_total(j, r, acc0, acc1, j->xsum);
+        j->out[r] = qv_total(j, m, acc0, acc1, j->xsum);
     }
 }
 
@@ -208,9 +279,11 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
         qv_rows_avx2_one(j, r0, r1, qb);
         return;
     }
+    float dbuf[QV_MAX_ROW_SCALES], mbuf[QV_MAX_ROW_SCALES];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *q = j->q + r * j->row_bytes;
-        const float *d = j->d + r * j->scales;
+        const float *d, *m;
+        qv_row_scales_avx2(j, r, dbuf, mbuf, &d, &m);
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
             const int g = j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP;
             __m256 acc0[QV_GROUP], acc1[QV_GROUP];  /* even and odd blocks, as qv_rows_avx2_one sums them */
@@ -228,7 +301,7 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
             }
             for (int i = 0; i < g; i++)
                 j->out[(int64_t)(i0 + i) * j->rows + r] =
-                    qv_total(j, r, acc0[i], acc1[i], j->xsum + (int64_t)(i0 + i) * j->blocks);
+                    qv_total(j, m, acc0[i], acc1[i], j->xsum + (int64_t)(i0 + i) * j->blocks);
         }
     }
 }
@@ -294,8 +367,12 @@ static void qv_arrange(const uint16_t *x, int n, int64_t cols, int64_t pairs, ui
 /* One weight row times G rows of x, G a constant at every call site so that the
  * accumulators stay in registers (a runtime G kept them on the stack, and every pair
  * waited on a store and a reload). Each x row's operations are the same for any G. */
-QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv_job_t *j, int64_t r, int i0,
-                                                                       const int G) {
+/* d and m: the row's scales and minimums, or (F, factored) its two float32 per 256 weights,
+ * whose factors the loop multiplies out eight at a time, a super-block's, into registers
+ * (a buffer written just before was read back at store-forwarding stalls). */
+QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv_job_t *j, int64_t r, const float *d,
+                                                                       const float *m, int i0, const int G,
+                                                                       const int F) {
     /* bfloat16 of 0..15, high bytes and low bytes, as vpshufb tables (each 128-bit lane alike) */
     const __m512i hi_bytes = _mm512_broadcast_i32x4(
         _mm_setr_epi8(0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41));
@@ -306,23 +383,39 @@ QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv
     const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
     const int64_t qb = QV_BLOCK / 2, whole = j->blocks / 2;
     const uint8_t *q = j->q + r * j->row_bytes;
-    const float *d = j->d + r * j->blocks, *m = j->m + r * j->blocks;
+    const int8_t *df = F ? j->dfac + r * j->blocks : NULL, *mf = F ? j->mfac + r * j->blocks : NULL;
+    __m512 sd8 = _mm512_setzero_ps(), sm8 = _mm512_setzero_ps(); /* F: the super-block's 8 scales, 8 minimums */
     __m512 acc0[QV_GROUP], acc1[QV_GROUP]; /* even and odd pairs */
     for (int i = 0; i < G; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < j->pairs; p++) {
         __m256i packed;
-        double dm[2]; /* d, then m, of blocks 2p and 2p + 1 (0 past the row's end) */
-        if (p < whole) {
+        __m512 scale, mins;
+        if (F) { /* cols is a multiple of 256: four whole pairs a super-block */
+            const int64_t s = p / 4;
+            if ((p & 3) == 0) {
+                const __m256 fd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(df + 8 * s))));
+                const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mf + 8 * s))));
+                sd8 = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(d[s]), fd));
+                sm8 = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(m[s]), fm));
+            }
+            const __m512i idx = _mm512_add_epi32(halves, _mm512_set1_epi32(2 * (int)(p & 3)));
             packed = _mm256_loadu_si256((const __m256i *)(q + 2 * p * qb));
-            memcpy(&dm[0], d + 2 * p, 8);
-            memcpy(&dm[1], m + 2 * p, 8);
+            scale = _mm512_permutexvar_ps(idx, sd8);
+            mins = _mm512_permutexvar_ps(idx, sm8);
         } else {
-            packed = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + 2 * p * qb)));
-            const float tail[4] = {d[2 * p], 0.0f, m[2 * p], 0.0f};
-            memcpy(dm, tail, sizeof tail);
+            double dm[2]; /* d, then m, of blocks 2p and 2p + 1 (0 past the row's end) */
+            if (p < whole) {
+                packed = _mm256_loadu_si256((const __m256i *)(q + 2 * p * qb));
+                memcpy(&dm[0], d + 2 * p, 8);
+                memcpy(&dm[1], m + 2 * p, 8);
+            } else {
+                packed = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + 2 * p * qb)));
+                const float tail[4] = {d[2 * p], 0.0f, m[2 * p], 0.0f};
+                memcpy(dm, tail, sizeof tail);
+            }
+            scale = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(dm[0])));
+            mins = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(dm[1])));
         }
-        const __m512 scale = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(dm[0])));
-        const __m512 mins = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(dm[1])));
         const __m256i lo = _mm256_and_si256(packed, low);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
         const __m512i nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -344,15 +437,29 @@ QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv
 
 QV_BF16 static void qv_rows_bf16(const void *job, int64_t r0, int64_t r1) {
     const qv_job_t *j = job;
-    for (int64_t r = r0; r < r1; r++)
+    for (int64_t r = r0; r < r1; r++) {
+        if (j->dfac != NULL) {
+            const float *d = j->d + r * j->supers, *m = j->m + r * j->supers;
+            for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
+                switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {
+                case 1: qv_bf16_group(j, r, d, m, i0, 1, 1); break;
+                case 2: qv_bf16_group(j, r, d, m, i0, 2, 1); break;
+                case 3: qv_bf16_group(j, r, d, m, i0, 3, 1); break;
+                default: qv_bf16_group(j, r, d, m, i0, 4, 1); break;
+                }
+            }
+            continue;
+        }
+        const float *d = j->d + r * j->blocks, *m = j->m + r * j->blocks;
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
             switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {
-            case 1: qv_bf16_group(j, r, i0, 1); break;
-            case 2: qv_bf16_group(j, r, i0, 2); break;
-            case 3: qv_bf16_group(j, r, i0, 3); break;
-            default: qv_bf16_group(j, r, i0, 4); break;
+            case 1: qv_bf16_group(j, r, d, m, i0, 1, 0); break;
+            case 2: qv_bf16_group(j, r, d, m, i0, 2, 0); break;
+            case 3: qv_bf16_group(j, r, d, m, i0, 3, 0); break;
+            default: qv_bf16_group(j, r, d, m, i0, 4, 0); break;
             }
         }
+    }
 }
 #endif
 
@@ -397,13 +504,14 @@ const char *kvt_quant_impl(void) {
 
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
-    static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", "x_bf16", NULL};
+    static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", "x_bf16",
+                            "d_fac", "m_fac", NULL};
     int kind, n, threads = 1, x_bf16 = 0;
-    unsigned long long q, d, m, x, out;
+    unsigned long long q, d, m, x, out, dfac = 0, mfac = 0;
     long long rows, cols;
     const char *impl = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izp:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols, &x,
-                                     &n, &out, &threads, &impl, &x_bf16))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izpKK:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols,
+                                     &x, &n, &out, &threads, &impl, &x_bf16, &dfac, &mfac))
         return NULL;
     if (kind != QV_Q4_1 && kind != QV_Q8_0 && kind != QV_Q8_16)
         return PyErr_Format(PyExc_ValueError, "kind must be 0 (Q4_1), 1 (Q8_0) or 2 (Q8_16)");
@@ -412,6 +520,12 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     if (threads < 1 || threads > 16) return PyErr_Format(PyExc_ValueError, "threads must be 1..16");
     if (!q || !d || !x || !out || (kind == QV_Q4_1 && !m)) return PyErr_Format(PyExc_ValueError, "null address");
     if (kind == QV_Q8_16 && m) return PyErr_Format(PyExc_ValueError, "Q8_16 has no minimums");
+    const int64_t row_scales = kind == QV_Q8_16 ? 2 * (cols / QV_BLOCK) : cols / QV_BLOCK;
+    if (dfac && (cols % QV_SUPER || row_scales > QV_MAX_ROW_SCALES))
+        return PyErr_Format(PyExc_ValueError, "factored scales need cols a multiple of %d and at most %d scales a row",
+                            QV_SUPER, QV_MAX_ROW_SCALES);
+    if ((mfac && (!dfac || !m)) || (dfac && m && !mfac))
+        return PyErr_Format(PyExc_ValueError, "factored minimums need factored scales, and the other way round");
     kvt_quant_impl();
     void (*rows_fn)(const void *, int64_t, int64_t) = qv_rows_best;
     int use_bf16 = x_bf16 && kind == QV_Q4_1 && qv_has_bf16 && impl == NULL;
@@ -436,6 +550,9 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
         .q = (const uint8_t *)(uintptr_t)q,
         .d = (const float *)(uintptr_t)d,
         .m = (const float *)(uintptr_t)m,
+        .dfac = (const int8_t *)(uintptr_t)dfac,
+        .mfac = (const int8_t *)(uintptr_t)mfac,
+        .supers = cols / QV_SUPER,
         .x = n_wide ? wide : (const float *)(uintptr_t)x,
         .xsum = xsum,
         .xb = use_bf16 ? xb : NULL,
@@ -446,7 +563,7 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
         .cols = cols,
         .blocks = blocks,
         .row_bytes = kind == QV_Q4_1 ? cols / 2 : cols,
-        .scales = kind == QV_Q8_16 ? 2 * blocks : blocks,
+        .scales = row_scales,
         .n = n,
         .next = 0,
         .unit_rows = unit_rows,

@@ -46,14 +46,21 @@ MAX_ROWS = 64  # activation rows per call (the C kernel's limit): a decode batch
 
 @dataclass(frozen=True)
 class QuantMatrix:
-    """A ``[rows, cols]`` weight matrix as quantized blocks; ``x @ W.T`` for up to :data:`MAX_ROWS` rows of ``x``."""
+    """A ``[rows, cols]`` weight matrix as quantized blocks; ``x @ W.T`` for up to :data:`MAX_ROWS` rows of ``x``.
+
+    Scales are one float32 each, or factored as the K-quants store them
+    (``d_fac``/``m_fac``, see :class:`~kvtier.model.QuantBlocks`): the kernel
+    multiplies a row's out as it starts it, and streams a quarter of the bytes.
+    """
 
     kind: QuantKind
     q: torch.Tensor  # uint8 [rows, cols / 2] (Q4_1) or [rows, cols] (int8 as uint8: Q8_0, Q8_16)
-    d: torch.Tensor  # float32 [rows, cols / 32] ([rows, cols / 16] for Q8_16)
+    d: torch.Tensor  # float32 [rows, cols / 32] ([rows, cols / 16] for Q8_16); [rows, cols / 256] where factored
     m: torch.Tensor | None  # float32 [rows, cols / 32]: always for Q4_1, for Q8_0 where the source had minimums
     rows: int
     cols: int
+    d_fac: torch.Tensor | None = None  # int8 [rows, scales]: factored scales
+    m_fac: torch.Tensor | None = None  # int8 [rows, cols / 32]: factored minimums
 
     @classmethod
     def of(cls, blocks: QuantBlocks) -> QuantMatrix:
@@ -64,25 +71,47 @@ class QuantMatrix:
         """Rows of ``parts`` stacked, like ``torch.cat`` of the dense matrices (fused Q/K/V, gate/up).
 
         Parts must share a form; where only some carry minimums, the others get
-        zeros (the same weights, and one kernel call instead of two).
+        zeros (the same weights, and one kernel call instead of two). Factored
+        scales stay factored where every part has them and the kernel can take
+        a row of them; otherwise they are multiplied out.
         """
         kinds = {p.kind for p in parts}
         if len(kinds) != 1 or len({p.cols for p in parts}) != 1:
             raise ValueError("only matrices of one form and width stack")
         (kind,) = kinds
+        scales = parts[0].cols // (16 if kind is QuantKind.Q8_16 else 32)
+        factored = scales <= _native.QUANT_MAX_ROW_SCALES and all(
+            p.d_fac is not None and (p.m is None) == (p.m_fac is None) for p in parts
+        )
+        if not factored:
+            parts = [p.plain() for p in parts]
 
         def stack(arrays: list[np.ndarray]) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(np.concatenate(arrays, axis=0)))
 
         with_min = any(p.m is not None for p in parts)
         m = stack([np.zeros_like(p.d) if p.m is None else p.m for p in parts]) if with_min else None
+        d_fac = m_fac = None
+        if factored:
+            d_fac = stack([p.d_fac for p in parts])
+            blocks = parts[0].cols // 32
+            zeros = [np.zeros((p.rows, blocks), np.int8) if p.m_fac is None else p.m_fac for p in parts]
+            m_fac = stack(zeros) if with_min else None
         return cls(
-            kind, stack([p.q for p in parts]), stack([p.d for p in parts]), m, sum(p.rows for p in parts), parts[0].cols
+            kind,
+            stack([p.q for p in parts]),
+            stack([p.d for p in parts]),
+            m,
+            sum(p.rows for p in parts),
+            parts[0].cols,
+            d_fac,
+            m_fac,
         )
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+        arrays = (self.q, self.d, self.m, self.d_fac, self.m_fac)
+        return sum(t.numel() * t.element_size() for t in arrays if t is not None)
 
     def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
         """``x [n, cols]`` (float32 or bfloat16) times the matrix's transpose: ``[n, rows]`` float32.
@@ -119,6 +148,8 @@ class QuantMatrix:
             threads or torch.get_num_threads(),  # the team's workers watch between calls: even a small matrix gains
             impl,
             x.dtype == torch.bfloat16,
+            0 if self.d_fac is None else self.d_fac.data_ptr(),
+            0 if self.m_fac is None else self.m_fac.data_ptr(),
         )
         return out
 

@@ -15,6 +15,11 @@ repacks, at load, into one of:
 * :attr:`QuantKind.Q8_16`: ``q`` an int8 and a scale per 16. From Q6_K
   (``q - 32``, scale ``d * scales[i]``).
 
+The K-quants' scales stay factored (``d_fac``, ``m_fac``: the small
+integers, an int8 each, beside one float32 per 256 weights): multiplied out
+they cost a third of Q4_K's bytes again, and decode streams every byte. The
+kernel multiplies them out a row at a time, as it starts the row.
+
 The products that make the float32 scales (a float16 times a 6- or 8-bit
 integer) and the weights ``scale * q + minimum`` are exact or rounded once,
 exactly as ``gguf.quants.dequantize`` rounds them, so the repacked blocks
@@ -50,6 +55,10 @@ class QuantBlocks(NamedTuple):
     float32 ``[rows, cols / 32]`` (``[rows, cols / 16]`` for Q8_16); ``m`` the
     minimums, float32 ``[rows, cols / 32]`` or None. ``source`` is the GGML
     format they came from.
+
+    Factored (the K-quants): ``d_fac`` holds an int8 per scale and ``d`` one
+    float32 per 256 weights, ``[rows, cols / 256]``; scale ``k`` of a row is
+    ``d[k // per] * d_fac[k]``. Likewise ``m`` and ``m_fac`` (an int8 per 32).
     """
 
     kind: QuantKind
@@ -57,6 +66,8 @@ class QuantBlocks(NamedTuple):
     d: np.ndarray
     m: np.ndarray | None
     source: GGMLQuantizationType
+    d_fac: np.ndarray | None = None
+    m_fac: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -66,13 +77,31 @@ class QuantBlocks(NamedTuple):
     def cols(self) -> int:
         return int(self.q.shape[1]) * (2 if self.kind is QuantKind.Q4_1 else 1)
 
+    def plain(self) -> QuantBlocks:
+        """The same blocks with their scales multiplied out, one float32 each (for parts stacked with plain ones)."""
+        if self.d_fac is None:
+            return self
+        m = None if self.m is None else multiplied_out(self.m, self.m_fac)
+        return self._replace(d=multiplied_out(self.d, self.d_fac), m=m, d_fac=None, m_fac=None)
+
+
+def multiplied_out(per_super: np.ndarray, factors: np.ndarray | None) -> np.ndarray:
+    """Factored scales ``[rows, supers]`` x ``[rows, scales]`` as one float32 per scale, rounded as gguf rounds them."""
+    if factors is None:
+        return per_super
+    rows, supers = per_super.shape
+    grouped = factors.reshape(rows, supers, -1).astype(np.float32)
+    return np.ascontiguousarray((per_super[:, :, None] * grouped).reshape(rows, -1), dtype=np.float32)
+
 
 class _Form(NamedTuple):
     """One format's blocks in the kernel's form, a row of arrays per GGML block: ``w = d[s] * q + m[s]``."""
 
     q: np.ndarray  # [n, quant bytes per block] uint8: packed nibbles (Q4_1) or int8 as uint8
-    d: np.ndarray  # [n, scales per block] float32
-    m: np.ndarray | None  # [n, scales per block] float32
+    d: np.ndarray  # [n, scales per block] float32, or [n, 1] where factored
+    m: np.ndarray | None  # [n, scales per block] float32, or [n, 1] where factored
+    d_fac: np.ndarray | None = None  # [n, scales per block] int8: the factored K-quants
+    m_fac: np.ndarray | None = None
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -125,10 +154,10 @@ def _q5_1(b: np.ndarray) -> _Form:
     return _Form(_int8(q), _f16(b[:, 0:2]), _f16(b[:, 2:4]))
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: the eight sub-blocks' scales and minimums as float32, ``d * sc`` and ``-dmin * m`` (exact)."""
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: ``d``, the eight sub-blocks' scale factors, ``-dmin`` and their minimum factors (0..63 each)."""
     sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    return _f16(b[:, 0:2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * mn.astype(np.float32))
+    return _f16(b[:, 0:2]), sc.astype(np.int8), -_f16(b[:, 2:4]), mn.astype(np.int8)
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -138,14 +167,14 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_k(b: np.ndarray) -> _Form:
-    d, m = _k_scales(b)
-    return _Form(_packed(_k_nibbles(b[:, 16:144])), d, m)
+    d, sc, m, mn = _k_scales(b)
+    return _Form(_packed(_k_nibbles(b[:, 16:144])), d, m, sc, mn)
 
 
 def _q5_k(b: np.ndarray) -> _Form:
-    d, m = _k_scales(b)
+    d, sc, m, mn = _k_scales(b)
     high = np.unpackbits(np.ascontiguousarray(b[:, 16:48])[:, :, None], axis=-1, bitorder="little")  # [n, 32, 8]
-    return _Form(_int8(_k_nibbles(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)), d, m)
+    return _Form(_int8(_k_nibbles(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)), d, m, sc, mn)
 
 
 def _q6_k(b: np.ndarray) -> _Form:
@@ -153,8 +182,8 @@ def _q6_k(b: np.ndarray) -> _Form:
     ql, qh = b[:, 0:128].reshape(n, 2, 1, 64), b[:, 128:192].reshape(n, 2, 1, 32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(n, 2, 4, 32)  # 128 weights: l, l+32, l+64, l+96
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    return _Form(_int8((low | (high << 4)).astype(np.int8) - 32), _f16(b[:, 208:210]) * scales, None)
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
+    return _Form(_int8((low | (high << 4)).astype(np.int8) - 32), _f16(b[:, 208:210]), None, scales)
 
 
 # GGML format -> (bytes per block, its blocks in the kernel's form, the form)
@@ -181,12 +210,23 @@ def repack(raw: np.ndarray, fmt: GGMLQuantizationType, rows: int) -> QuantBlocks
         return np.ascontiguousarray(a.reshape(rows, -1), dtype=dtype)
 
     m = None if f.m is None else per_row(f.m, np.float32)
-    return QuantBlocks(kind, per_row(f.q, np.uint8), per_row(f.d, np.float32), m, fmt)
+    d_fac = None if f.d_fac is None else per_row(f.d_fac, np.int8)
+    m_fac = None if f.m_fac is None else per_row(f.m_fac, np.int8)
+    return QuantBlocks(kind, per_row(f.q, np.uint8), per_row(f.d, np.float32), m, fmt, d_fac, m_fac)
 
 
-def weights_of(kind: QuantKind, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+def weights_of(
+    kind: QuantKind,
+    q: np.ndarray,
+    d: np.ndarray,
+    m: np.ndarray | None,
+    d_fac: np.ndarray | None = None,
+    m_fac: np.ndarray | None = None,
+) -> np.ndarray:
     """The float32 matrix arrays in a kernel form stand for, ``d * q + m`` weight by weight (what tests compare)."""
     rows = len(q)
+    d = multiplied_out(d, d_fac)
+    m = None if m is None else multiplied_out(m, m_fac)
     if kind is QuantKind.Q4_1:
         values = _nibbles(q.reshape(rows, -1, 16)).astype(np.float32)
     else:

@@ -181,9 +181,12 @@ def _blocks(reader: GGUFReader, config: ModelConfig) -> dict[str, QuantBlocks]:
         hf_name = hf_tensor_name(tensor.name, config.architecture)
         heads = config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
         if config.traits.interleaved_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            q, d, m = (None if a is None else unpermute_qk(a, heads) for a in (blocks.q, blocks.d, blocks.m))
+            q, d, m, d_fac, m_fac = (
+                None if a is None else unpermute_qk(a, heads)
+                for a in (blocks.q, blocks.d, blocks.m, blocks.d_fac, blocks.m_fac)
+            )
             assert q is not None and d is not None
-            blocks = blocks._replace(q=q, d=d, m=m)
+            blocks = blocks._replace(q=q, d=d, m=m, d_fac=d_fac, m_fac=m_fac)
         out[hf_name] = blocks
     return out
 

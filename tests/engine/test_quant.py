@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -23,8 +24,11 @@ def dequantized(m: QuantMatrix | QuantStack) -> torch.Tensor:
     """The float32 matrix a :class:`QuantMatrix` (or a stack of them) stands for, computed the plain way."""
     if isinstance(m, QuantStack):
         return torch.cat([dequantized(p) for p in m.parts])
-    minimums = None if m.m is None else m.m.numpy()
-    return torch.from_numpy(weights_of(m.kind, m.q.numpy(), m.d.numpy(), minimums))
+
+    def array(t: torch.Tensor | None) -> np.ndarray | None:
+        return None if t is None else t.numpy()
+
+    return torch.from_numpy(weights_of(m.kind, *(array(t) for t in (m.q, m.d, m.m, m.d_fac, m.m_fac))))
 
 
 def test_the_native_decode_path_is_the_one_in_use(loaded_model: LoadedModel) -> None:
@@ -173,6 +177,42 @@ def test_every_format_multiplies_to_float32_accuracy(fmt: GGMLQuantizationType, 
     for i in (0, 5):
         assert torch.equal(m(x[i : i + 1])[0], got[i])
     assert torch.equal(m(x, threads=1), m(x, threads=2))
+
+
+K_QUANTS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", K_QUANTS, ids=lambda f: f.name)
+def test_factored_scales_give_the_plain_scales_bits_in_fewer_bytes(
+    fmt: GGMLQuantizationType, dtype: torch.dtype
+) -> None:
+    """A row's factors multiplied out by the kernel are the numpy-repacked scales: the same output bits, every build."""
+    blocks = repack(random_raw(fmt, 40, 1024, seed=3), fmt, 40)
+    factored, plain = QuantMatrix.of(blocks), QuantMatrix.of(blocks.plain())
+    assert factored.d_fac is not None and plain.d_fac is None
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(4)).to(dtype)
+    impls = [None, "base"] + ([quant.IMPL] if quant.IMPL != "base" else [])
+    for impl in impls:
+        assert torch.equal(factored(x, impl=impl), plain(x, impl=impl)), impl
+        assert torch.equal(factored(x[:1], impl=impl), plain(x[:1], impl=impl)), impl
+    scale_bytes = (factored.nbytes - factored.q.nbytes) / (plain.nbytes - plain.q.nbytes)
+    assert scale_bytes <= 0.375  # an int8 for a float32, and a float32 or two per 256 weights
+
+
+def test_factored_parts_stack_factored_and_with_plain_ones_multiplied_out() -> None:
+    t = GGMLQuantizationType
+    q4k = [repack(random_raw(t.Q4_K, 16, 512, seed=i), t.Q4_K, 16) for i in range(2)]
+    both = QuantMatrix.cat(q4k)
+    assert both.d_fac is not None and both.m_fac is not None and both.d.shape == (32, 2)
+    mixed = QuantMatrix.cat([q4k[0], repack(random_raw(t.Q4_0, 16, 512, seed=5), t.Q4_0, 16)])
+    assert mixed.d_fac is None and mixed.d.shape == (32, 16)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(both(x)[:, :16], mixed(x)[:, :16])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantMatrix(both.kind, both.q[:, :64], both.d, both.m, 32, 128, both.d_fac[:, :4], both.m_fac[:, :4])(
+            torch.zeros(1, 128)
+        )
 
 
 def test_parts_in_different_forms_stack_as_one_matrix() -> None:
