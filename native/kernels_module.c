@@ -43,9 +43,9 @@ static PyMethodDef methods[] = {
      "out[i, r] = sum_j w[r, j] x[i, j] (float32) for the n rows of x, with w read from repacked GGUF "
      "blocks: kind 0 = Q4_1 (q: rows x cols/2 nibbles, d and m: rows x cols/32 float32), 1 = Q8_0 (q: rows x "
      "cols int8, d: rows x cols/32, m: 0). Every argument but kind, rows, cols, n, threads, impl and x_bf16 is an "
-     "address (trusted, like copy_regions'); x is float32, or bfloat16 with x_bf16 (Q4_1 then runs on AVX-512 "
+     "address (trusted, like copy_regions'); x is float32, or bfloat16 with x_bf16 (the products then run on AVX-512 "
      "BF16 where QUANT_BF16 says so, else x is widened); impl picks a build by name ('base' always exists; "
-     "'avx512bf16' for bfloat16 Q4_1 rows; see QUANT_IMPL). With d_fac (int8, one per scale) d holds one float32 "
+     "'avx512bf16' for bfloat16 rows; see QUANT_IMPL). With d_fac (int8, one per scale) d holds one float32 "
      "per 256 weights and a scale is d[s] * d_fac[k]; likewise m with m_fac (one per 32)."},
     {"bind_xxh3", (PyCFunction)kvt_py_bind_xxh3, METH_O,
      "bind_xxh3(path) -> None\n\nFind XXH3_128bits_withSeed in the xxhash extension at path."},

@@ -77,6 +77,7 @@ typedef struct {
     const float *xsum; /* n x blocks (where m is given) */
     const uint16_t *xb; /* the bfloat16 build's x: n x pairs x 64, in its lane order (qv_arrange) */
     const float *xs8;   /* and its minimums' sums: n x pairs x 16 */
+    const uint16_t *xh; /* the int8 forms' bfloat16 build: x as given, n x cols */
     int64_t pairs;      /* blocks / 2, rounded up */
     float *out;        /* n x rows */
     int64_t rows, cols, blocks, row_bytes;
@@ -463,6 +464,84 @@ QV_BF16 static void qv_rows_bf16(const void *job, int64_t r0, int64_t r1) {
 }
 #endif
 
+/* -- AVX-512 BF16, the int8 forms (Q8_0, Q8_16) times bfloat16 rows ---------------------
+ * An int8 quant is exactly a bfloat16 as well, so these run on VDPBF16PS too: a block's 32
+ * quants become one vector of bfloat16 (widened to float32 and narrowed, both exact), in
+ * their own order, which is x's, so x needs no arrangement. Lanes 0-7 sum the block's
+ * first 16 products, 8-15 the last 16: one scale for all (Q8_0) or one per half (Q8_16,
+ * Q6_K's sixteen). Against the float32 build only the summation order differs, and every
+ * row of x runs the same operations alone or in a group. */
+#ifdef QV_X86
+QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_int8_group(const qv_job_t *j, int64_t r,
+                                                                            const float *d, const float *m, int i0,
+                                                                            const int G, const int HALVES) {
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const int8_t *q = (const int8_t *)(j->q + r * j->row_bytes);
+    __m512 acc0[QV_GROUP], acc1[QV_GROUP]; /* even and odd blocks */
+    for (int i = 0; i < G; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < j->blocks; b++) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * QV_BLOCK))));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * QV_BLOCK + 16))));
+        const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+        __m512 scale;
+        if (HALVES) {
+            double dd;
+            memcpy(&dd, d + 2 * b, 8);
+            scale = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(dd)));
+        } else {
+            scale = _mm512_set1_ps(d[b]);
+        }
+        for (int i = 0; i < G; i++) {
+            const uint16_t *x = j->xh + (int64_t)(i0 + i) * j->cols + b * QV_BLOCK;
+            const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x));
+            if (b & 1) acc1[i] = _mm512_fmadd_ps(scale, dot, acc1[i]);
+            else acc0[i] = _mm512_fmadd_ps(scale, dot, acc0[i]);
+        }
+    }
+    for (int i = 0; i < G; i++) {
+        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
+        if (m != NULL) { /* the minimums' share, sum over blocks of m * sum(x) */
+            const float *xs = j->xsum + (int64_t)(i0 + i) * j->blocks;
+            __m512 bias = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 16 <= j->blocks; k += 16) bias = _mm512_fmadd_ps(_mm512_loadu_ps(m + k), _mm512_loadu_ps(xs + k), bias);
+            float rest = 0.0f;
+            for (; k < j->blocks; k++) rest += m[k] * xs[k];
+            total += _mm512_reduce_add_ps(bias) + rest;
+        }
+        j->out[(int64_t)(i0 + i) * j->rows + r] = total;
+    }
+}
+
+QV_BF16 static void qv_rows_bf16_int8(const void *job, int64_t r0, int64_t r1) {
+    const qv_job_t *j = job;
+    float dbuf[QV_MAX_ROW_SCALES], mbuf[QV_MAX_ROW_SCALES];
+    for (int64_t r = r0; r < r1; r++) {
+        const float *d, *m;
+        qv_row_scales_avx2(j, r, dbuf, mbuf, &d, &m);
+        for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
+            const int g = j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP;
+            if (j->kind == QV_Q8_16) {
+                switch (g) {
+                case 1: qv_bf16_int8_group(j, r, d, m, i0, 1, 1); break;
+                case 2: qv_bf16_int8_group(j, r, d, m, i0, 2, 1); break;
+                case 3: qv_bf16_int8_group(j, r, d, m, i0, 3, 1); break;
+                default: qv_bf16_int8_group(j, r, d, m, i0, 4, 1); break;
+                }
+            } else {
+                switch (g) {
+                case 1: qv_bf16_int8_group(j, r, d, m, i0, 1, 0); break;
+                case 2: qv_bf16_int8_group(j, r, d, m, i0, 2, 0); break;
+                case 3: qv_bf16_int8_group(j, r, d, m, i0, 3, 0); break;
+                default: qv_bf16_int8_group(j, r, d, m, i0, 4, 0); break;
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* -- the team's work and the entry point -------------------------------------------- */
 static void qv_work(void *ctx) {
     qv_job_t *j = ctx;
@@ -528,17 +607,18 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
         return PyErr_Format(PyExc_ValueError, "factored minimums need factored scales, and the other way round");
     kvt_quant_impl();
     void (*rows_fn)(const void *, int64_t, int64_t) = qv_rows_best;
-    int use_bf16 = x_bf16 && kind == QV_Q4_1 && qv_has_bf16 && impl == NULL;
+    int on_bf16 = x_bf16 && qv_has_bf16 && impl == NULL; /* VDPBF16PS: the Q4_1 pairs, or the int8 forms */
     if (impl != NULL) {
         if (strcmp(impl, "base") == 0) rows_fn = qv_rows_base;
-        else if (strcmp(impl, "avx512bf16") == 0 && qv_has_bf16 && x_bf16 && kind == QV_Q4_1) use_bf16 = 1;
+        else if (strcmp(impl, "avx512bf16") == 0 && qv_has_bf16 && x_bf16) on_bf16 = 1;
         else if (strcmp(impl, qv_impl_name) != 0) return PyErr_Format(PyExc_ValueError, "no %s build on this CPU", impl);
     }
+    const int use_bf16 = on_bf16 && kind == QV_Q4_1, use_bf16_int8 = on_bf16 && kind != QV_Q4_1;
     const int64_t blocks = cols / QV_BLOCK, pairs = (blocks + 1) / 2;
     const int64_t units = (int64_t)QV_UNITS_PER_THREAD * threads;
     const int64_t unit_rows = ((rows + units - 1) / units + QV_UNIT_ALIGN - 1) / QV_UNIT_ALIGN * QV_UNIT_ALIGN;
     const size_t n_xsum = m ? (size_t)(n * blocks) : 0;
-    const size_t n_wide = x_bf16 && !use_bf16 ? (size_t)(n * cols) : 0; /* another build: x widened to float32 */
+    const size_t n_wide = x_bf16 && !on_bf16 ? (size_t)(n * cols) : 0; /* another build: x widened to float32 */
     const size_t n_xs8 = use_bf16 ? (size_t)(n * pairs * 16) : 0, n_xb = use_bf16 ? (size_t)(n * pairs * 64) : 0;
     char *scratch = malloc(sizeof(float) * (n_xsum + n_wide + n_xs8) + sizeof(uint16_t) * n_xb + 1);
     if (scratch == NULL) return PyErr_NoMemory();
@@ -557,6 +637,7 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
         .xsum = xsum,
         .xb = use_bf16 ? xb : NULL,
         .xs8 = use_bf16 ? xs8 : NULL,
+        .xh = use_bf16_int8 ? (const uint16_t *)(uintptr_t)x : NULL,
         .pairs = pairs,
         .out = (float *)(uintptr_t)out,
         .rows = rows,
@@ -575,6 +656,18 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
 #ifdef QV_X86
         qv_arrange((const uint16_t *)(uintptr_t)x, n, cols, pairs, xb, xsum, xs8);
         job.rows_fn = qv_rows_bf16;
+#endif
+    } else if (use_bf16_int8) {
+#ifdef QV_X86
+        if (xsum != NULL)
+            for (int i = 0; i < n; i++)
+                for (int64_t b = 0; b < blocks; b++) {
+                    const uint16_t *p = job.xh + (int64_t)i * cols + b * QV_BLOCK;
+                    float s = 0.0f;
+                    for (int k = 0; k < QV_BLOCK; k++) s += kvt_bf16_to_f32(p[k]);
+                    xsum[i * blocks + b] = s;
+                }
+        job.rows_fn = qv_rows_bf16_int8;
 #endif
     } else {
         if (n_wide)

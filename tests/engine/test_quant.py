@@ -141,10 +141,20 @@ def test_bfloat16_rows_on_avx512_bf16_match_float64_as_closely_as_float32(cols: 
         assert torch.equal(m(x, impl="avx2"), m(x.float(), impl="avx2"))  # widened exactly
 
 
-def test_bfloat16_rows_of_q8_0_are_widened_exactly(loaded_model: LoadedModel) -> None:
+def test_bfloat16_rows_of_the_int8_forms(loaded_model: LoadedModel) -> None:
+    """On AVX-512 BF16 the int8 forms run on VDPBF16PS too (float32's own error, a row alone the same bits as in a
+    batch); elsewhere the rows are widened to float32 exactly."""
     head = loaded_model.model.lm_head_blocks
-    x = torch.randn(2, head.cols, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    assert torch.equal(head(x), head(x.float()))
+    x = torch.randn(5, head.cols, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    if not quant.BF16:
+        assert torch.equal(head(x), head(x.float()))
+        return
+    got = head(x)
+    assert torch.equal(got, head(x, impl="avx512bf16"))
+    assert_close_to_exact(got, x, dequantized(head))
+    for i in (0, 4):
+        assert torch.equal(head(x[i : i + 1])[0], got[i])
+    assert not torch.equal(got, head(x.float()))  # another build: the bfloat16 one did run
 
 
 # --- every block format -----------------------------------------------------------------------------------------
