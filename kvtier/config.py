@@ -227,6 +227,24 @@ class DecodeWeights(enum.StrEnum):
     DENSE = "dense"
 
 
+class DecodeActivations(enum.StrEnum):
+    """What a decode step's products on the GGUF blocks multiply the weights with.
+
+    ``exact``: the activations as the engine holds them (float32, or
+    bfloat16 on VDPBF16PS): every product exact, float32 sums. ``q8``: each
+    32 activations rounded to int8 quants and a scale first, as llama.cpp
+    does, and the products summed in int8 on AVX-512 VNNI: far fewer
+    instructions a weight, activations rounded once more. Reuse stays exact
+    either way (a cached run and an uncached one decode alike); with ``q8``
+    no decode-computed block is cached (``decoded_kv``), since a prefill of
+    the same tokens would not compute it so. A CPU without AVX-512 VNNI
+    runs ``exact`` (logged).
+    """
+
+    EXACT = "exact"
+    Q8 = "q8"
+
+
 class DecodedKV(enum.StrEnum):
     """Whether blocks holding KV a decode step computed (a reply's tokens) are cached and reused.
 
@@ -278,6 +296,9 @@ class EngineConfig(_Section):
         ComputeDtype.AUTO, description="auto: bfloat16 on a CPU with AVX-512 BF16 or AMX, else float32."
     )
     decode_weights: DecodeWeights = DecodeWeights.GGUF
+    decode_activations: DecodeActivations = Field(
+        DecodeActivations.EXACT, description="q8: decode's products in int8, as llama.cpp (AVX-512 VNNI)."
+    )
     pool_bytes: ByteSize = Field(ByteSize(1024**3), description="The engine's paged KV pool (the device tier).")
     max_batch: int = Field(16, ge=1, description="Requests decoded together in one step.")
     max_step_tokens: int = Field(
@@ -299,6 +320,15 @@ class EngineConfig(_Section):
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return None if v is None else v.expanduser()
+
+    @model_validator(mode="after")
+    def _check_decode(self) -> EngineConfig:
+        if self.decode_activations is DecodeActivations.Q8 and self.decoded_kv is DecodedKV.CACHE:
+            raise ValueError(
+                "engine.decode_activations q8 with engine.decoded_kv cache: a reply's blocks would be KV "
+                "that a prefill of the same tokens does not compute, and reuse would no longer be exact"
+            )
+        return self
 
 
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

@@ -29,6 +29,7 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw);
 #define KVT_QUANT_MAX_ROW_SCALES 8192
 const char *kvt_quant_impl(void);
 int kvt_quant_bf16(void); /* whether Q4_1 times bfloat16 rows runs on AVX-512 BF16 here */
+int kvt_quant_q8(void);   /* whether x quantized to 8 bits runs on AVX-512 VNNI here */
 
 /* A decoder layer's element-wise steps: RMSNorm, RoPE + the K/V write, SwiGLU's gate (rowwise.c). */
 PyObject *kvt_py_rms_norm(PyObject *mod, PyObject *args, PyObject *kw);

@@ -38,7 +38,8 @@ PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n) {
 
 static PyMethodDef methods[] = {
     {"quant_matvec", (PyCFunction)(void (*)(void))kvt_py_quant_matvec, METH_VARARGS | METH_KEYWORDS,
-     "quant_matvec(kind, q, d, m, rows, cols, x, n, out, threads=1, impl=None, x_bf16=False, d_fac=0, m_fac=0) "
+     "quant_matvec(kind, q, d, m, rows, cols, x, n, out, threads=1, impl=None, x_bf16=False, d_fac=0, m_fac=0, "
+     "x_q8=False) "
      "-> None\n\n"
      "out[i, r] = sum_j w[r, j] x[i, j] (float32) for the n rows of x, with w read from repacked GGUF "
      "blocks: kind 0 = Q4_1 (q: rows x cols/2 nibbles, d and m: rows x cols/32 float32), 1 = Q8_0 (q: rows x "
@@ -46,7 +47,8 @@ static PyMethodDef methods[] = {
      "address (trusted, like copy_regions'); x is float32, or bfloat16 with x_bf16 (the products then run on AVX-512 "
      "BF16 where QUANT_BF16 says so, else x is widened); impl picks a build by name ('base' always exists; "
      "'avx512bf16' for bfloat16 rows; see QUANT_IMPL). With d_fac (int8, one per scale) d holds one float32 "
-     "per 256 weights and a scale is d[s] * d_fac[k]; likewise m with m_fac (one per 32)."},
+     "per 256 weights and a scale is d[s] * d_fac[k]; likewise m with m_fac (one per 32). x_q8: x quantized to "
+     "8 bits per 32 values and multiplied in int8 on AVX-512 VNNI (QUANT_Q8; impl None or 'avx512vnni')."},
     {"bind_xxh3", (PyCFunction)kvt_py_bind_xxh3, METH_O,
      "bind_xxh3(path) -> None\n\nFind XXH3_128bits_withSeed in the xxhash extension at path."},
     {"xxh3_128_chain", (PyCFunction)kvt_py_xxh3_128_chain, METH_VARARGS,
@@ -115,7 +117,8 @@ PyMODINIT_FUNC PyInit__native_kernels(void) {
     if (m == NULL) return NULL;
     if (PyModule_AddStringConstant(m, "QUANT_IMPL", kvt_quant_impl()) < 0 ||
         PyModule_AddIntConstant(m, "QUANT_BF16", kvt_quant_bf16()) < 0 ||
-        PyModule_AddIntConstant(m, "QUANT_MAX_ROW_SCALES", KVT_QUANT_MAX_ROW_SCALES) < 0) {
+        PyModule_AddIntConstant(m, "QUANT_MAX_ROW_SCALES", KVT_QUANT_MAX_ROW_SCALES) < 0 ||
+        PyModule_AddIntConstant(m, "QUANT_Q8", kvt_quant_q8()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -78,6 +78,10 @@ typedef struct {
     const uint16_t *xb; /* the bfloat16 build's x: n x pairs x 64, in its lane order (qv_arrange) */
     const float *xs8;   /* and its minimums' sums: n x pairs x 16 */
     const uint16_t *xh; /* the int8 forms' bfloat16 build: x as given, n x cols */
+    const int8_t *xq;   /* the 8-bit build: x quantized, n x pairs x 64, in the form's lane order (qv8_quantize) */
+    const float *xs16;  /* its per-block scales, in each lane of the block: n x pairs x 16 */
+    const int32_t *xc;  /* int8 forms: -128 * the sum of each lane's four quants, n x pairs x 16 */
+    const float *xsq;   /* scale * sum of quants per block (the minimums' share): n x blocks */
     int64_t pairs;      /* blocks / 2, rounded up */
     float *out;        /* n x rows */
     int64_t rows, cols, blocks, row_bytes;
@@ -542,6 +546,172 @@ QV_BF16 static void qv_rows_bf16_int8(const void *job, int64_t r0, int64_t r1) {
 }
 #endif
 
+/* -- AVX-512 VNNI, x quantized to 8 bits (engine.decode_activations: q8) -------------------
+ * As llama.cpp multiplies: each 32 values of a row of x become int8 quants and one float32
+ * scale (max |x| / 127, rounded to nearest), and VPDPBUSD sums 64 byte products an
+ * instruction in int32, exactly; a block's sum is scaled once, in float32. The weights are
+ * the same; x is rounded once more, to 8 bits a block, so products are no longer exact:
+ * the setting trades that for a decode step's arithmetic (see DecodeActivations).
+ *
+ * Two blocks a step, as the bfloat16 builds: Q4_1's nibbles unpack as [low nibbles of both
+ * blocks | high nibbles], so dword lanes 0-3 and 8-11 hold block 2p's sums and 4-7, 12-15
+ * block 2p + 1's; the int8 forms' 64 bytes are the two blocks in order, lanes 0-7 and
+ * 8-15. x's quants are laid out once per call in that order (qv8_quantize), beside each
+ * lane's block scale. VPDPBUSD takes unsigned bytes: Q4_1's quants are (0..15); an int8
+ * quant is flipped to q + 128, and the lane starts from -128 times its x quants' sum. The
+ * minimums' share, m * scale * sum(quants) per block, is added once per row at the end. */
+#ifdef QV_X86
+#define QV_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+/* Byte t (0..63) of a pair's layout: which block of the pair, and which of its 32 values. */
+static inline void qv8_source(qv_kind_t kind, int t, int *blk, int *k) {
+    if (kind == QV_Q4_1) {
+        *blk = (t / 16) & 1;
+        *k = t % 16 + (t >= 32 ? 16 : 0);
+    } else {
+        *blk = t / 32;
+        *k = t % 32;
+    }
+}
+
+/* x's rows quantized (float32 or, with x_bf16, bfloat16 input) into xq, xs16, xc, xsq. */
+static void qv8_quantize(const qv_job_t *j, const void *x, int x_bf16, int8_t *xq, float *xs16, int32_t *xc,
+                         float *xsq) {
+    int8_t q[QV_BLOCK];
+    for (int i = 0; i < j->n; i++) {
+        for (int64_t p = 0; p < j->pairs; p++) {
+            float scale[2] = {0.0f, 0.0f};
+            int8_t *dst = xq + ((int64_t)i * j->pairs + p) * 64;
+            memset(dst, 0, 64);
+            for (int blk = 0; blk < 2; blk++) {
+                const int64_t b = 2 * p + blk;
+                if (b >= j->blocks) continue;
+                float v[QV_BLOCK], amax = 0.0f;
+                for (int k = 0; k < QV_BLOCK; k++) {
+                    const int64_t at = (int64_t)i * j->cols + b * QV_BLOCK + k;
+                    v[k] = x_bf16 ? kvt_bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                    const float a = v[k] < 0 ? -v[k] : v[k];
+                    if (a > amax) amax = a;
+                }
+                const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                int sum = 0;
+                for (int k = 0; k < QV_BLOCK; k++) {
+                    q[k] = (int8_t)lrintf(v[k] * inv);
+                    sum += q[k];
+                }
+                scale[blk] = d;
+                xsq[(int64_t)i * j->blocks + b] = d * (float)sum;
+                for (int t = 0; t < 64; t++) {
+                    int tb, k;
+                    qv8_source(j->kind, t, &tb, &k);
+                    if (tb == blk) dst[t] = q[k];
+                }
+            }
+            float *s16 = xs16 + ((int64_t)i * j->pairs + p) * 16;
+            int32_t *c16 = xc ? xc + ((int64_t)i * j->pairs + p) * 16 : NULL;
+            for (int lane = 0; lane < 16; lane++) {
+                int tb, k;
+                qv8_source(j->kind, 4 * lane, &tb, &k);
+                s16[lane] = scale[tb];
+                if (c16) c16[lane] = -128 * (dst[4 * lane] + dst[4 * lane + 1] + dst[4 * lane + 2] + dst[4 * lane + 3]);
+            }
+        }
+    }
+}
+
+/* One weight row times G rows of x (G constant at each call site, as qv_bf16_group). */
+QV_VNNI static inline __attribute__((always_inline)) void qv8_group(const qv_job_t *j, int64_t r, const float *d,
+                                                                   const float *m, int i0, const int G,
+                                                                   const qv_kind_t K) {
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i eighths = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const int64_t whole = j->blocks / 2;
+    const uint8_t *q = j->q + r * j->row_bytes;
+    __m512 acc0[QV_GROUP], acc1[QV_GROUP];
+    for (int i = 0; i < G; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < j->pairs; p++) {
+        const int tail = p >= whole; /* an odd last block: the pair's second is absent */
+        __m512i w;
+        __m512 scale;
+        if (K == QV_Q4_1) {
+            const __m256i packed = tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + 32 * p)))
+                                        : _mm256_loadu_si256((const __m256i *)(q + 32 * p));
+            w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1),
+                                 _mm512_set1_epi8(0x0F));
+        } else {
+            const __m512i raw = tail ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 64 * p)))
+                                     : _mm512_loadu_si512((const void *)(q + 64 * p));
+            w = _mm512_xor_si512(raw, _mm512_set1_epi8((char)0x80));
+        }
+        /* the pair's scales straight from d: plain loads, masked only past the row's end (scalars
+         * gathered on the stack, or a masked load of scales just multiplied out, stalled every
+         * pair on store forwarding) */
+        if (K == QV_Q8_16) {
+            const __m128 four = tail ? _mm_maskz_loadu_ps(0x3, d + 4 * p) : _mm_loadu_ps(d + 4 * p);
+            scale = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(four));
+        } else {
+            double dd;
+            if (tail) {
+                const float two[2] = {d[2 * p], 0.0f};
+                memcpy(&dd, two, 8);
+            } else {
+                memcpy(&dd, d + 2 * p, 8);
+            }
+            scale = _mm512_permutexvar_ps(K == QV_Q4_1 ? halves : eighths, _mm512_castpd_ps(_mm512_set1_pd(dd)));
+        }
+        for (int i = 0; i < G; i++) {
+            const int64_t at = (int64_t)(i0 + i) * j->pairs + p;
+            const __m512i xv = _mm512_loadu_si512((const void *)(j->xq + at * 64));
+            const __m512i start = K == QV_Q4_1 ? _mm512_setzero_si512() : _mm512_loadu_si512((const void *)(j->xc + at * 16));
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, xv));
+            const __m512 s = _mm512_mul_ps(scale, _mm512_loadu_ps(j->xs16 + at * 16));
+            if (p & 1) acc1[i] = _mm512_fmadd_ps(s, dot, acc1[i]);
+            else acc0[i] = _mm512_fmadd_ps(s, dot, acc0[i]);
+        }
+    }
+    for (int i = 0; i < G; i++) {
+        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
+        if (m != NULL) {
+            const float *xs = j->xsq + (int64_t)(i0 + i) * j->blocks;
+            __m512 bias = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 16 <= j->blocks; k += 16) bias = _mm512_fmadd_ps(_mm512_loadu_ps(m + k), _mm512_loadu_ps(xs + k), bias);
+            float rest = 0.0f;
+            for (; k < j->blocks; k++) rest += m[k] * xs[k];
+            total += _mm512_reduce_add_ps(bias) + rest;
+        }
+        j->out[(int64_t)(i0 + i) * j->rows + r] = total;
+    }
+}
+
+#define QV8_GROUPS(K)                                                                                                  \
+    switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {                                                             \
+    case 1: qv8_group(j, r, d, m, i0, 1, K); break;                                                                    \
+    case 2: qv8_group(j, r, d, m, i0, 2, K); break;                                                                    \
+    case 3: qv8_group(j, r, d, m, i0, 3, K); break;                                                                    \
+    default: qv8_group(j, r, d, m, i0, 4, K); break;                                                                   \
+    }
+
+QV_VNNI static void qv_rows_q8(const void *job, int64_t r0, int64_t r1) {
+    const qv_job_t *j = job;
+    float dbuf[QV_MAX_ROW_SCALES], mbuf[QV_MAX_ROW_SCALES];
+    for (int64_t r = r0; r < r1; r++) {
+        const float *d, *m;
+        qv_row_scales_avx2(j, r, dbuf, mbuf, &d, &m);
+        for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
+            if (j->kind == QV_Q4_1) {
+                QV8_GROUPS(QV_Q4_1)
+            } else if (j->kind == QV_Q8_16) {
+                QV8_GROUPS(QV_Q8_16)
+            } else {
+                QV8_GROUPS(QV_Q8_0)
+            }
+        }
+    }
+}
+#endif
+
 /* -- the team's work and the entry point -------------------------------------------- */
 static void qv_work(void *ctx) {
     qv_job_t *j = ctx;
@@ -556,6 +726,7 @@ static void qv_work(void *ctx) {
 static const char *qv_impl_name = NULL;
 static void (*qv_rows_best)(const void *, int64_t, int64_t) = NULL;
 static int qv_has_bf16 = 0; /* the CPU runs qv_rows_bf16 */
+static int qv_has_vnni = 0; /* the CPU runs qv_rows_q8 */
 
 static void qv_pick(void) {
     qv_rows_best = qv_rows_base;
@@ -566,9 +737,17 @@ static void qv_pick(void) {
         qv_rows_best = qv_rows_avx2;
         qv_impl_name = "avx2";
     }
+    qv_has_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                  __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     qv_has_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
+}
+
+int kvt_quant_q8(void) {
+    kvt_quant_impl();
+    return qv_has_vnni;
 }
 
 int kvt_quant_bf16(void) {
@@ -581,16 +760,71 @@ const char *kvt_quant_impl(void) {
     return qv_impl_name;
 }
 
+/* The 8-bit build's call: x quantized once, then the team runs qv_rows_q8. */
+static PyObject *qv8_matvec(int kind, unsigned long long q, unsigned long long d, unsigned long long m,
+                            unsigned long long dfac, unsigned long long mfac, int64_t rows, int64_t cols,
+                            unsigned long long x, int x_bf16, int n, unsigned long long out, int threads,
+                            const char *impl, int64_t row_scales) {
+    if (!qv_has_vnni || (impl != NULL && strcmp(impl, "avx512vnni") != 0))
+        return PyErr_Format(PyExc_ValueError, "no avx512vnni build on this CPU for 8-bit x");
+#ifdef QV_X86
+    const int64_t blocks = cols / QV_BLOCK, pairs = (blocks + 1) / 2;
+    const int64_t units = (int64_t)QV_UNITS_PER_THREAD * threads;
+    const int64_t unit_rows = ((rows + units - 1) / units + QV_UNIT_ALIGN - 1) / QV_UNIT_ALIGN * QV_UNIT_ALIGN;
+    const size_t lanes = (size_t)n * pairs * 16;
+    char *scratch = malloc(lanes * 4 /* xq */ + lanes * sizeof(float) + lanes * sizeof(int32_t) +
+                           (size_t)n * blocks * sizeof(float) + 64);
+    if (scratch == NULL) return PyErr_NoMemory();
+    int8_t *xq = (int8_t *)scratch;
+    float *xs16 = (float *)(scratch + lanes * 4);
+    int32_t *xc = (int32_t *)(xs16 + lanes);
+    float *xsq = (float *)(xc + lanes);
+    qv_job_t job = {
+        .kind = (qv_kind_t)kind,
+        .q = (const uint8_t *)(uintptr_t)q,
+        .d = (const float *)(uintptr_t)d,
+        .m = (const float *)(uintptr_t)m,
+        .dfac = (const int8_t *)(uintptr_t)dfac,
+        .mfac = (const int8_t *)(uintptr_t)mfac,
+        .supers = cols / QV_SUPER,
+        .xq = xq,
+        .xs16 = xs16,
+        .xc = kind == QV_Q4_1 ? NULL : xc,
+        .xsq = xsq,
+        .pairs = pairs,
+        .out = (float *)(uintptr_t)out,
+        .rows = rows,
+        .cols = cols,
+        .blocks = blocks,
+        .row_bytes = kind == QV_Q4_1 ? cols / 2 : cols,
+        .scales = row_scales,
+        .n = n,
+        .next = 0,
+        .unit_rows = unit_rows,
+        .n_units = (size_t)((rows + unit_rows - 1) / unit_rows),
+        .rows_fn = qv_rows_q8,
+    };
+    Py_BEGIN_ALLOW_THREADS
+    qv8_quantize(&job, (const void *)(uintptr_t)x, x_bf16, xq, xs16, job.xc == NULL ? NULL : xc, xsq);
+    kvt_team_run(qv_work, &job, job.n_units > 1 ? threads : 1);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    Py_RETURN_NONE;
+#else
+    return NULL;
+#endif
+}
+
 PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
     static char *names[] = {"kind", "q", "d", "m", "rows", "cols", "x", "n", "out", "threads", "impl", "x_bf16",
-                            "d_fac", "m_fac", NULL};
-    int kind, n, threads = 1, x_bf16 = 0;
+                            "d_fac", "m_fac", "x_q8", NULL};
+    int kind, n, threads = 1, x_bf16 = 0, x_q8 = 0;
     unsigned long long q, d, m, x, out, dfac = 0, mfac = 0;
     long long rows, cols;
     const char *impl = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izpKK:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols,
-                                     &x, &n, &out, &threads, &impl, &x_bf16, &dfac, &mfac))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKKKLLKiK|izpKKp:quant_matvec", names, &kind, &q, &d, &m, &rows, &cols,
+                                     &x, &n, &out, &threads, &impl, &x_bf16, &dfac, &mfac, &x_q8))
         return NULL;
     if (kind != QV_Q4_1 && kind != QV_Q8_0 && kind != QV_Q8_16)
         return PyErr_Format(PyExc_ValueError, "kind must be 0 (Q4_1), 1 (Q8_0) or 2 (Q8_16)");
@@ -606,6 +840,7 @@ PyObject *kvt_py_quant_matvec(PyObject *mod, PyObject *args, PyObject *kw) {
     if ((mfac && (!dfac || !m)) || (dfac && m && !mfac))
         return PyErr_Format(PyExc_ValueError, "factored minimums need factored scales, and the other way round");
     kvt_quant_impl();
+    if (x_q8) return qv8_matvec(kind, q, d, m, dfac, mfac, rows, cols, x, x_bf16, n, out, threads, impl, row_scales);
     void (*rows_fn)(const void *, int64_t, int64_t) = qv_rows_best;
     int on_bf16 = x_bf16 && qv_has_bf16 && impl == NULL; /* VDPBF16PS: the Q4_1 pairs, or the int8 forms */
     if (impl != NULL) {

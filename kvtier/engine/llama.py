@@ -176,13 +176,19 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         *,
         blocks: Mapping[str, QuantBlocks] | None = None,
+        q8_decode: bool = False,
     ) -> None:
         """``blocks`` (from :func:`~kvtier.model.load_gguf_blocks`): the quantized form of the same weights.
 
         Given, and where it applies (float32 or bfloat16 on the CPU, the native
         kernel built, every projection and the lm_head in a supported format),
-        decode steps read those instead of the dense matrices.
+        decode steps read those instead of the dense matrices. ``q8_decode``:
+        their products take the activations rounded to 8 bits a block
+        (``engine.decode_activations: q8``; needs :data:`quant.Q8`).
         """
+        if q8_decode and not quant.Q8:
+            raise ValueError("8-bit decode products need AVX-512 VNNI, which this CPU lacks")
+        self.q8_decode = q8_decode
         if config.num_heads % config.num_kv_heads:
             raise ValueError(f"{config.num_heads} heads do not group evenly over {config.num_kv_heads} KV heads")
         self.config = config
@@ -291,7 +297,7 @@ class LlamaModel:
         hidden, plan = self._hidden(seqs, pool, layer_ready)
         last = hidden[plan.last_rows]
         if self.lm_head_blocks is not None and len(last) <= quant.MAX_ROWS:
-            return self.lm_head_blocks(last)
+            return self.lm_head_blocks(last, q8=self.q8_decode)
         return self._logits(last)
 
     @torch.inference_mode()
@@ -440,7 +446,8 @@ class LlamaModel:
 
     def _mlp(self, layer: _Layer, q: _QuantLayer | None, h: torch.Tensor) -> torch.Tensor:
         if q is not None:  # the activation in the model's dtype, as the dense path computes it
-            return q.w_down(self._gate(q.w_gate_up(h).to(h.dtype))).to(h.dtype)
+            gate_up = q.w_gate_up(h, q8=self.q8_decode).to(h.dtype)
+            return q.w_down(self._gate(gate_up), q8=self.q8_decode).to(h.dtype)
         return self._gate(h @ layer.w_gate_up.T) @ layer.w_down.T
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -462,7 +469,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         q_dim = c.num_heads * c.head_dim
-        qkv = h @ layer.wqkv.T if quantized is None else quantized.wqkv(h).to(h.dtype)
+        qkv = h @ layer.wqkv.T if quantized is None else quantized.wqkv(h, q8=self.q8_decode).to(h.dtype)
         qkv = self._before_rope(layer, qkv)
         if layer_ready is not None:
             layer_ready(index)  # cached K/V of this layer are in the pool from here on
@@ -479,7 +486,7 @@ class LlamaModel:
             if plan.decode is not None:
                 out[plan.decode.rows] = self._decode_attention(index, plan.decode, q[plan.decode.rows], sliding)
         out = out.reshape(-1, q_dim)
-        return out @ layer.wo.T if quantized is None else quantized.wo(out).to(h.dtype)
+        return out @ layer.wo.T if quantized is None else quantized.wo(out, q8=self.q8_decode).to(h.dtype)
 
     def _before_rope(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
         """The architecture's hooks on the fused ``qkv [N, q_dim + 2 kv_dim]``: biases, then per-head Q/K norms."""

@@ -39,6 +39,8 @@ from kvtier.model import QuantBlocks, QuantKind
 _native = extension.kernels
 
 IMPL: str = _native.QUANT_IMPL  # the build used on this CPU: "avx2" or "base"
+Q8: bool = bool(_native.QUANT_Q8)
+"""Whether x quantized to 8 bits a block (``engine.decode_activations: q8``) runs here (AVX-512 VNNI)."""
 BF16: bool = bool(_native.QUANT_BF16)
 """Whether Q4_1 times bfloat16 rows runs on AVX-512 BF16 here (``avx512bf16``): a bfloat16 engine's decode."""
 MAX_ROWS = 64  # activation rows per call (the C kernel's limit): a decode batch
@@ -113,13 +115,17 @@ class QuantMatrix:
         arrays = (self.q, self.d, self.m, self.d_fac, self.m_fac)
         return sum(t.numel() * t.element_size() for t in arrays if t is not None)
 
-    def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None, q8: bool = False
+    ) -> torch.Tensor:
         """``x [n, cols]`` (float32 or bfloat16) times the matrix's transpose: ``[n, rows]`` float32.
 
-        bfloat16 rows go to the C side as they are: for Q4_1 on a CPU with
-        AVX-512 BF16 (:data:`BF16`) the products run on bfloat16 pairs (a
-        quant is exactly a bfloat16, so each product is exact); otherwise
-        the C side widens them to float32, exactly.
+        bfloat16 rows go to the C side as they are: on a CPU with AVX-512
+        BF16 (:data:`BF16`) the products run on bfloat16 pairs (a quant is
+        exactly a bfloat16, so each product is exact); otherwise the C side
+        widens them to float32, exactly. ``q8``: x is quantized to int8 per
+        32 values first and the products run in int8 (:data:`Q8`, llama.cpp's
+        arithmetic): no longer exact, and far fewer instructions.
         """
         if (
             x.dtype not in (torch.float32, torch.bfloat16)
@@ -150,6 +156,7 @@ class QuantMatrix:
             x.dtype == torch.bfloat16,
             0 if self.d_fac is None else self.d_fac.data_ptr(),
             0 if self.m_fac is None else self.m_fac.data_ptr(),
+            q8,
         )
         return out
 
@@ -172,8 +179,10 @@ class QuantStack:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def __call__(self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None) -> torch.Tensor:
-        return torch.cat([p(x, threads=threads, impl=impl) for p in self.parts], dim=1)
+    def __call__(
+        self, x: torch.Tensor, *, threads: int | None = None, impl: str | None = None, q8: bool = False
+    ) -> torch.Tensor:
+        return torch.cat([p(x, threads=threads, impl=impl, q8=q8) for p in self.parts], dim=1)
 
 
 def fuse(parts: Sequence[QuantBlocks]) -> QuantMatrix | QuantStack:
@@ -182,4 +191,4 @@ def fuse(parts: Sequence[QuantBlocks]) -> QuantMatrix | QuantStack:
     return runs[0] if len(runs) == 1 else QuantStack(tuple(runs))
 
 
-__all__ = ["BF16", "IMPL", "MAX_ROWS", "QuantMatrix", "QuantStack", "fuse"]
+__all__ = ["BF16", "IMPL", "MAX_ROWS", "Q8", "QuantMatrix", "QuantStack", "fuse"]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kvtier import cache as seam
 from kvtier.cache import Cache
-from kvtier.config import ComputeDtype, Config, DecodedKV, DecodeWeights
+from kvtier.config import ComputeDtype, Config, DecodeActivations, DecodedKV, DecodeWeights
+from kvtier.engine import quant
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.speculate import PromptLookup
@@ -61,11 +62,23 @@ def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
         cfg, weights, metadata = load_gguf(path, dtype, progress=progress)
     return LoadedModel(
         path=Path(path),
-        model=LlamaModel(cfg, weights, dtype, blocks=blocks, device=device),
+        model=LlamaModel(cfg, weights, dtype, blocks=blocks, device=device, q8_decode=q8_decode(config)),
         tokenizer=load_tokenizer(metadata),
         chat=load_chat_template(metadata) if metadata.chat_template else None,
         fingerprint=model_fingerprint(path, dtype, config.data_dir),
     )
+
+
+def q8_decode(config: Config) -> bool:
+    """``engine.decode_activations: q8`` where this CPU runs it (AVX-512 VNNI); else exact, said in the log."""
+    if config.engine.decode_activations is not DecodeActivations.Q8:
+        return False
+    if not quant.Q8:
+        log.warning(
+            "engine.decode_activations q8 needs AVX-512 VNNI, which this CPU lacks: decoding with exact products"
+        )
+        return False
+    return True
 
 
 def open_cache(loaded: LoadedModel, config: Config) -> Cache:
@@ -114,10 +127,11 @@ def make_engine(
 
 
 def cache_decoded(config: Config) -> bool:
-    """``engine.decoded_kv`` resolved: ``auto`` caches decode-computed blocks in float32 only."""
+    """``engine.decoded_kv`` resolved: ``auto`` caches decode-computed blocks in float32 with exact products only."""
     e = config.engine
     if e.decoded_kv is DecodedKV.AUTO:
-        return compute_dtype(config) is ComputeDtype.FLOAT32
+        q8 = e.decode_activations is DecodeActivations.Q8
+        return compute_dtype(config) is ComputeDtype.FLOAT32 and not q8
     return e.decoded_kv is DecodedKV.CACHE
 
 

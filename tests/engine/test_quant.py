@@ -225,6 +225,40 @@ def test_factored_parts_stack_factored_and_with_plain_ones_multiplied_out() -> N
         )
 
 
+def q8_reference(m: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
+    """What the 8-bit build computes, in float64: x rounded to int8 per 32 values (scale max|x| / 127), exact sums."""
+    blocks = x.float().reshape(len(x), -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, 0.0)  # float32, as the kernel multiplies
+    quants = torch.round(blocks * inverse).double()  # to nearest, ties to even, as lrintf
+    return (quants * (amax / 127).double()).reshape(len(x), -1) @ dequantized(m).double().T
+
+
+@pytest.mark.skipif(not quant.Q8, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_8_bit_activations_are_llama_cpps_arithmetic_exactly_summed(
+    fmt: GGMLQuantizationType, dtype: torch.dtype
+) -> None:
+    """x rounded to int8 a block, then int8 sums: the float64 sum of those rounded values to float32 accuracy; a row
+    alone the same bits as in a batch, on any thread count; an odd block count (96 columns) included."""
+    cols = 768 if fmt.name.endswith("_K") else 96
+    m = random_matrix(fmt, 40, cols, seed=int(fmt) + 1)
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(9)).to(dtype)
+    x[1, :32] = 0  # a block of zeros: scale 0
+    got = m(x, q8=True)
+    want = q8_reference(m, x)
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    exact = x.double() @ dequantized(m).double().T
+    assert 1e-4 < ((got.double() - exact).norm() / exact.norm()).item() < 2e-2  # rounded, and only by 8 bits
+    for i in (0, 1, 5):
+        assert torch.equal(m(x[i : i + 1], q8=True)[0], got[i])
+    assert torch.equal(m(x, q8=True, threads=1), m(x, q8=True, threads=2))
+    assert torch.equal(m(x, q8=True, impl="avx512vnni"), got)
+    with pytest.raises(ValueError, match="avx512vnni"):
+        m(x, q8=True, impl="base")
+
+
 def test_parts_in_different_forms_stack_as_one_matrix() -> None:
     """A Q4_K_M layer's Q and K (Q4_K) with its V (Q6_K): one call a form; Q5_0 beside Q8_0 and Q5_1 fuse into one."""
     t = GGMLQuantizationType
