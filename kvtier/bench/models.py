@@ -11,7 +11,9 @@ is installed; any ``--model`` given), one run measures:
   (``kvtier bench ttft``'s measurement, medians of ``reps``);
 * ``decode_tok_s``: greedy decode speed after the ``N``-token prompt, with
   decode steps on the file's quantized blocks (``engine.decode_weights:
-  gguf``) and on the dequantized matrices (``dense``), and their ratio;
+  gguf``), the same with their products in int8 (``q8``,
+  ``engine.decode_activations: q8``; null without AVX-512 VNNI) and on the
+  dequantized matrices (``dense``), and blocks / dense;
 * ``swa_bytes_ratio``: bytes that hit copied into the pool / what loading
   every layer copies (null for a model without sliding-window layers);
 * with llama-cpp-python's venv (``--llamacpp-python``, by default
@@ -40,6 +42,7 @@ import numpy as np
 
 from kvtier.bench import llamacpp_oracle, results, shapes, ttft
 from kvtier.config import Config, DecodeWeights
+from kvtier.engine import quant
 from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.onboard import SlidingWindow
 from kvtier.engine.pool import BlockTable
@@ -117,11 +120,16 @@ def measure(config: Config, spec: ModelsSpec, path: Path) -> dict[str, Any]:
     row["ttft_s"] = {"recompute": timing["miss_s"], "host_hit": timing["host_hit_s"]}
     row |= against_llamacpp(loaded, path, spec)
     blocks = decode_rate(loaded, cfg, spec)
+    q8 = None
+    if quant.Q8 and loaded.model.decode_layers is not None:  # the same blocks, products in int8
+        loaded.model.q8_decode, exact = True, loaded.model.q8_decode
+        q8 = decode_rate(loaded, cfg, spec)
+        loaded.model.q8_decode = exact
     del loaded  # one model in memory at a time
     tree["engine"] = {**tree["engine"], "decode_weights": DecodeWeights.DENSE.value}
     dense_cfg = Config.model_validate(tree)
     dense = decode_rate(load_model(dense_cfg, progress=False), dense_cfg, spec)
-    row["decode_tok_s"] = {"blocks": blocks, "dense": dense, "ratio": round(blocks / dense, 2)}
+    row["decode_tok_s"] = {"blocks": blocks, "q8": q8, "dense": dense, "ratio": round(blocks / dense, 2)}
     return row
 
 
@@ -234,7 +242,10 @@ def table(result: dict[str, Any]) -> str:
             f"{m['same_output']}  swa bytes {swa}  tokens = llama.cpp {tokens}  next token {agree}"
         )
         d = m["decode_tok_s"]
-        lines.append(f"  {'':14s} weights: {weights}; decode {d['blocks']:.1f} tok/s on blocks, {d['dense']:.1f} dense")
+        q8 = "" if d.get("q8") is None else f" ({d['q8']:.1f} with int8 products)"
+        lines.append(
+            f"  {'':14s} weights: {weights}; decode {d['blocks']:.1f} tok/s on blocks{q8}, {d['dense']:.1f} dense"
+        )
         if m.get("random_weights"):
             lines.append(f"  {'':14s} random weights in the model's exact shape: speed does not depend on their values")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvtier.bench import models
 from kvtier.config import load_config
+from kvtier.engine import quant
 from kvtier.model import default_gguf_path
 
 
@@ -22,6 +23,7 @@ def test_the_report_has_every_field_and_the_hit_is_exact(tmp_path: Path) -> None
     assert row["hit_speedup"] > 0 and row["ttft_s"]["recompute"] > 0
     assert row["tokenizer_match"] is row["next_token_agreement"] is None  # no llama.cpp given
     assert row["decode_tok_s"]["blocks"] > 0 and row["decode_tok_s"]["dense"] > 0
+    assert (row["decode_tok_s"]["q8"] is None) == (not quant.Q8)  # int8 products where the CPU has VNNI
     assert result["setup"]["tokens"] == 128 and result["setup"]["isa"] is not None
     path, _ = models.save(result, tmp_path / "out")
     assert json.loads(path.read_text())["models"]["smollm2-135m"]["same_output"] is True

@@ -47,6 +47,7 @@ def run(loaded: LoadedModel, config: Config, workload: Workload) -> dict[str, An
         "setup": {
             "weights": loaded.path.name,
             "compute": f"dequantized to {compute_dtype(config).value}, KV in {compute_dtype(config).value}",
+            "decode_activations": "q8" if loaded.model.q8_decode else "exact",  # engine.decode_activations, as run
             "dtype": compute_dtype(config).value,
             "block_size": config.cache.block_size,
             "torch_threads": torch.get_num_threads(),
