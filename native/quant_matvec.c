@@ -312,6 +312,16 @@ QV_AVX2 static void qv_rows_avx2(const void *job, int64_t r0, int64_t r1) {
 }
 #endif
 
+/* A group function called with G (rows of x at once) as a constant, so its accumulators stay
+ * in registers; every group function takes (j, r, d, m, i0, G, X), X a constant of its own. */
+#define QV_BY_GROUP(FN, X)                                                                                             \
+    switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {                                                             \
+    case 1: FN(j, r, d, m, i0, 1, X); break;                                                                           \
+    case 2: FN(j, r, d, m, i0, 2, X); break;                                                                           \
+    case 3: FN(j, r, d, m, i0, 3, X); break;                                                                           \
+    default: FN(j, r, d, m, i0, 4, X); break;                                                                          \
+    }
+
 /* -- AVX-512 BF16, Q4_1 times bfloat16 rows ---------------------------------------------
  * A bfloat16 engine's activations are bfloat16 already, and a Q4_1 quant (0..15) is
  * exactly a bfloat16, so q . x can run on VDPBF16PS: 32 products an instruction, each
@@ -443,25 +453,13 @@ QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_group(const qv
 QV_BF16 static void qv_rows_bf16(const void *job, int64_t r0, int64_t r1) {
     const qv_job_t *j = job;
     for (int64_t r = r0; r < r1; r++) {
-        if (j->dfac != NULL) {
-            const float *d = j->d + r * j->supers, *m = j->m + r * j->supers;
-            for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
-                switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {
-                case 1: qv_bf16_group(j, r, d, m, i0, 1, 1); break;
-                case 2: qv_bf16_group(j, r, d, m, i0, 2, 1); break;
-                case 3: qv_bf16_group(j, r, d, m, i0, 3, 1); break;
-                default: qv_bf16_group(j, r, d, m, i0, 4, 1); break;
-                }
-            }
-            continue;
-        }
-        const float *d = j->d + r * j->blocks, *m = j->m + r * j->blocks;
+        const int64_t per = j->dfac != NULL ? j->supers : j->blocks; /* factored: two float32 per 256 weights */
+        const float *d = j->d + r * per, *m = j->m + r * per;
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
-            switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {
-            case 1: qv_bf16_group(j, r, d, m, i0, 1, 0); break;
-            case 2: qv_bf16_group(j, r, d, m, i0, 2, 0); break;
-            case 3: qv_bf16_group(j, r, d, m, i0, 3, 0); break;
-            default: qv_bf16_group(j, r, d, m, i0, 4, 0); break;
+            if (j->dfac != NULL) {
+                QV_BY_GROUP(qv_bf16_group, 1)
+            } else {
+                QV_BY_GROUP(qv_bf16_group, 0)
             }
         }
     }
@@ -476,6 +474,20 @@ QV_BF16 static void qv_rows_bf16(const void *job, int64_t r0, int64_t r1) {
  * Q6_K's sixteen). Against the float32 build only the summation order differs, and every
  * row of x runs the same operations alone or in a group. */
 #ifdef QV_X86
+/* A row's sum from its two accumulators and, where there are minimums, their share: the sum
+ * over blocks of m times xs (per block, the sum of x, or scale times the sum of its quants). */
+__attribute__((target("avx512f"))) static inline float qv512_total(__m512 acc0, __m512 acc1, const float *m,
+                                                                   const float *xs, int64_t blocks) {
+    float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    if (m == NULL) return total;
+    __m512 bias = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= blocks; k += 16) bias = _mm512_fmadd_ps(_mm512_loadu_ps(m + k), _mm512_loadu_ps(xs + k), bias);
+    float rest = 0.0f;
+    for (; k < blocks; k++) rest += m[k] * xs[k];
+    return total + _mm512_reduce_add_ps(bias) + rest;
+}
+
 QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_int8_group(const qv_job_t *j, int64_t r,
                                                                             const float *d, const float *m, int i0,
                                                                             const int G, const int HALVES) {
@@ -503,19 +515,9 @@ QV_BF16 static inline __attribute__((always_inline)) void qv_bf16_int8_group(con
             else acc0[i] = _mm512_fmadd_ps(scale, dot, acc0[i]);
         }
     }
-    for (int i = 0; i < G; i++) {
-        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
-        if (m != NULL) { /* the minimums' share, sum over blocks of m * sum(x) */
-            const float *xs = j->xsum + (int64_t)(i0 + i) * j->blocks;
-            __m512 bias = _mm512_setzero_ps();
-            int64_t k = 0;
-            for (; k + 16 <= j->blocks; k += 16) bias = _mm512_fmadd_ps(_mm512_loadu_ps(m + k), _mm512_loadu_ps(xs + k), bias);
-            float rest = 0.0f;
-            for (; k < j->blocks; k++) rest += m[k] * xs[k];
-            total += _mm512_reduce_add_ps(bias) + rest;
-        }
-        j->out[(int64_t)(i0 + i) * j->rows + r] = total;
-    }
+    for (int i = 0; i < G; i++)
+        j->out[(int64_t)(i0 + i) * j->rows + r] =
+            qv512_total(acc0[i], acc1[i], m, j->xsum + (int64_t)(i0 + i) * j->blocks, j->blocks);
 }
 
 QV_BF16 static void qv_rows_bf16_int8(const void *job, int64_t r0, int64_t r1) {
@@ -525,21 +527,10 @@ QV_BF16 static void qv_rows_bf16_int8(const void *job, int64_t r0, int64_t r1) {
         const float *d, *m;
         qv_row_scales_avx2(j, r, dbuf, mbuf, &d, &m);
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
-            const int g = j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP;
             if (j->kind == QV_Q8_16) {
-                switch (g) {
-                case 1: qv_bf16_int8_group(j, r, d, m, i0, 1, 1); break;
-                case 2: qv_bf16_int8_group(j, r, d, m, i0, 2, 1); break;
-                case 3: qv_bf16_int8_group(j, r, d, m, i0, 3, 1); break;
-                default: qv_bf16_int8_group(j, r, d, m, i0, 4, 1); break;
-                }
+                QV_BY_GROUP(qv_bf16_int8_group, 1)
             } else {
-                switch (g) {
-                case 1: qv_bf16_int8_group(j, r, d, m, i0, 1, 0); break;
-                case 2: qv_bf16_int8_group(j, r, d, m, i0, 2, 0); break;
-                case 3: qv_bf16_int8_group(j, r, d, m, i0, 3, 0); break;
-                default: qv_bf16_int8_group(j, r, d, m, i0, 4, 0); break;
-                }
+                QV_BY_GROUP(qv_bf16_int8_group, 0)
             }
         }
     }
@@ -670,28 +661,10 @@ QV_VNNI static inline __attribute__((always_inline)) void qv8_group(const qv_job
             else acc0[i] = _mm512_fmadd_ps(s, dot, acc0[i]);
         }
     }
-    for (int i = 0; i < G; i++) {
-        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
-        if (m != NULL) {
-            const float *xs = j->xsq + (int64_t)(i0 + i) * j->blocks;
-            __m512 bias = _mm512_setzero_ps();
-            int64_t k = 0;
-            for (; k + 16 <= j->blocks; k += 16) bias = _mm512_fmadd_ps(_mm512_loadu_ps(m + k), _mm512_loadu_ps(xs + k), bias);
-            float rest = 0.0f;
-            for (; k < j->blocks; k++) rest += m[k] * xs[k];
-            total += _mm512_reduce_add_ps(bias) + rest;
-        }
-        j->out[(int64_t)(i0 + i) * j->rows + r] = total;
-    }
+    for (int i = 0; i < G; i++)
+        j->out[(int64_t)(i0 + i) * j->rows + r] =
+            qv512_total(acc0[i], acc1[i], m, j->xsq + (int64_t)(i0 + i) * j->blocks, j->blocks);
 }
-
-#define QV8_GROUPS(K)                                                                                                  \
-    switch (j->n - i0 < QV_GROUP ? j->n - i0 : QV_GROUP) {                                                             \
-    case 1: qv8_group(j, r, d, m, i0, 1, K); break;                                                                    \
-    case 2: qv8_group(j, r, d, m, i0, 2, K); break;                                                                    \
-    case 3: qv8_group(j, r, d, m, i0, 3, K); break;                                                                    \
-    default: qv8_group(j, r, d, m, i0, 4, K); break;                                                                   \
-    }
 
 QV_VNNI static void qv_rows_q8(const void *job, int64_t r0, int64_t r1) {
     const qv_job_t *j = job;
@@ -701,11 +674,11 @@ QV_VNNI static void qv_rows_q8(const void *job, int64_t r0, int64_t r1) {
         qv_row_scales_avx2(j, r, dbuf, mbuf, &d, &m);
         for (int i0 = 0; i0 < j->n; i0 += QV_GROUP) {
             if (j->kind == QV_Q4_1) {
-                QV8_GROUPS(QV_Q4_1)
+                QV_BY_GROUP(qv8_group, QV_Q4_1)
             } else if (j->kind == QV_Q8_16) {
-                QV8_GROUPS(QV_Q8_16)
+                QV_BY_GROUP(qv8_group, QV_Q8_16)
             } else {
-                QV8_GROUPS(QV_Q8_0)
+                QV_BY_GROUP(qv8_group, QV_Q8_0)
             }
         }
     }

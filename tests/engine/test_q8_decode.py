@@ -21,8 +21,7 @@ from pydantic import ValidationError
 from kvtier.config import Config
 from kvtier.engine import quant
 from kvtier.engine.runtime import LoadedModel, cache_decoded, make_engine, open_cache, q8_decode
-from tests.engine.test_engine import config, converse
-from tests.helpers import shared_full_blocks
+from tests.engine.test_engine import check_reuse, config, converse
 
 pytestmark = pytest.mark.skipif(not quant.Q8, reason="this CPU has no AVX-512 VNNI")
 
@@ -54,12 +53,7 @@ def test_greedy_output_with_the_cache_is_the_output_without_it(q8_model: LoadedM
             engine = make_engine(q8_model, cfg, cache=cache, keep_resident=keep_resident)
             assert not engine.publisher.cache_decoded
             turns = converse(engine, q8_model)
-        seen: list[list[int]] = []
-        for (ids, out, cached), (cold_ids, cold_out, _) in zip(turns, cold, strict=True):
-            assert ids == cold_ids and out == cold_out, "greedy output changed with the cache"
-            assert cached == shared_full_blocks(ids, seen)  # the prompts' blocks only, never a reply's
-            seen.append(ids)
-        assert sum(c for *_, c in turns) > 0
+        check_reuse(turns, cold, replies_cached=False)  # the prompts' blocks only, never a reply's
 
 
 def test_decode_logits_move_by_the_rounding_only(loaded_model: LoadedModel) -> None:
