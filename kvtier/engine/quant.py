@@ -1,8 +1,8 @@
 """Decode-step weight products read from the GGUF's own quantized blocks.
 
 A decode step multiplies a handful of activation rows (one per decoding
-sequence) by every weight matrix, so it is bound by the bytes of weights it
-streams, not by arithmetic. float32 copies of a GGUF's quantized matrices
+sequence) by every weight matrix, so it streams every weight's bytes for a
+few operations each: bytes and instructions per weight both count. float32 copies of a GGUF's quantized matrices
 are 4-7x larger than the blocks they were dequantized from;
 :class:`QuantMatrix` keeps the blocks (every supported GGML format, K-quants
 included, repacked into one of three forms by :mod:`kvtier.model.blocks`)
@@ -15,13 +15,14 @@ stored smaller), and the products accumulate in float32; what differs is
 the order of the sums, by a few ulps, as it already does between a 1-row
 and a 64-row float32 matmul. Prefills keep the dense matmuls: they are
 compute-bound, and there the blocked GEMM is faster. A bfloat16 engine's
-decode steps use these too: its activations are bfloat16 and a Q4_1 quant
-is exactly one, so on a CPU with AVX-512 BF16 the Q4_1 products run on
-bfloat16 pairs (exact products, float32 sums; ``native/quant_matvec.c``),
-elsewhere on the float32 build. Its dense weights are the blocks' values
-rounded to bfloat16, so decode may round differently from a prefill, but
-no decode-computed KV is cached in bfloat16 (``engine.decoded_kv``) and
-reuse stays exact.
+decode steps use these too: its activations are bfloat16 and every quant
+is exactly one, so on a CPU with AVX-512 BF16 the products run on bfloat16
+pairs (exact products, float32 sums; ``native/quant_matvec.c``), elsewhere
+on the float32 build. Its dense weights are the blocks' values rounded to
+bfloat16, so decode may round differently from a prefill, but no
+decode-computed KV is cached in bfloat16 (``engine.decoded_kv``) and reuse
+stays exact. ``q8`` calls (``engine.decode_activations: q8``) round the
+activations to int8 a block first and sum in int8, as llama.cpp does.
 """
 
 from __future__ import annotations
