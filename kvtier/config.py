@@ -218,7 +218,7 @@ class DecodeWeights(enum.StrEnum):
     ``gguf``: the file's own quantized blocks (Q4_0 to Q8_0 and the K-quants),
     read by a C kernel (kvtier/engine/quant.py): the same weights in a quarter
     to a seventh of float32's bytes, and a decode step is bound by the bytes it reads. Used on the CPU (activations
-    in float32, whatever the engine's dtype) when the native extension is
+    as the engine holds them: ``decode_activations``) when the native extension is
     built and every matrix is in a supported format; otherwise, and always
     for prefills, ``dense``: matmuls of the dequantized weights.
     """
