@@ -565,6 +565,12 @@ static inline void qv8_source(qv_kind_t kind, int t, int *blk, int *k) {
     }
 }
 
+/* The inverse of qv8_source: where value k of the pair's block blk goes. */
+static inline int qv8_place(qv_kind_t kind, int blk, int k) {
+    if (kind == QV_Q4_1) return 16 * blk + (k < 16 ? k : k + 16);
+    return 32 * blk + k;
+}
+
 /* x's rows quantized (float32 or, with x_bf16, bfloat16 input) into xq, xs16, xc, xsq. */
 static void qv8_quantize(const qv_job_t *j, const void *x, int x_bf16, int8_t *xq, float *xs16, int32_t *xc,
                          float *xsq) {
@@ -592,11 +598,7 @@ static void qv8_quantize(const qv_job_t *j, const void *x, int x_bf16, int8_t *x
                 }
                 scale[blk] = d;
                 xsq[(int64_t)i * j->blocks + b] = d * (float)sum;
-                for (int t = 0; t < 64; t++) {
-                    int tb, k;
-                    qv8_source(j->kind, t, &tb, &k);
-                    if (tb == blk) dst[t] = q[k];
-                }
+                for (int k = 0; k < QV_BLOCK; k++) dst[qv8_place(j->kind, blk, k)] = q[k];
             }
             float *s16 = xs16 + ((int64_t)i * j->pairs + p) * 16;
             int32_t *c16 = xc ? xc + ((int64_t)i * j->pairs + p) * 16 : NULL;
