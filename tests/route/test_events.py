@@ -43,16 +43,20 @@ def small_write_back_cache(tmp_path: Path) -> CacheManager:
     return CacheManager(cfg, toy_layout(), model_fingerprint="toy-model")
 
 
+def store_blocks(m: CacheManager, blocks: int, seed: int = 0) -> list[int]:
+    """A prompt of ``blocks`` whole blocks stored with toy payloads; its tokens."""
+    tokens = prompt(blocks * BLOCK, seed=seed)
+    m.store(m.keyed(tokens), [payload(m.layout, i) for i in range(blocks)])
+    return tokens
+
+
 def test_observed_manager_reports_stores_demotions_and_clears(tmp_path: Path) -> None:
-    layout = toy_layout()
     with small_write_back_cache(tmp_path) as m:
-        first = prompt(2 * BLOCK, seed=1)
-        m.store(m.keyed(first), [payload(layout, i) for i in range(2)])
+        first = store_blocks(m, 2, seed=1)
         seen = Recorder()
         m.observe(seen)
         assert seen.held[H] == set(m.keys(first))  # what was there before: reported at once
-        tokens = prompt(5 * BLOCK)
-        m.store(m.keyed(tokens), [payload(layout, i) for i in range(5)])
+        tokens = store_blocks(m, 5)
         keys = m.keys(tokens)
         tiers = m.lookup(m.keyed(tokens)).tiers
         assert seen.held[H] == {k for k, t in zip(keys, tiers, strict=True) if t is H}
@@ -99,17 +103,15 @@ def test_feed_pings_when_idle() -> None:
 
 def test_held_keys_following_a_manager_list_its_tiers_and_keep_no_key_of_their_own(tmp_path: Path) -> None:
     """A snapshot comes from the tiers' own indexes, and fits with the events a listener hears after it."""
-    layout = toy_layout()
     with small_write_back_cache(tmp_path) as m:
-        first = prompt(2 * BLOCK, seed=1)
-        m.store(m.keyed(first), [payload(layout, i) for i in range(2)])
+        first = store_blocks(m, 2, seed=1)
         held = HeldKeys()
         assert m.follow(held)
         seen = Recorder()
         start = held.listen(seen)
         assert set(start) == {H, D} and set(start[H]) == set(m.keys(first)) and start[D] == []
         seen.held = {tier: set(keys) for tier, keys in start.items()}
-        m.store(m.keyed(prompt(5 * BLOCK)), [payload(layout, i) for i in range(5)])  # host holds 3: some go down
+        store_blocks(m, 5)  # host holds 3: some go down
         now = {tier: set(keys) for tier, keys in held.snapshot().items()}
         assert now == {H: set(m.host.keys()), D: set(m.disk.keys())} and now[D]
         assert seen.held == now  # the first snapshot and the events after it add up to the tiers
