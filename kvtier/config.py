@@ -212,6 +212,28 @@ class ComputeDtype(enum.StrEnum):
     BFLOAT16 = "bfloat16"
 
 
+class KVDtype(enum.StrEnum):
+    """What the engine's KV pool, and so every tier, holds a token's keys and values in.
+
+    ``auto``: the compute dtype (``engine.dtype``). ``int8``: int8 quants
+    with a float32 scale per token and KV head (:mod:`kvtier.layout`),
+    0.27x float32's bytes and 0.53x bfloat16's at head_dim 64, in the pool,
+    the tiers and on the wire. Reuse stays exact at any precision: a token's
+    KV is rounded once, when the engine writes it, and every token, cached
+    or new, is attended to as the pool holds it (the C kernels read the
+    quants in place), so the KV an engine computes and the KV a tier returns
+    are the same bytes. Precision is part of the layout, which is bound into
+    every block key: blocks written at one precision never serve another.
+    ``int8`` runs on the CPU's C attention kernels (head_dim a multiple of
+    16, at most 256). ``float32``/``bfloat16`` name the compute dtype itself.
+    """
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+
+
 class DecodeWeights(enum.StrEnum):
     """What a decode step multiplies by.
 
@@ -251,9 +273,10 @@ class DecodedKV(enum.StrEnum):
     A decode step computes its token's KV with other kernels than a prefill
     (one row; in float32 the GGUF matvec), so a reply's blocks differ in the
     last bits from the same tokens prefilled in the next turn without a cache.
-    ``auto``: cached in float32, where that difference is far below what moves
-    a greedy token; not in bfloat16, where skipping them (the next turn
-    prefills the previous reply again) keeps reuse exact by construction.
+    ``auto``: cached in float32 KV, where that difference is far below what
+    moves a greedy token; not in bfloat16 or 8-bit KV (where a last-bit
+    difference can move a quant a whole step), where skipping them (the next
+    turn prefills the previous reply again) keeps reuse exact by construction.
     """
 
     AUTO = "auto"
@@ -294,6 +317,9 @@ class EngineConfig(_Section):
     device: EngineDevice = Field(EngineDevice.AUTO, description="auto: cuda when a GPU is visible, else cpu.")
     dtype: ComputeDtype = Field(
         ComputeDtype.AUTO, description="auto: bfloat16 on a CPU with AVX-512 BF16 or AMX, else float32."
+    )
+    kv_dtype: KVDtype = Field(
+        KVDtype.AUTO, description="The KV pool's and every tier's precision: auto = engine.dtype; int8 quants."
     )
     decode_weights: DecodeWeights = DecodeWeights.GGUF
     decode_activations: DecodeActivations = Field(

@@ -10,6 +10,15 @@ one plain copy per layer into its KV pool: :attr:`LayoutOrder.HEAD_MAJOR` is
 vLLM-CPU's ``[num_kv_heads][K|V][block_size][head_dim]`` inside each layer.
 The order is part of :attr:`KVLayout.descriptor`, so blocks of one order are
 never read as the other.
+
+An 8-bit layout (``int8``) keeps each layer's K and V as int8 quants, then
+their scales: ``[K|V][num_kv_heads][block_size][head_dim]`` int8 followed by
+``[K|V][num_kv_heads][block_size]`` float32, one scale a token and head
+(:func:`quantize_rows`). The scale is a token's, not a block's, so a token's
+bytes depend on its own K/V alone: a block filled in two prefill chunks, or
+by a prefill and then decode steps, holds what one prefill would have
+written, and reuse stays exact. The scales sit inside the layer's range, so
+a layer is still one contiguous range and a block one payload.
 """
 
 from __future__ import annotations
@@ -23,7 +32,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "int8": torch.int8,
 }
+
+INT8_MAX = 127.0
+"""An int8 quant's largest magnitude: a row's largest |x| maps to it, and -128 is never used (symmetric)."""
 
 
 class LayoutOrder(enum.StrEnum):
@@ -64,6 +77,16 @@ class KVLayout:
         return self.dtype.itemsize
 
     @property
+    def quantized(self) -> bool:
+        """Whether K/V are 8-bit quants with a float32 scale per token and head (see the module's docstring)."""
+        return self.dtype == torch.int8
+
+    @property
+    def scales_offset(self) -> int:
+        """Where a layer's scales start, in bytes from the start of its range (its quants' size); 0 unquantized."""
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim if self.quantized else 0
+
+    @property
     def layer_shape(self) -> tuple[int, int, int, int]:
         """Shape of one layer's slice: ``(2, kv_heads, block_size, head_dim)``, K then V (head-major: heads first)."""
         if self.order is LayoutOrder.HEAD_MAJOR:
@@ -76,7 +99,13 @@ class KVLayout:
 
     @property
     def layer_bytes(self) -> int:
-        return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+        values = 2 * self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+        return values + (2 * self.num_kv_heads * self.block_size * 4 if self.quantized else 0)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes a token takes in every tier (all layers, K and V, scales included)."""
+        return self.block_bytes // self.block_size
 
     @property
     def block_bytes(self) -> int:
@@ -100,5 +129,39 @@ class KVLayout:
         )
 
     def as_blocks(self, flat: torch.Tensor) -> torch.Tensor:
-        """View a ``uint8`` payload buffer as typed KV of shape :attr:`block_shape`."""
+        """View a ``uint8`` payload buffer as typed KV of shape :attr:`block_shape` (unquantized layouts)."""
+        if self.quantized:
+            raise ValueError(f"an {dtype_name(self.dtype)} payload holds quants and scales: read it with as_float")
         return flat.view(self.dtype).view(self.block_shape)
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantized ``uint8`` payload's quants ``[layers, 2, heads, block, dim]`` int8 and scales
+        ``[layers, 2, heads, block]`` float32, as views (layer-major only)."""
+        if not self.quantized or self.order is not LayoutOrder.LAYER_MAJOR:
+            raise ValueError(f"{self.descriptor} has no separate quants and scales")
+        layers = flat.reshape(-1).view(self.num_layers, self.layer_bytes)
+        quants = layers[:, : self.scales_offset].view(torch.int8)
+        scales = layers[:, self.scales_offset :].view(torch.float32)
+        return quants.view(self.block_shape), scales.view(self.block_shape[:-1])
+
+    def as_float(self, flat: torch.Tensor) -> torch.Tensor:
+        """A payload's K/V as float32 :attr:`block_shape`, quants times their scales where quantized."""
+        if not self.quantized:
+            return self.as_blocks(flat).float()
+        quants, scales = self.split(flat)
+        return quants.float() * scales.unsqueeze(-1)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [..., head_dim]`` as int8 quants and a float32 scale per row: ``x ≈ quants * scale``.
+
+    ``scale = max|x| / 127`` and ``quants = round(x / scale)`` (to nearest,
+    ties to even), all in float32; a row of zeros gets scale 0. Each row's
+    result depends on that row alone (elementwise steps and an exact max), so
+    a token's bytes are the same whichever chunk or step wrote it.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quants = torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return quants, scale

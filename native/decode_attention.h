@@ -26,7 +26,10 @@ typedef struct {
 typedef struct {
     const char *kv;                         /* the layer's pool */
     ptrdiff_t s_block, s_kv, s_head, s_pos; /* its strides, in elements */
-    int bf16;
+    int bf16;     /* q, out and (unless kv_i8) the pool are bfloat16, else float32 */
+    int kv_i8;    /* the pool holds int8 quants, a float32 scale per (block, K|V, head, row) at scales */
+    const float *scales;                    /* the layer's scales (kv_i8): block b's at scales + b * ss_block */
+    ptrdiff_t ss_block, ss_kv, ss_head;     /* their strides, in floats (a row's is 1) */
     const char *q; /* [num_seqs, kv_heads * group, dim], the model dtype */
     char *out;     /* the same shape and dtype */
     const int32_t *tables, *starts, *lengths;
@@ -45,6 +48,11 @@ typedef struct {
 static inline int attn_first(const attn_job_t *j, int seq) {
     const int len = j->lengths[seq];
     return j->window > 0 && len > j->window ? len - j->window : 0;
+}
+
+/* The K scales of rows [p0, ...) of pool block `id`, KV head `head` (V's follow at + ss_kv). */
+static inline const float *attn_scales(const attn_job_t *j, int32_t id, int head, int p0) {
+    return j->scales + (ptrdiff_t)id * j->ss_block + (ptrdiff_t)head * j->ss_head + p0;
 }
 
 /* Block b of a sequence whose positions run [first, len): the row it starts at and how many

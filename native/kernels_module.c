@@ -36,6 +36,21 @@ PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n) {
     return names;
 }
 
+const char *kvt_int8_scales(const char *kv, ptrdiff_t s_block, ptrdiff_t s_kv, ptrdiff_t s_head, int dim,
+                            Py_ssize_t offset, int *kv_i8, const float **scales, ptrdiff_t *ss_block,
+                            ptrdiff_t *ss_kv, ptrdiff_t *ss_head) {
+    *kv_i8 = offset >= 0;
+    if (!*kv_i8) return NULL;
+    if (dim <= 0 || offset % 4 || s_block % 4 || s_kv % dim || s_head % dim)
+        return "an int8 pool's block stride and scales offset must be multiples of 4, its K/V and head strides of "
+               "head_dim";
+    *scales = (const float *)(kv + offset);
+    *ss_block = s_block / 4;
+    *ss_kv = s_kv / dim;
+    *ss_head = s_head / dim;
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"quant_matvec", (PyCFunction)(void (*)(void))kvt_py_quant_matvec, METH_VARARGS | METH_KEYWORDS,
      "quant_matvec(kind, q, d, m, rows, cols, x, n, out, threads=1, impl=None, x_bf16=False, d_fac=0, m_fac=0, "
@@ -61,20 +76,22 @@ static PyMethodDef methods[] = {
      "GIL; returns how many. The addresses are trusted: the caller owns both sides and keeps them alive."},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))kvt_py_paged_decode_attention, METH_VARARGS | METH_KEYWORDS,
      "paged_decode_attention(kv, strides, num_blocks, bf16, q, out, tables, starts, lengths, num_seqs, kv_heads, "
-     "group, head_dim, block_size, scale, threads) -> None\n\n"
+     "group, head_dim, block_size, scale, threads, window=0, int8_scales=-1) -> None\n\n"
      "Decode attention read in place from a paged KV pool layer (see kvtier/engine/kernels.py, which wraps it): "
      "out[s, h] = softmax(scale * q[s, h] . K[s, h // group]) V[s, h // group] over the first lengths[s] "
      "positions of sequence s, whose blocks are tables[starts[s]:starts[s + 1]]. kv, q, out, tables, starts and "
      "lengths are addresses (trusted, like copy_regions'); strides are the layer's block, K/V, head and position "
      "strides in elements; bf16 says the pool, q and out are bfloat16 (else float32); tables, starts and lengths "
-     "are int32. Block ids and counts are checked against num_blocks and the lengths; the GIL is released."},
+     "are int32. Block ids and counts are checked against num_blocks and the lengths; the GIL is released. "
+     "int8_scales >= 0: the pool holds int8 quants (strides in bytes) and each block's layer range has its "
+     "scales [K|V][kv_heads][block_size] float32 that many bytes from its start; bf16 then says q and out only."},
     {"_paged_decode_attention_using", (PyCFunction)(void (*)(void))kvt_py_paged_decode_attention_using,
      METH_VARARGS | METH_KEYWORDS, "_paged_decode_attention_using(impl, *args): paged_decode_attention on one named "
      "build (one of paged_decode_attention_impls()), for tests."},
     {"paged_prefill_attention", (PyCFunction)(void (*)(void))kvt_py_paged_prefill_attention,
      METH_VARARGS | METH_KEYWORDS,
      "paged_prefill_attention(kv, strides, num_blocks, bf16, q, out, ids, n_ids, start, tokens, kv_heads, group, "
-     "head_dim, block_size, scale, threads, impl=None) -> None\n\n"
+     "head_dim, block_size, scale, threads, impl=None, window=0, int8_scales=-1) -> None\n\n"
      "One sequence's new tokens q [tokens, kv_heads * group, head_dim] against its positions in a paged KV pool "
      "layer, causally: token t sees positions <= start + t, whose K/V are in blocks ids[0:n_ids] (the new tokens' "
      "own already written). Addresses and strides as for paged_decode_attention; ids are int32, checked against "

@@ -64,7 +64,10 @@ typedef struct {
 typedef struct pf_job {
     const char *kv;                         /* the layer's pool */
     ptrdiff_t s_block, s_kv, s_head, s_pos; /* its strides, in elements */
-    int bf16;                               /* pool, q and out are bfloat16, else float32 */
+    int bf16;                               /* pool (unless kv_i8), q and out are bfloat16, else float32 */
+    int kv_i8;                              /* the pool holds int8 quants, a float32 scale per row at scales */
+    const float *scales;                    /* the layer's scales (kv_i8): block b's at scales + b * ss_block */
+    ptrdiff_t ss_block, ss_kv, ss_head;     /* their strides, in floats (a row's is 1) */
     const char *q;                          /* [tokens, kv_heads * group, dim] */
     char *out;                              /* the same shape */
     const int32_t *ids;                     /* the sequence's blocks */
@@ -154,6 +157,20 @@ static inline void pf_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scrat
     const int D = j->dim;
     const ptrdiff_t k_off = (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
     const ptrdiff_t v_off = k_off + j->s_kv;
+    if (j->kv_i8) { /* quants times their rows' scales: the K/V an 8-bit pool holds */
+        const float *ks = j->scales + (ptrdiff_t)j->ids[b] * j->ss_block + (ptrdiff_t)u->head * j->ss_head + t0;
+        const int8_t *kq = (const int8_t *)j->kv + k_off, *vq = (const int8_t *)j->kv + v_off;
+        for (int p = 0; p < PF_TILE; p++) {
+            const float kp = p < nt ? ks[p] : 0.0f, vp = p < nt ? ks[j->ss_kv + p] : 0.0f;
+            for (int d = 0; d < D; d++) {
+                w->kt[p * D + d] = p < nt ? (float)kq[(ptrdiff_t)p * j->s_pos + d] * kp : 0.0f;
+                w->vt[p * D + d] = p < nt ? (float)vq[(ptrdiff_t)p * j->s_pos + d] * vp : 0.0f;
+            }
+        }
+        *k = w->kt;
+        *v = w->vt;
+        return;
+    }
     if (!j->bf16 && nt == PF_TILE) {
         *k = (const float *)j->kv + k_off;
         *v = (const float *)j->kv + v_off;
@@ -342,7 +359,7 @@ PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int m
 PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scratch_t *w, int b, int t0, int nt,
                                const float **k, const float **v) {
     const int D = j->dim;
-    if (!j->bf16 || nt != PF_TILE || D % 8) {
+    if (!j->bf16 || j->kv_i8 || nt != PF_TILE || D % 8) {
         pf_tile(j, u, w, b, t0, nt, k, v);
         return;
     }
@@ -370,7 +387,7 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
         const int n = n_keys - b * B < B ? n_keys - b * B : B;
         if ((b + 1) * B < n_keys) { /* the next block is anywhere in the pool: start fetching it */
             const ptrdiff_t next = (ptrdiff_t)j->ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head;
-            const size_t esize = j->bf16 ? 2 : 4;
+            const size_t esize = j->kv_i8 ? 1 : j->bf16 ? 2 : 4;
             const char *nk = j->kv + next * (ptrdiff_t)esize, *nv = j->kv + (next + j->s_kv) * (ptrdiff_t)esize;
             for (size_t o = 0; o < (size_t)PF_TILE * (size_t)D * esize; o += 64) {
                 _mm_prefetch(nk + o, _MM_HINT_T1);
@@ -504,7 +521,7 @@ PF_BF16_INLINE void pf512_softmax(const pf_scratch_t *w, int pos0, int nt, int m
 
 PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *buf) {
     const int D = j->dim, B = j->block;
-    if (!j->bf16 || D % 16) { /* a float32 pool, or a dimension the pairs do not tile */
+    if (!j->bf16 || j->kv_i8 || D % 16) { /* a float32 or int8 pool, or a dimension the pairs do not tile */
         pf_unit_avx2(j, u, buf);
         return;
     }
@@ -624,15 +641,17 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
     (void)mod;
     static char *names[] = {"kv",     "strides",  "num_blocks", "bf16",     "q",          "out",   "ids",
                             "n_ids",  "start",    "tokens",     "kv_heads", "group",      "head_dim",
-                            "block_size", "scale", "threads",   "impl",     "window", NULL};
+                            "block_size", "scale", "threads",   "impl",     "window", "int8_scales", NULL};
     unsigned long long kv, q, out, ids;
     Py_ssize_t sb, skv, sh, sp, num_blocks, n_ids;
+    Py_ssize_t int8_scales = -1;
     int bf16, threads;
     const char *impl = NULL;
     pf_job_t j = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKniiiiiifi|zi:paged_prefill_attention", names, &kv, &sb,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKniiiiiifi|zin:paged_prefill_attention", names, &kv, &sb,
                                      &skv, &sh, &sp, &num_blocks, &bf16, &q, &out, &ids, &n_ids, &j.start, &j.tokens,
-                                     &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &impl, &j.window))
+                                     &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &impl, &j.window,
+                                     &int8_scales))
         return NULL;
     pthread_once(&pf_once, pf_pick);
     j.unit_fn = pf_impls[0].fn;
@@ -662,6 +681,8 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
     j.s_head = sh;
     j.s_pos = sp;
     j.bf16 = bf16;
+    bad = kvt_int8_scales(j.kv, sb, skv, sh, j.dim, int8_scales, &j.kv_i8, &j.scales, &j.ss_block, &j.ss_kv, &j.ss_head);
+    if (bad != NULL) return PyErr_Format(PyExc_ValueError, "paged_prefill_attention: %s", bad);
     j.q = (const char *)(uintptr_t)q;
     j.out = (char *)(uintptr_t)out;
     j.scratch_floats = pf_scratch_floats(j.group, j.dim);

@@ -56,7 +56,9 @@ IMPLS: tuple[str, ...] = _native.paged_decode_attention_impls()
 PREFILL_IMPLS: tuple[str, ...] = _native.paged_prefill_attention_impls()
 """The prefill kernel's builds this CPU runs, best first (``avx2``, ``base``)."""
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+"""Pools the C kernels read: float32, bfloat16, and 8-bit (int8 quants, each row's scale after its layer's
+quants, :class:`~kvtier.layout.KVLayout`), where q and the output are the model's float32 or bfloat16."""
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 
 
@@ -95,6 +97,7 @@ def native_fits(layer_kv: torch.Tensor, num_heads: int) -> bool:
     return (
         layer_kv.device.type == "cpu"
         and layer_kv.dtype in NATIVE_DTYPES
+        and (layer_kv.dtype != torch.int8 or layer_kv.stride(1) == kv_heads * block * dim)  # scales after quants
         and layer_kv.stride(-1) == 1
         and layer_kv.stride(-2) == dim
         and num_heads % kv_heads == 0
@@ -140,10 +143,21 @@ def gathered_attention(keys: torch.Tensor, values: torch.Tensor, mask: torch.Ten
     return (probs @ values).reshape(s, heads, dim)
 
 
-def _pool_args(layers: Sequence[torch.Tensor]) -> tuple[list[int], tuple[tuple[int, ...], int, bool]]:
-    """What both C kernels take of a pool: each layer's address, then (strides, block count, bfloat16?)."""
+def _pool_args(layers: Sequence[torch.Tensor]) -> tuple[list[int], tuple[tuple[int, ...], int], int]:
+    """What both C kernels take of a pool: each layer's address, (strides, block count), and where an 8-bit
+    block's scales start in its layer range (its K and V quants' bytes; -1 for a float pool)."""
     first = layers[0]  # all views of one pool tensor: the same shape, strides and dtype
-    return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0], first.dtype == torch.bfloat16)
+    scales = 2 * first.stride(1) if first.dtype == torch.int8 else -1
+    return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0]), scales
+
+
+def _q_fits(q: torch.Tensor, want: tuple[torch.dtype, torch.device, torch.Size], pool_dtype: torch.dtype) -> None:
+    """Refuses a q of another shape or device than planned, or another dtype than the pool's (an 8-bit pool's
+    q is float32 or bfloat16, the model's)."""
+    dtype, device, shape = want
+    ok_dtype = q.dtype in (torch.float32, torch.bfloat16) if pool_dtype == torch.int8 else q.dtype == dtype
+    if not ok_dtype or q.device != device or q.shape != shape:
+        raise ValueError(f"q {q.dtype} {tuple(q.shape)} on {q.device} does not fit this plan's {want}")
 
 
 class DecodePlan(Protocol):
@@ -189,7 +203,7 @@ class NativeDecode:
         _, _, kv_heads, block, dim = first.shape
         self.layers, self.blocks = layers, blocks  # kept alive while C reads them by address
         self._q = (first.dtype, first.device, torch.Size((blocks.num_seqs, num_heads, dim)))
-        self._addrs, self._pool = _pool_args(layers)
+        self._addrs, self._pool, self._scales = _pool_args(layers)
         self._rest = (
             *(t.data_ptr() for t in (blocks.ids, blocks.starts, blocks.lengths)),
             blocks.num_seqs,
@@ -203,15 +217,15 @@ class NativeDecode:
         self._impl = impl
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        if (q.dtype, q.device, q.shape) != self._q:
-            raise ValueError(f"q {q.dtype} {tuple(q.shape)} on {q.device} does not fit this plan's {self._q}")
+        _q_fits(q, self._q, self.layers[0].dtype)
         q = q.contiguous()
         out = torch.empty_like(q)
-        args = (self._addrs[layer], *self._pool, q.data_ptr(), out.data_ptr(), *self._rest)
+        bf16 = q.dtype == torch.bfloat16
+        args = (self._addrs[layer], *self._pool, bf16, q.data_ptr(), out.data_ptr(), *self._rest)
         if self._impl is None:
-            _native.paged_decode_attention(*args, window=self._window)
+            _native.paged_decode_attention(*args, window=self._window, int8_scales=self._scales)
         else:
-            _native._paged_decode_attention_using(self._impl, *args, window=self._window)
+            _native._paged_decode_attention_using(self._impl, *args, window=self._window, int8_scales=self._scales)
         return out
 
 
@@ -263,7 +277,7 @@ class NativePrefill:
         self.layers = layers  # kept alive while C reads them by address
         self.ids = torch.tensor(table.block_ids[: blocks_for(start + tokens, block)], dtype=torch.int32)
         self._q = (first.dtype, first.device, torch.Size((tokens, num_heads, dim)))
-        self._addrs, self._pool = _pool_args(layers)
+        self._addrs, self._pool, self._scales = _pool_args(layers)
         self._rest = (
             self.ids.data_ptr(),
             len(self.ids),
@@ -280,12 +294,19 @@ class NativePrefill:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """``q [tokens, heads, dim]`` of this layer's new tokens; their attention output, the same shape."""
-        if (q.dtype, q.device, q.shape) != self._q:
-            raise ValueError(f"q {q.dtype} {tuple(q.shape)} on {q.device} does not fit this plan's {self._q}")
+        _q_fits(q, self._q, self.layers[0].dtype)
         q = q.contiguous()
         out = torch.empty_like(q)
+        bf16 = q.dtype == torch.bfloat16
         _native.paged_prefill_attention(
-            self._addrs[layer], *self._pool, q.data_ptr(), out.data_ptr(), *self._rest, window=self._window
+            self._addrs[layer],
+            *self._pool,
+            bf16,
+            q.data_ptr(),
+            out.data_ptr(),
+            *self._rest,
+            window=self._window,
+            int8_scales=self._scales,
         )
         return out
 
@@ -299,9 +320,12 @@ def plan_prefill(
     for a bfloat16 pool: there it is faster than SDPA's flash kernel, and
     its reduction order does not depend on where the prompt was cut, so the
     KV of every token is the same bits whatever the chunks were (what makes
-    bf16 reuse exact); in float32 SDPA is the faster of the two there.
+    bf16 reuse exact); in float32 SDPA is the faster of the two there. And
+    always for an 8-bit pool: every token must attend to the K/V the pool
+    holds (quants times scales), as a later turn reading them from a tier
+    will, never to the unrounded ones SDPA would be handed.
     """
-    if start == 0 and pool.layers[0].dtype != torch.bfloat16:
+    if start == 0 and pool.layers[0].dtype == torch.float32:
         return None
     if native_fits(pool.layers[0], num_heads):
         return NativePrefill(pool.layers, table, start, tokens, num_heads, window=window)

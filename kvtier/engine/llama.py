@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.engine import quant
-from kvtier.engine.kernels import DecodePlan, NativePrefill, plan_decode, plan_prefill
+from kvtier.engine.kernels import DecodePlan, NativePrefill, native_fits, plan_decode, plan_prefill
 from kvtier.engine.pool import BlockTable, Gather, KVPool, Slots
 from kvtier.engine.quant import QuantMatrix, QuantStack, fuse
 from kvtier.engine.rowwise import Rope, add_rms_norm, head_rms_norm, rope_table, silu_mul
@@ -177,6 +177,7 @@ class LlamaModel:
         *,
         blocks: Mapping[str, QuantBlocks] | None = None,
         q8_decode: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``blocks`` (from :func:`~kvtier.model.load_gguf_blocks`): the quantized form of the same weights.
 
@@ -185,6 +186,8 @@ class LlamaModel:
         decode steps read those instead of the dense matrices. ``q8_decode``:
         their products take the activations rounded to 8 bits a block
         (``engine.decode_activations: q8``; needs :data:`quant.Q8`).
+        ``kv_dtype``: the KV pool's, ``dtype`` (the default) or ``torch.int8``
+        (``engine.kv_dtype``), which needs the CPU's C attention kernels.
         """
         if q8_decode and not quant.Q8:
             raise ValueError("8-bit decode products need AVX-512 VNNI, which this CPU lacks")
@@ -193,6 +196,9 @@ class LlamaModel:
             raise ValueError(f"{config.num_heads} heads do not group evenly over {config.num_kv_heads} KV heads")
         self.config = config
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype not in (dtype, torch.int8):
+            raise ValueError(f"a {dtype} model's KV pool holds {dtype} or int8, not {self.kv_dtype}")
         self.device = torch.device(device)
 
         def w(name: str) -> torch.Tensor:
@@ -271,10 +277,17 @@ class LlamaModel:
     # -- pool ------------------------------------------------------------------
     def kv_layout(self, block_size: int) -> KVLayout:
         c = self.config
-        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, self.dtype)
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, self.kv_dtype)
 
     def make_pool(self, block_size: int, num_blocks: int) -> KVPool:
-        return KVPool(self.kv_layout(block_size), num_blocks, self.device)
+        pool = KVPool(self.kv_layout(block_size), num_blocks, self.device)
+        if pool.layout.quantized and not native_fits(pool.layers[0], self.config.num_heads):
+            raise ValueError(
+                f"8-bit KV is read by the CPU's C attention kernels only, which do not take this pool "
+                f"({pool.device}, head_dim {self.config.head_dim}, {self.config.num_heads} heads over "
+                f"{self.config.num_kv_heads}): set engine.kv_dtype auto"
+            )
+        return pool
 
     # -- forward ---------------------------------------------------------------
     @torch.inference_mode()

@@ -8,6 +8,13 @@ layout of layer *l*'s slice of a kvtier block payload (:class:`~kvtier.layout.KV
 so moving a block between the pool and a host slot is ``num_layers``
 contiguous copies issued as one strided ``copy_``, with no reshuffling.
 
+An 8-bit pool (``layout.quantized``) is one ``uint8`` tensor ``[num_layers,
+num_blocks, layer_bytes]``: ``pool.layers[l]`` views its quants (int8, the
+same shape as above, a block's stride its whole range) and
+``pool.scales[l]`` its scales ``[num_blocks, 2, kv_heads, block_size]``
+float32. The attention kernels read both where they lie; a token's K/V are
+quantized once, when written (:meth:`KVPool.write`).
+
 Blocks are reference-counted: a cached prefix's blocks can be shared by
 several sequences' :class:`BlockTable`\\ s and return to the free list only
 when the last one frees them. A shared block must be full and is never
@@ -23,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.layout import KVLayout, quantize_rows
 
 
 @dataclass
@@ -83,9 +90,18 @@ class KVPool:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        shape = (layout.num_layers, num_blocks, *layout.layer_shape)
-        self.kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
-        self.layers: list[torch.Tensor] = list(self.kv.unbind(0))
+        self.scales: list[torch.Tensor] = []
+        if layout.quantized:
+            shape = (layout.num_layers, num_blocks, layout.layer_bytes)
+            self.kv = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+            quants = self.kv[:, :, : layout.scales_offset].view(torch.int8)
+            scales = self.kv[:, :, layout.scales_offset :].view(torch.float32)
+            self.layers = list(quants.view(layout.num_layers, num_blocks, *layout.layer_shape).unbind(0))
+            self.scales = list(scales.view(layout.num_layers, num_blocks, *layout.layer_shape[:-1]).unbind(0))
+        else:
+            shape = (layout.num_layers, num_blocks, *layout.layer_shape)
+            self.kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
+            self.layers = list(self.kv.unbind(0))
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
 
@@ -209,12 +225,15 @@ class KVPool:
         return read
 
     def _typed(self, payload: torch.Tensor) -> torch.Tensor:
-        if payload.dtype != torch.uint8 or payload.numel() != self.layout.block_bytes:
+        """A payload as one block of :attr:`kv` (``kv[:, b]``'s shape and dtype)."""
+        lay = self.layout
+        if payload.dtype != torch.uint8 or payload.numel() != lay.block_bytes:
             raise ValueError(
-                f"payload must be uint8 with {self.layout.block_bytes} elements, "
-                f"got {payload.dtype} with {payload.numel()}"
+                f"payload must be uint8 with {lay.block_bytes} elements, got {payload.dtype} with {payload.numel()}"
             )
-        return self.layout.as_blocks(payload.reshape(-1))
+        if lay.quantized:
+            return payload.reshape(lay.num_layers, lay.layer_bytes)
+        return lay.as_blocks(payload.reshape(-1))
 
     # -- the forward pass's view ------------------------------------------------
     def slots(self, table: BlockTable, start: int, count: int) -> Slots:
@@ -235,8 +254,18 @@ class KVPool:
         return Slots(ids[pos // self.block_size].to(self.device), (pos % self.block_size).to(self.device))
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Scatter new keys and values (each ``[N, kv_heads, head_dim]``) into their slots, one ``index_put_`` each."""
+        """Scatter new keys and values (each ``[N, kv_heads, head_dim]``) into their slots, one ``index_put_`` each.
+
+        An 8-bit pool takes each token's quants and scale (:func:`~kvtier.layout.quantize_rows`).
+        """
         pool = self.layers[layer]
+        if self.layout.quantized:
+            scales = self.scales[layer]
+            for half, x in enumerate((k, v)):
+                quants, scale = quantize_rows(x)
+                pool[slots.blocks, half, :, slots.offsets] = quants
+                scales[slots.blocks, half, :, slots.offsets] = scale
+            return
         pool[slots.blocks, 0, :, slots.offsets] = k
         pool[slots.blocks, 1, :, slots.offsets] = v
 
@@ -250,6 +279,8 @@ class KVPool:
         longest are padded with block 0; the caller masks those positions.
         """
         lay = self.layout
+        if lay.quantized:
+            raise ValueError("an 8-bit pool is read by the C attention kernels only, never gathered")
         heads = lay.num_kv_heads
         width = max(blocks_for(n, self.block_size) for n in num_tokens)
         ids = torch.zeros(len(tables), width, dtype=torch.long)

@@ -6,9 +6,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvtier import cache as seam
 from kvtier.cache import Cache
-from kvtier.config import ComputeDtype, Config, DecodeActivations, DecodedKV, DecodeWeights
+from kvtier.config import ComputeDtype, Config, DecodeActivations, DecodedKV, DecodeWeights, KVDtype
 from kvtier.engine import quant
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
@@ -60,13 +62,30 @@ def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
         (cfg, weights, metadata), blocks = load_gguf_with_blocks(path, dtype, progress=progress)
     else:
         cfg, weights, metadata = load_gguf(path, dtype, progress=progress)
+    model = LlamaModel(
+        cfg, weights, dtype, blocks=blocks, device=device, q8_decode=q8_decode(config), kv_dtype=kv_dtype(config)
+    )
     return LoadedModel(
         path=Path(path),
-        model=LlamaModel(cfg, weights, dtype, blocks=blocks, device=device, q8_decode=q8_decode(config)),
+        model=model,
         tokenizer=load_tokenizer(metadata),
         chat=load_chat_template(metadata) if metadata.chat_template else None,
         fingerprint=model_fingerprint(path, dtype, config.data_dir),
     )
+
+
+def kv_dtype(config: Config) -> torch.dtype:
+    """``engine.kv_dtype`` resolved: ``auto`` is the compute dtype; a float one must be it (the kernels take
+    q and K/V in one dtype), 8-bit any."""
+    chosen, compute = config.engine.kv_dtype, compute_dtype(config)
+    if chosen is KVDtype.AUTO:
+        return dtype_from_name(compute.value)
+    if chosen is not KVDtype.INT8 and chosen.value != compute.value:
+        raise ValueError(
+            f"engine.kv_dtype {chosen.value} with engine.dtype {compute.value}: a float KV pool holds the compute "
+            f"dtype (set kv_dtype auto, {compute.value} or int8)"
+        )
+    return dtype_from_name(chosen.value)
 
 
 def q8_decode(config: Config) -> bool:
@@ -131,7 +150,7 @@ def cache_decoded(config: Config) -> bool:
     e = config.engine
     if e.decoded_kv is DecodedKV.AUTO:
         q8 = e.decode_activations is DecodeActivations.Q8
-        return compute_dtype(config) is ComputeDtype.FLOAT32 and not q8
+        return kv_dtype(config) == torch.float32 and not q8
     return e.decoded_kv is DecodedKV.CACHE
 
 

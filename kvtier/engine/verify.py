@@ -51,7 +51,12 @@ log = logging.getLogger(__name__)
 # The largest |recomputed - served| a matching block may show, as a fraction of the block's largest |value|
 # (at least 1). Each sits well above the recompute noise measured on the development CPU (bench/README.md,
 # "Shadow verification") and far below what a flipped exponent or sign bit of a value that matters makes.
-TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 2**-3, torch.float16: 2**-5}
+TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.bfloat16: 2**-3,
+    torch.float16: 2**-5,
+    torch.int8: 2**-4,  # a quant a step off (1/127 of its row's largest) from last-bit differences before rounding
+}
 
 
 class Verdict(enum.Enum):
@@ -129,7 +134,7 @@ class _Recompute:
             block = check.first_block + i
             self.pool.read_block_to_payload(self.table.block_ids[block], out)
             served = check.served[i].to(out.device)
-            recomputed, given = self.pool.layout.as_blocks(out).float(), self.pool.layout.as_blocks(served).float()
+            recomputed, given = self.pool.layout.as_float(out), self.pool.layout.as_float(served)
             skip = check.unserved.get(block, ())
             if skip:  # compare the layers that were served
                 kept = [layer for layer in range(recomputed.shape[0]) if layer not in skip]

@@ -1,0 +1,189 @@
+"""An 8-bit KV pool: its bytes, its quantization, and the C attention kernels reading it in place.
+
+The kernels are checked on every build the CPU runs against float64
+attention over the dequantized K/V (quants times their rows' scales): what
+an 8-bit pool holds is those values, and the kernels must attend to nothing
+else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine import BlockTable, KVPool, kernels
+from kvtier.engine.kernels import NativeDecode, NativePrefill, PagedBlocks, paged_attention, plan_decode, plan_prefill
+from kvtier.layout import KVLayout, quantize_rows
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def int8_pool(*, kv_heads: int = 3, head_dim: int = 64, block: int = 16, layers: int = 2) -> KVPool:
+    """A pool filled through its own write path: random K/V quantized a token at a time."""
+    pool = KVPool(KVLayout(layers, kv_heads, head_dim, block, torch.int8), num_blocks=96)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(layers):
+        for half in range(2):
+            x = torch.randn(pool.num_blocks, kv_heads, block, head_dim, generator=g) * torch.rand(
+                pool.num_blocks, kv_heads, block, 1, generator=g
+            )
+            quants, scale = quantize_rows(x)
+            pool.layers[layer][:, half] = quants
+            pool.scales[layer][:, half] = scale
+    return pool
+
+
+def dequantized(pool: KVPool, layer: int, table: BlockTable, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[kv_heads, total, D]`` in float64, as the pool holds them."""
+    ids = torch.tensor(table.block_ids)
+    kv = pool.layers[layer][ids].double() * pool.scales[layer][ids].double().unsqueeze(-1)
+    k, v = (kv[:, i].transpose(0, 1).flatten(1, 2)[:, :total] for i in (0, 1))
+    return k, v
+
+
+def shuffled(pool: KVPool, lengths: list[int]) -> list[BlockTable]:
+    ids = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(2)).tolist()
+    tables = []
+    for n in lengths:
+        need = -(-n // pool.block_size)
+        tables.append(BlockTable(ids[:need], n))
+        ids = ids[need:]
+    return tables
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """float64 ``q [T, heads, D]`` against ``k``/``v [kv_heads, n, D]`` where ``allowed [T, n]``."""
+    tokens, heads, dim = q.shape
+    qq = q.double().transpose(0, 1).reshape(k.shape[0], heads // k.shape[0], tokens, dim)
+    scores = (qq @ k[:, None].transpose(-1, -2) * dim**-0.5).masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v[:, None]).reshape(heads, tokens, dim).transpose(0, 1)
+
+
+def queries(n: int, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+
+def test_the_layout_holds_a_quant_a_value_and_a_scale_a_row() -> None:
+    lay = KVLayout(30, 3, 64, 16, torch.int8)
+    fp32 = KVLayout(30, 3, 64, 16, torch.float32)
+    assert lay.bytes_per_token == 30 * 2 * 3 * (64 + 4)
+    assert lay.bytes_per_token / fp32.bytes_per_token == pytest.approx(68 / 256)
+    assert lay.descriptor.endswith(":int8") and lay.descriptor != fp32.descriptor
+    with pytest.raises(ValueError, match="as_float"):
+        lay.as_blocks(torch.zeros(lay.block_bytes, dtype=torch.uint8))
+
+
+def test_quantize_rows_is_symmetric_per_row_and_a_zero_row_stays_zero() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 3.0, -3.0, 1e-3]])
+    quants, scale = quantize_rows(x)
+    assert quants.dtype == torch.int8 and scale.dtype == torch.float32
+    assert quants[0].tolist() == [64, -127, 32, 0] and scale[0].item() == pytest.approx(2 / 127)
+    assert quants[1].tolist() == [0, 0, 0, 0] and scale[1].item() == 0.0
+    assert quants[2].abs().max().item() == 127
+    assert (quants.float() * scale[:, None] - x).abs().max().item() <= (scale.max() / 2).item() + 1e-7
+
+
+def test_a_row_quantizes_alike_alone_or_among_others() -> None:
+    """A token's bytes are its own: the same whichever chunk wrote it."""
+    x = torch.randn(40, 3, 64, generator=torch.Generator().manual_seed(4), dtype=torch.bfloat16)
+    whole = quantize_rows(x)
+    for i in (0, 17, 39):
+        one = quantize_rows(x[i : i + 1])
+        assert torch.equal(one[0], whole[0][i : i + 1]) and torch.equal(one[1], whole[1][i : i + 1])
+
+
+def test_pool_write_and_payloads_round_trip() -> None:
+    pool = KVPool(KVLayout(2, 3, 64, 16, torch.int8), num_blocks=4)
+    table = BlockTable()
+    pool.grow(table, 20)
+    k, v = torch.randn(2, 20, 3, 64, generator=torch.Generator().manual_seed(5))
+    pool.write(1, pool.slots(table, 0, 20), k, v)
+    payload = torch.empty(pool.layout.block_bytes, dtype=torch.uint8)
+    pool.read_block_to_payload(table.block_ids[0], payload)
+    as_float = pool.layout.as_float(payload)  # [layers, 2, heads, block, dim]
+    quants, scale = quantize_rows(k[:16])
+    assert torch.equal(as_float[1, 0].transpose(0, 1), quants.float() * scale[..., None])
+    assert (as_float[1, 1].transpose(0, 1) - v[:16]).abs().max().item() < 0.05
+    pool.write_block_from_payload(table.block_ids[1], payload)
+    assert torch.equal(pool.kv[:, table.block_ids[1]], pool.kv[:, table.block_ids[0]])
+    with pytest.raises(ValueError, match="C attention kernels"):
+        pool.plan_gather([table], [20])
+
+
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "head_dim", "block"),
+    [(3, 9, 64, 16), (3, 9, 64, 24), (2, 2, 128, 8), (1, 4, 96, 16), (1, 3, 48, 16), (4, 64, 16, 32)],
+    ids=["smollm2", "block24", "dim128-block8", "dim96", "dim48", "group16"],
+)
+def test_decode_reads_the_quants_and_scales(
+    impl: str, dtype: torch.dtype, kv_heads: int, heads: int, head_dim: int, block: int
+) -> None:
+    pool = int8_pool(kv_heads=kv_heads, head_dim=head_dim, block=block)
+    lengths = [5, block, block + 1, 130, 300][: 3 if block == 32 else 5]
+    tables = shuffled(pool, lengths)
+    q = queries(len(lengths), heads, head_dim, dtype)
+    blocks = PagedBlocks.of(tables, lengths, pool.block_size)
+    for layer in range(2):
+        got = paged_attention(pool.layers[layer], blocks, q, impl=impl)
+        assert got.dtype == dtype and got.shape == q.shape
+        for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+            k, v = dequantized(pool, layer, table, n)
+            want = attention(q[i : i + 1], k, v, torch.ones(1, n, dtype=torch.bool))
+            assert (got[i : i + 1].double() - want).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+def test_decode_with_a_window_reads_only_inside_it(impl: str) -> None:
+    pool = int8_pool()
+    lengths, window = [40, 300], 37
+    tables = shuffled(pool, lengths)
+    q = queries(2, 9, 64, torch.float32)
+    got = paged_attention(pool.layers[0], PagedBlocks.of(tables, lengths, 16), q, impl=impl, window=window)
+    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        k, v = dequantized(pool, 0, table, n)
+        allowed = (torch.arange(n) >= n - window)[None, :]
+        assert (got[i : i + 1].double() - attention(q[i : i + 1], k, v, allowed)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("start", "tokens", "window"), [(0, 70, None), (130, 37, None), (200, 90, 50)])
+def test_prefill_reads_the_quants_and_scales(
+    impl: str, dtype: torch.dtype, start: int, tokens: int, window: int | None
+) -> None:
+    pool = int8_pool()
+    (table,) = shuffled(pool, [start + tokens])
+    q = queries(tokens, 9, 64, dtype)
+    got = NativePrefill(pool.layers, table, start, tokens, 9, impl=impl, window=window).attend(1, q)
+    assert got.dtype == dtype
+    total = start + tokens
+    k, v = dequantized(pool, 1, table, total)
+    allowed = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
+    if window is not None:
+        allowed &= torch.arange(total)[None, :] > torch.arange(start, total)[:, None] - window
+    assert (got.double() - attention(q, k, v, allowed)).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_gives_a_token_the_same_bits_however_the_prompt_was_cut(impl: str, dtype: torch.dtype) -> None:
+    """What makes 8-bit reuse exact: a token's output does not depend on the chunk it came in."""
+    pool = int8_pool()
+    (table,) = shuffled(pool, [300])
+    q = queries(300, 9, 64, dtype)
+    whole = NativePrefill(pool.layers, table, 0, 300, 9, impl=impl).attend(0, q)
+    for cut in (1, 16, 131):
+        head = NativePrefill(pool.layers, table, 0, cut, 9, impl=impl).attend(0, q[:cut])
+        tail = NativePrefill(pool.layers, table, cut, 300 - cut, 9, impl=impl).attend(0, q[cut:])
+        assert torch.equal(torch.cat([head, tail]), whole)
+
+
+def test_an_int8_pool_is_planned_on_the_kernels_from_position_zero() -> None:
+    pool = int8_pool()
+    (table,) = shuffled(pool, [100])
+    assert isinstance(plan_prefill(pool, table, 0, 100, num_heads=9), NativePrefill)
+    assert isinstance(plan_decode(pool, [table], [100], num_heads=9), NativeDecode)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_decode(pool, [table], [100], num_heads=9).attend(0, queries(1, 9, 64, torch.float16))

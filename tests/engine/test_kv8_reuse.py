@@ -1,0 +1,77 @@
+"""``engine.kv_dtype: int8`` on the real model: greedy output with the cache is the output without it.
+
+An 8-bit pool rounds a token's KV once, when the engine writes it, and every
+token is attended to as the pool holds it, so a block read back from a tier
+is the very bytes a recompute writes. Four chat turns cold, in one chunk per
+prompt, against cached runs (host and disk, resident blocks or not) cut into
+uneven chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.engine.llama import SeqInput
+from kvtier.engine.pool import BlockTable
+from kvtier.engine.runtime import LoadedModel, cache_decoded, kv_dtype, make_engine, open_cache
+from tests.engine.test_engine import check_reuse, config, converse
+
+
+@pytest.fixture(scope="module")
+def kv8_model(loaded_model: LoadedModel) -> LoadedModel:
+    """The session's float32 model over an 8-bit KV pool (the same weights, shared)."""
+    model = copy.copy(loaded_model.model)
+    model.kv_dtype = torch.int8
+    return dataclasses.replace(loaded_model, model=model)
+
+
+def test_the_setting_resolves_and_binds_the_layout(loaded_model: LoadedModel, tmp_path: Path) -> None:
+    cfg = config(tmp_path, kv_dtype="int8")
+    assert kv_dtype(cfg) == torch.int8 and not cache_decoded(cfg)  # auto caches decoded KV in float32 KV only
+    assert kv_dtype(config(tmp_path)) == torch.float32 and cache_decoded(config(tmp_path))
+    with pytest.raises(ValueError, match="a float KV pool holds the compute dtype"):
+        kv_dtype(config(tmp_path, kv_dtype="bfloat16"))
+    with open_cache(loaded_model, config(tmp_path / "fp32")) as fp32:
+        fp32_root = fp32.hasher.root("default")
+    kv8 = dataclasses.replace(loaded_model, model=copy.copy(loaded_model.model))
+    kv8.model.kv_dtype = torch.int8
+    with open_cache(kv8, config(tmp_path / "int8", kv_dtype="int8")) as int8:
+        assert int8.layout.descriptor.endswith(":int8")
+        assert int8.hasher.root("default") != fp32_root  # a block of one precision never serves another
+
+
+def test_a_prompts_kv_is_the_same_bytes_in_one_forward_or_in_uneven_chunks(kv8_model: LoadedModel) -> None:
+    model = kv8_model.model
+    ids = kv8_model.chat_ids([{"role": "user", "content": "Name the planets, then the moons of each. " * 20}])[:200]
+
+    def prefill(cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = model.make_pool(16, 16)
+        table = BlockTable([], 0)
+        pool.grow(table, len(ids))
+        for a, b in itertools.pairwise(cuts):
+            logits = model([SeqInput(ids[a:b], a, table)], pool)
+        return pool.kv[:, : len(ids) // 16].clone(), logits
+
+    one, one_logits = prefill([0, len(ids)])
+    cut, cut_logits = prefill([0, 37, 130, len(ids)])  # (a one-token chunk is a decode step: other kernels)
+    assert one.dtype == torch.uint8 and torch.equal(one, cut) and torch.equal(one_logits, cut_logits)
+
+
+def test_greedy_output_with_the_cache_is_the_output_without_it(kv8_model: LoadedModel, tmp_path: Path) -> None:
+    cold_engine = make_engine(kv8_model, config(tmp_path / "cold", kv_dtype="int8"), cache=None, keep_resident=False)
+    cold = converse(cold_engine, kv8_model)
+    for keep_resident in (False, True):
+        cfg = config(tmp_path / str(keep_resident), kv_dtype="int8", keep_resident=keep_resident, max_step_tokens=48)
+        with open_cache(kv8_model, cfg) as cache:
+            engine = make_engine(kv8_model, cfg, cache=cache, keep_resident=keep_resident)
+            assert engine.pool.layout.quantized and not engine.publisher.cache_decoded
+            turns = converse(engine, kv8_model)
+            stats = cache.stats()
+        check_reuse(turns, cold, replies_cached=False)
+        assert stats.tiers["host"].hit_tokens > 0 or keep_resident
