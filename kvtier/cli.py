@@ -201,6 +201,20 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_precision(args: argparse.Namespace) -> int:
+    from kvtier.bench import precision
+
+    config = load_config(args.config)
+    if args.model:
+        tree = config.model_dump()
+        tree["engine"] = {**tree["engine"], "model_path": args.model}
+        config = Config.model_validate(tree)
+    spec = precision.PrecisionSpec(reps=args.reps, positions=args.positions, long=args.long)
+    result = precision.run(config, spec)
+    path, png = precision.save(result, Path(args.out))
+    return _answer(args, result, precision.table(result), path, png)
+
+
 def _bench_models(args: argparse.Namespace) -> int:
     from kvtier.bench import models
     from kvtier.bench.engines import LLAMACPP_PYTHON
@@ -550,6 +564,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama-cpp-python's venv python, for the tokenizer and next-token oracles "
         "(default .venv-peer-llamacpp/bin/python when it exists)",
     )
+    pr = command(
+        "precision",
+        _bench_precision,
+        "KV precision (float32, bfloat16, int8): bytes, agreement, exact reuse, decode at 8k, remote/disk hits",
+        reps=(3, medians),
+    )
+    pr.add_argument("--model", default=None, help="a GGUF (default: engine.model_path, else the embedded SmolLM2)")
+    pr.add_argument("--positions", type=int, default=10_240, help="teacher-forced positions of real text")
+    pr.add_argument("--long", type=int, default=8000, help="decode's context length")
     p = command(
         "peer",
         _bench_peer,

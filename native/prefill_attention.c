@@ -351,7 +351,8 @@ PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int m
 }
 
 /*
- * A whole bfloat16 tile widened into kt/vt eight elements at a time (a bfloat16 is the
+ * An int8 tile's quants times their rows' scales (the same products pf_tile's scalar loop
+ * takes), or a whole bfloat16 tile widened into kt/vt eight elements at a time (a bfloat16 is the
  * top half of a float32: zero-extend, shift), the same bits pf_tile's scalar loop gives;
  * anything else goes through pf_tile. Every unit widens every tile it reads, so this
  * runs as often as the score products do.
@@ -359,6 +360,28 @@ PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int m
 PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scratch_t *w, int b, int t0, int nt,
                                const float **k, const float **v) {
     const int D = j->dim;
+    if (j->kv_i8 && D % 8 == 0) { /* int8 quants times their rows' scales, eight at a time */
+        const ptrdiff_t k_off =
+            (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
+        const float *ks = j->scales + (ptrdiff_t)j->ids[b] * j->ss_block + (ptrdiff_t)u->head * j->ss_head + t0;
+        const int8_t *kq = (const int8_t *)j->kv + k_off, *vq = kq + j->s_kv;
+        for (int p = 0; p < PF_TILE; p++) {
+            const __m256 kp = _mm256_set1_ps(p < nt ? ks[p] : 0.0f), vp = _mm256_set1_ps(p < nt ? ks[j->ss_kv + p] : 0.0f);
+            for (int d = 0; d < D; d += 8) {
+                const ptrdiff_t at = (ptrdiff_t)p * j->s_pos + d;
+                __m256 kx = _mm256_setzero_ps(), vx = _mm256_setzero_ps();
+                if (p < nt) {
+                    kx = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(kq + at))));
+                    vx = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vq + at))));
+                }
+                _mm256_storeu_ps(w->kt + p * D + d, _mm256_mul_ps(kx, kp));
+                _mm256_storeu_ps(w->vt + p * D + d, _mm256_mul_ps(vx, vp));
+            }
+        }
+        *k = w->kt;
+        *v = w->vt;
+        return;
+    }
     if (!j->bf16 || j->kv_i8 || nt != PF_TILE || D % 8) {
         pf_tile(j, u, w, b, t0, nt, k, v);
         return;

@@ -173,8 +173,14 @@ class Rope:
         self._pool, self._slots, self._impl = pool, slots, impl
         self._heads, self._kv_heads, self._dim = num_heads, layout.num_kv_heads, layout.head_dim
         layer = pool.layers[0]
+        # An 8-bit pool's quants and scales are written by the same kernel, rounded as quantize_rows rounds them.
+        self._scales = 2 * layer.stride(1) if layout.quantized else -1
+        pool_fits = layer.device.type == "cpu" and (
+            layout.quantized or (layer.dtype == cos.dtype and layer.is_contiguous())
+        )
         self.native = (
-            _native_fits(cos, sin, layer)
+            _native_fits(cos, sin)
+            and pool_fits
             and layer.stride(-1) == 1
             and layer.stride(-2) == layout.head_dim
             and layout.head_dim % 2 == 0
@@ -214,6 +220,7 @@ class Rope:
                 qkv.dtype == torch.bfloat16,
                 _threads(rows),
                 self._impl,
+                self._scales,
             )
             k = qkv[:, q_dim : q_dim + kv_dim].unflatten(-1, (kv_heads, dim))
             v = qkv[:, q_dim + kv_dim :].unflatten(-1, (kv_heads, dim))

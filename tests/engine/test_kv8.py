@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.engine import BlockTable, KVPool, kernels
+from kvtier.engine import BlockTable, KVPool, kernels, rowwise
 from kvtier.engine.kernels import NativeDecode, NativePrefill, PagedBlocks, paged_attention, plan_decode, plan_prefill
 from kvtier.layout import KVLayout, quantize_rows
 
@@ -187,3 +187,25 @@ def test_an_int8_pool_is_planned_on_the_kernels_from_position_zero() -> None:
     assert isinstance(plan_decode(pool, [table], [100], num_heads=9), NativeDecode)
     with pytest.raises(ValueError, match="does not fit"):
         plan_decode(pool, [table], [100], num_heads=9).attend(0, queries(1, 9, 64, torch.float16))
+
+
+@pytest.mark.parametrize("impl", rowwise.IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_rope_kernel_writes_the_quants_quantize_rows_makes(impl: str, dtype: torch.dtype) -> None:
+    """The C write rounds as :func:`quantize_rows` does: the same bytes as the torch path on the same K/V."""
+    heads, kv_heads, dim, n, start = 9, 3, 64, 21, 27
+    cos, sin = (t.to(dtype) for t in rowwise.rope_table(dim, 10000.0, 256))
+    pool = KVPool(KVLayout(2, kv_heads, dim, 16, torch.int8), num_blocks=8)
+    table = BlockTable([5, 2, 7], start)
+    slots = pool.slots(table, start, n)
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
+    qkv[3, heads * dim : (heads + 1) * dim] = 0  # a zero row: scale 0, quants 0
+    rope = rowwise.Rope(cos, sin, torch.arange(start, start + n), slots, pool, heads, impl=impl)
+    assert rope.native
+    _, k, v = rope.apply(1, qkv.clone())
+    want = KVPool(pool.layout, num_blocks=8)
+    want.write(1, slots, k, v)  # the rotated K the kernel returned, quantized by torch
+    assert torch.equal(pool.kv, want.kv)
+    assert torch.count_nonzero(pool.scales[1][2, :, :, : start - 16]) == 0  # nothing before the first slot
+    assert torch.count_nonzero(pool.scales[1][2, :, :, start - 16 :]) > 0
+    assert torch.count_nonzero(pool.kv[0]) == 0  # layer 0 untouched
