@@ -347,6 +347,10 @@ def _cache_check(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
+EIGHT_BIT_KV = ("int8", "fp8_e4m3", "fp8_e5m2")
+"""KV dtypes a cache service keeps apart from the compute dtype: kvtier's engine's int8, vLLM's fp8 pages."""
+
+
 def _service_identity(args: argparse.Namespace) -> tuple[Config, KVLayout, str]:
     """The config, KV layout and model fingerprint a cache service is for, from ``cache serve``'s model flags.
 
@@ -361,12 +365,15 @@ def _service_identity(args: argparse.Namespace) -> tuple[Config, KVLayout, str]:
     if args.block_size:
         config = config.model_copy(update={"cache": config.cache.model_copy(update={"block_size": args.block_size})})
     # the engine whose KV the service keeps: kvtier's own by default, another engine's files and block shape by flag
+    dtype = args.dtype or compute_dtype(config).value
+    kv_name = args.kv_dtype or config.engine.kv_dtype.value  # a float name is the compute dtype's
     layout, fingerprint = kv_identity_for(
         args.model or config.engine.model_path or default_gguf_path(),
-        dtype_from_name(args.dtype or compute_dtype(config).value),
+        dtype_from_name(dtype),
         config.cache.block_size,
         config.data_dir,
         order=args.kv_order,
+        kv_dtype=dtype_from_name(kv_name) if kv_name in EIGHT_BIT_KV else None,
     )
     return config, layout, fingerprint
 
@@ -715,7 +722,13 @@ def _service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=Path, default=None, help="GGUF file or Hugging Face directory (default: engine's)"
     )
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="KV dtype")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype")
+    parser.add_argument(
+        "--kv-dtype",
+        choices=["auto", *EIGHT_BIT_KV],
+        default=None,
+        help="KV dtype: auto = --dtype; int8 (kvtier's engine); fp8_* (vLLM's kv_cache_dtype)",
+    )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default: cache.block_size)")
     parser.add_argument(
         "--kv-order",

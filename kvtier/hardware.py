@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.config import ComputeDtype, Config, ConfigError, EngineDevice
+from kvtier.config import ComputeDtype, Config, ConfigError, EngineDevice, KVDtype
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,20 @@ def compute_dtype(config: Config) -> ComputeDtype:
         return wanted
     native = engine_device(config).type == "cpu" and bool(NATIVE_BF16.intersection(cpu_isa()))
     return ComputeDtype.BFLOAT16 if native else ComputeDtype.FLOAT32
+
+
+def kv_dtype(config: Config) -> str:
+    """``engine.kv_dtype`` resolved, by name: ``auto`` is the compute dtype; a float one must be it (the
+    kernels take q and K/V in one dtype), ``int8`` goes with either. Resolved here for the same reason."""
+    chosen, compute = config.engine.kv_dtype, compute_dtype(config)
+    if chosen is KVDtype.AUTO:
+        return compute.value
+    if chosen is not KVDtype.INT8 and chosen.value != compute.value:
+        raise ConfigError(
+            f"engine.kv_dtype {chosen.value} with engine.dtype {compute.value}: a float KV pool holds the compute "
+            f"dtype (set kv_dtype auto, {compute.value} or int8)"
+        )
+    return chosen.value
 
 
 @dataclass(frozen=True)

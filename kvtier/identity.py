@@ -58,8 +58,13 @@ def kv_identity_for(
     data_dir: str | os.PathLike[str],
     *,
     order: LayoutOrder = LayoutOrder.LAYER_MAJOR,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[KVLayout, str]:
-    """The layout and fingerprint of KV computed from ``model_path`` (a GGUF file or a Hugging Face directory)."""
+    """The layout and fingerprint of KV computed from ``model_path`` (a GGUF file or a Hugging Face directory).
+
+    ``dtype`` is the compute dtype (the fingerprint's); ``kv_dtype`` the KV pool's where it differs
+    (``engine.kv_dtype: int8``), else the same.
+    """
     from kvtier.model import model_fingerprint, read_gguf_metadata
 
     if is_hf_dir(model_path):
@@ -73,4 +78,4 @@ def kv_identity_for(
         head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads))
         layers = int(meta[f"{arch}.block_count"])
         fingerprint = model_fingerprint(model_path, dtype, data_dir)
-    return KVLayout(layers, kv_heads, head_dim, block_size, dtype, order), fingerprint
+    return KVLayout(layers, kv_heads, head_dim, block_size, kv_dtype or dtype, order), fingerprint

@@ -19,6 +19,11 @@ bytes depend on its own K/V alone: a block filled in two prefill chunks, or
 by a prefill and then decode steps, holds what one prefill would have
 written, and reuse stays exact. The scales sit inside the layer's range, so
 a layer is still one contiguous range and a block one payload.
+
+``fp8_e4m3``/``fp8_e5m2`` are another engine's 8-bit elements as its pages
+hold them (vLLM-CPU's ``kv_cache_dtype="fp8"``): one byte a value, the
+scales per tensor and kept by the engine, so nothing but the values is in
+a block.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int8": torch.int8,
+    # another engine's 8-bit pages as they are: vLLM-CPU's kv_cache_dtype fp8, its per-tensor scales the engine's own
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
 
 INT8_MAX = 127.0

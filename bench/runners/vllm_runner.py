@@ -66,11 +66,14 @@ from vllm_lines import reply, serve, timed  # noqa: E402
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def make_llm(model: str, dtype: str, max_model_len: int, kv_transfer: dict[str, Any] | None = None) -> LLM:
+def make_llm(
+    model: str, dtype: str, max_model_len: int, kv_transfer: dict[str, Any] | None = None, kv_cache_dtype: str = "auto"
+) -> LLM:
     """The one vLLM set-up both modes run: eager (no graph capture), automatic prefix caching, seeded."""
     return LLM(
         model=model,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=max_model_len,
         enforce_eager=True,
         enable_prefix_caching=True,
@@ -90,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "kv_connector_extra_config": {"socket": args.socket},
         }
     start = time.perf_counter()
-    llm = make_llm(args.model, args.dtype, args.max_model_len, kv_transfer)
+    llm = make_llm(args.model, args.dtype, args.max_model_len, kv_transfer, args.kv_cache_dtype)
     cache = llm.llm_engine.vllm_config.cache_config
     reply(
         {
@@ -100,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "load_s": round(time.perf_counter() - start, 3),
             "setting": {
                 "dtype": args.dtype,
+                "kv_cache_dtype": cache.cache_dtype,
                 "block_size": cache.block_size,
                 "enforce_eager": True,
                 "prefix_caching": True,
@@ -225,6 +229,7 @@ def main() -> int:
     s.add_argument("--socket", default=None, help="the kvtier cache service; none: no connector")
     s.add_argument("--max-model-len", type=int, default=8192)
     s.add_argument("--dtype", default="float32")
+    s.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype: auto, fp8, fp8_e4m3, fp8_e5m2")
     workload.add_arguments(modes.add_parser("workload", help="kvtier bench peer's workload, vLLM alone"))
     args = parser.parse_args()
     return run_serve(args) if args.mode == "serve" else run_workload(args)

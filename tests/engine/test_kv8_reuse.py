@@ -12,15 +12,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import threading
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
+from kvtier.bench.redis_server import RedisServer
+from kvtier.config import Config
 from kvtier.engine.llama import SeqInput
 from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, cache_decoded, kv_dtype, make_engine, open_cache
+from kvtier.layout import KVLayout
+from kvtier.service import CacheService
 from tests.engine.test_engine import check_reuse, config, converse
+from tests.remote import remote_section
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +82,62 @@ def test_greedy_output_with_the_cache_is_the_output_without_it(kv8_model: Loaded
             stats = cache.stats()
         check_reuse(turns, cold, replies_cached=False)
         assert stats.tiers["host"].hit_tokens > 0 or keep_resident
+
+
+def with_sections(cfg: Config, **sections: dict[str, object]) -> Config:
+    tree = cfg.model_dump()
+    for name, values in sections.items():
+        tree[name] = {**tree[name], **values}
+    return Config.model_validate(tree)
+
+
+def test_8bit_blocks_through_the_cache_service_and_redis_give_the_same_output(
+    kv8_model: LoadedModel, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The service's slab and Redis carry the blocks as the pool holds them, a quarter of float32's bytes."""
+    cold_engine = make_engine(kv8_model, config(tmp_path / "cold", kv_dtype="int8"), cache=None, keep_resident=False)
+    cold = converse(cold_engine, kv8_model)
+    layout = kv8_model.model.kv_layout(16)
+    assert layout.bytes_per_token * 4 < KVLayout(30, 3, 64, 16, torch.float32).bytes_per_token * 1.07
+    sock = tmp_path / "cache.sock"
+    service_cfg = config(tmp_path / "service", kv_dtype="int8")
+    svc = CacheService(
+        service_cfg, layout, model_fingerprint=kv8_model.fingerprint, socket_path=sock, slab_dir=tmp_path
+    )
+    thread = threading.Thread(target=svc.serve_forever, daemon=True)
+    thread.start()
+    try:
+        cfg = with_sections(
+            config(tmp_path / "client", kv_dtype="int8", keep_resident=False), cache={"service": f"unix://{sock}"}
+        )
+        cache = open_cache(kv8_model, cfg)
+        try:
+            check_reuse(converse(make_engine(kv8_model, cfg, cache=cache), kv8_model), cold, replies_cached=False)
+            assert cache.stats().tiers["host"].hit_tokens > 0  # the service's own tier served them
+        finally:
+            cache.close()
+    finally:
+        svc.close()
+        thread.join(timeout=30)
+
+    secret = {"secret_file": str(tmp_path / "deployment.secret")}
+    remote = remote_section(redis_server.url, timeout_ms=5000)
+    writer = with_sections(config(tmp_path / "a", kv_dtype="int8", keep_resident=False), cache=secret, remote=remote)
+    reader = with_sections(
+        config(tmp_path / "b", kv_dtype="int8", keep_resident=False),
+        cache=secret,
+        remote=remote,
+        disk={"enabled": False},
+    )
+    with open_cache(kv8_model, writer) as a:
+        converse(make_engine(kv8_model, writer, cache=a), kv8_model)
+        assert a.remote is not None and a.remote.flush(120)
+    client = redis.Redis(port=redis_server.port)
+    stored = client.dbsize()
+    sizes = {client.strlen(name) for name in client.scan_iter(count=1000)}
+    assert all(layout.block_bytes <= n < layout.block_bytes + 512 for n in sizes)  # the payload and its frame
+    with open_cache(kv8_model, reader) as b:
+        turns = converse(make_engine(kv8_model, reader, cache=b), kv8_model)
+        served = b.stats().tiers["remote"].hit_tokens
+    assert [out for _, out, _ in turns] == [out for _, out, _ in cold]
+    assert stored > 0 and served > 0
