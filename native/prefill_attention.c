@@ -443,6 +443,8 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
  * weights of positions p, p + 1 rounded to bfloat16 (as flash-attention kernels do for
  * this product) against V rows p, p + 1 interleaved once per tile. The softmax and
  * every sum stay float32, and each row is still computed alone, in one order of tiles.
+ * An int8 pool (with a bfloat16 model) takes the same path: each tile's quants times
+ * their rows' scales, rounded to bfloat16 once into the partial-tile buffers.
  */
 #define PF_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 #define PF_BF16_INLINE static inline __attribute__((always_inline)) PF_BF16
@@ -544,7 +546,7 @@ PF_BF16_INLINE void pf512_softmax(const pf_scratch_t *w, int pos0, int nt, int m
 
 PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *buf) {
     const int D = j->dim, B = j->block;
-    if (!j->bf16 || j->kv_i8 || D % 16) { /* a float32 or int8 pool, or a dimension the pairs do not tile */
+    if (!j->bf16 || D % 16) { /* a float32 pool (q), or a dimension the pairs do not tile */
         pf_unit_avx2(j, u, buf);
         return;
     }
@@ -575,7 +577,29 @@ PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *b
                 (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
             const uint16_t *k = (const uint16_t *)j->kv + k_off, *v = (const uint16_t *)j->kv + k_off + j->s_kv;
             ptrdiff_t stride = j->s_pos;
-            if (nt < PF_TILE) { /* copy the live rows, zero the rest: masked below, and 0 * 0 in the sums */
+            if (j->kv_i8) { /* quants times their rows' scales, rounded to bfloat16 as q is; rows past nt zero */
+                const float *ks = j->scales + (ptrdiff_t)j->ids[b] * j->ss_block + (ptrdiff_t)u->head * j->ss_head + t0;
+                const int8_t *kq = (const int8_t *)j->kv + k_off, *vq = kq + j->s_kv;
+                for (int p = 0; p < PF_TILE; p++) {
+                    const __m512 kp = _mm512_set1_ps(p < nt ? ks[p] : 0.0f);
+                    const __m512 vp = _mm512_set1_ps(p < nt ? ks[j->ss_kv + p] : 0.0f);
+                    for (int d = 0; d < D; d += 16) {
+                        const ptrdiff_t at = (ptrdiff_t)p * j->s_pos + d;
+                        __m512 kx = _mm512_setzero_ps(), vx = _mm512_setzero_ps();
+                        if (p < nt) {
+                            kx = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(kq + at))));
+                            vx = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(vq + at))));
+                        }
+                        _mm256_storeu_si256((__m256i *)(x.kb + (size_t)p * D + d),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(kx, kp)));
+                        _mm256_storeu_si256((__m256i *)(x.vb + (size_t)p * D + d),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(vx, vp)));
+                    }
+                }
+                k = x.kb;
+                v = x.vb;
+                stride = D;
+            } else if (nt < PF_TILE) { /* copy the live rows, zero the rest: masked below, and 0 * 0 in the sums */
                 memset(x.kb, 0, sizeof(uint16_t) * 2 * PF_TILE * (size_t)D);
                 for (int p = 0; p < nt; p++) {
                     memcpy(x.kb + (size_t)p * D, k + p * stride, sizeof(uint16_t) * (size_t)D);
