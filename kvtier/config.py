@@ -183,7 +183,7 @@ class CacheConfig(_Section):
 
 
 class ComputeDtype(enum.StrEnum):
-    """The engine's weights, activations and KV dtype.
+    """The engine's weights, activations and (unless ``engine.kv_dtype`` says int8) KV dtype.
 
     ``auto`` (the default) is picked once at start
     (:func:`kvtier.hardware.compute_dtype`): ``bfloat16`` on a CPU with native

@@ -3,7 +3,9 @@
 Each row is the same model (the embedded SmolLM2, or ``--model``) with its
 KV pool, and so every tier, at one precision: ``float32`` and ``int8``
 compute in float32, so only the KV differs between them; ``bfloat16`` is
-the bfloat16 engine (its KV is its compute dtype). Per row:
+the bfloat16 engine (its KV is its compute dtype) and ``int8_bf16_compute``
+that engine over int8 KV (what ``engine.dtype: auto`` gives on a CPU with
+native bf16; read it against the ``bfloat16`` row). Per row:
 
 * ``bytes_per_token``: KV bytes a token takes in the pool, every tier and
   on the wire (all layers, K and V, an 8-bit row's scales included), and
@@ -90,6 +92,7 @@ ROWS = (
     Precision("float32", "float32", "auto"),
     Precision("bfloat16", "bfloat16", "auto"),
     Precision("int8", "float32", "int8"),
+    Precision("int8_bf16_compute", "bfloat16", "int8"),
 )
 
 
@@ -98,20 +101,23 @@ class PrecisionSpec:
     reps: int = 3
     positions: int = POSITIONS
     long: int = LONG
+    window: int = WINDOW
+    hit_tokens: int = HIT_TOKENS
+    rows: tuple[Precision, ...] = ROWS  # the first is the baseline, float32 KV
 
 
-def text_windows(loaded: LoadedModel, positions: int) -> list[list[int]]:
-    """Windows of :data:`WINDOW` + 1 token ids of real text, enough to score ``positions`` next tokens."""
+def text_windows(loaded: LoadedModel, positions: int, window: int = WINDOW) -> list[list[int]]:
+    """Windows of ``window`` + 1 token ids of real text, enough to score ``positions`` next tokens."""
     ids: list[int] = []
     for path in TEXTS:
         if path.exists():
             ids += loaded.tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
     windows = []
-    for at in range(0, len(ids) - WINDOW, WINDOW):
-        if len(windows) * WINDOW >= positions:
+    for at in range(0, len(ids) - window, window):
+        if len(windows) * window >= positions:
             break
-        windows.append(ids[at : at + WINDOW + 1])
-    if len(windows) * WINDOW < positions:
+        windows.append(ids[at : at + window + 1])
+    if len(windows) * window < positions:
         raise RuntimeError(f"the texts hold {len(ids)} tokens, fewer than {positions} positions need")
     return windows
 
@@ -149,8 +155,8 @@ def decode_rate(loaded: LoadedModel, config: Config, spec: PrecisionSpec) -> flo
 
 
 def tier_hits(loaded: LoadedModel, config: Config, spec: PrecisionSpec) -> dict[str, Any]:
-    """TTFT of a :data:`HIT_TOKENS` prompt served from Redis and from disk, and their outputs against a recompute."""
-    ids = ttft.text_tokens(loaded, HIT_TOKENS)
+    """TTFT of a ``spec.hit_tokens`` prompt served from Redis and from disk, and their outputs against a recompute."""
+    ids = ttft.text_tokens(loaded, spec.hit_tokens)
     with tempfile.TemporaryDirectory(prefix="bench-precision-") as tmp, RedisServer.start() as redis:
 
         def node(name: str, *, disk: bool, remote: bool) -> Config:
@@ -182,7 +188,7 @@ def tier_hits(loaded: LoadedModel, config: Config, spec: PrecisionSpec) -> dict[
                 (disk_hit,) = stores.generate([ids], CONTINUATION)
                 same += [hit.token_ids == cold.token_ids, disk_hit.token_ids == cold.token_ids]
                 served = hit.served_from.get(TierKind.REMOTE, 0), disk_hit.served_from.get(TierKind.DISK, 0)
-                if min(served) < HIT_TOKENS - config.cache.block_size:
+                if min(served) < spec.hit_tokens - config.cache.block_size:
                     raise RuntimeError(f"a hit was not served from its tier (remote, disk tokens: {served})")
                 if rep:
                     remote_s.append(hit.ttft_s)
@@ -226,7 +232,7 @@ def measure(
     cfg = Config.model_validate(tree)
     loaded = load_model(cfg, progress=False)
     layout = loaded.model.kv_layout(cfg.cache.block_size)
-    argmax, nll = scores(loaded, text_windows(loaded, spec.positions))
+    argmax, nll = scores(loaded, text_windows(loaded, spec.positions, spec.window))
     want_argmax, want_nll = baseline if baseline is not None else (argmax, nll)
     hits = tier_hits(loaded, cfg, spec)
     out = {
@@ -249,7 +255,7 @@ def measure(
 def run(config: Config, spec: PrecisionSpec) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     baseline = None
-    for row in ROWS:
+    for row in spec.rows:
         rows[row.name], scored = measure(config, row, spec, baseline)
         if row.name == "float32":
             baseline = scored
@@ -273,11 +279,11 @@ def run(config: Config, spec: PrecisionSpec) -> dict[str, Any]:
             "threads": torch.get_num_threads(),
             "reps": spec.reps,
             "statistic": "median",
-            "window": WINDOW,
+            "window": spec.window,
             "texts": [str(p) for p in TEXTS if p.exists()],
             "decode_context": spec.long,
             "decode_steps": DECODE_STEPS,
-            "hit_tokens": HIT_TOKENS,
+            "hit_tokens": spec.hit_tokens,
             "host_capacity_bytes": int(config.host.capacity_bytes),
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         },

@@ -12,7 +12,8 @@ byte once, with an online softmax in float32, on two threads.
 Which one runs is chosen once per forward by :func:`plan_decode`:
 
 * :class:`NativeDecode` where the extension has the kernel, the pool is on
-  the CPU in float32 or bfloat16, and the shapes fit it (head_dim a multiple
+  the CPU in float32, bfloat16 or int8 (an 8-bit pool has no other path),
+  and the shapes fit it (head_dim a multiple
   of 16, at most 256; at most 16 query heads per KV head; blocks of at most
   256 positions);
 * :class:`TorchDecode` everywhere else (CUDA, float16, an extension built
