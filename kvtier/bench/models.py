@@ -43,6 +43,7 @@ import numpy as np
 from kvtier.bench import llamacpp_oracle, results, shapes, ttft
 from kvtier.config import Config, DecodeWeights
 from kvtier.engine import quant
+from kvtier.engine.engine import Engine
 from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.onboard import SlidingWindow
 from kvtier.engine.pool import BlockTable
@@ -138,11 +139,15 @@ DECODE_STEPS = 32
 
 def decode_rate(loaded: LoadedModel, config: Config, spec: ModelsSpec) -> float:
     """Tokens per second of greedy decode after an ``N``-token prompt (median of ``reps``; no cache)."""
-    prompt = ttft.text_tokens(loaded, spec.tokens)
     engine = make_engine(loaded, config, cache=None, keep_resident=False)
+    return decode_median(engine, ttft.text_tokens(loaded, spec.tokens), spec.reps)
+
+
+def decode_median(engine: Engine, prompt: list[int], reps: int) -> float:
+    """Median tokens per second of :data:`DECODE_STEPS` greedy steps after ``prompt``, over ``reps`` requests."""
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True)
     rates = []
-    for _ in range(spec.reps):
+    for _ in range(reps):
         (done,) = engine.generate([prompt], params)
         rates.append(DECODE_STEPS / (done.total_s - done.ttft_s))
     return round(statistics.median(rates), 1)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kvtier.bench import results, ttft
-from kvtier.bench.models import DECODE_STEPS, ModelsSpec
+from kvtier.bench.models import DECODE_STEPS, ModelsSpec, decode_median
 from kvtier.bench.models import reuse as host_reuse
 from kvtier.bench.redis_server import RedisServer
 from kvtier.cache import Cache
@@ -145,13 +145,8 @@ def decode_rate(loaded: LoadedModel, config: Config, spec: PrecisionSpec) -> flo
     layout = loaded.model.kv_layout(config.cache.block_size)
     hasher = KeyHasher.process_local(layout.descriptor, config.cache.block_size)
     engine = make_engine(loaded, config, cache=None, keep_resident=True, hasher=hasher)
-    params = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=1))  # the long prefill, once
-    rates = []
-    for _ in range(spec.reps):
-        (done,) = engine.generate([prompt], params)
-        rates.append(DECODE_STEPS / (done.total_s - done.ttft_s))
-    return round(statistics.median(rates), 1)
+    return decode_median(engine, prompt, spec.reps)
 
 
 def tier_hits(loaded: LoadedModel, config: Config, spec: PrecisionSpec) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvtier.config import load_config
-from kvtier.engine.llama import SeqInput
+from kvtier.engine.llama import LlamaModel, SeqInput
 from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cache
 from tests.engine.test_engine import check_reuse, config, converse
@@ -35,22 +35,25 @@ def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(cfg, progress=False)
 
 
+def prefill_in_chunks(model: LlamaModel, ids: list[int], cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` prefilled from a fresh pool in the chunks ``cuts`` bound: the full blocks' pool bytes (every
+    layer) and the last chunk's logits."""
+    pool = model.make_pool(16, len(ids) // 16 + 1)
+    table = BlockTable([], 0)
+    pool.grow(table, len(ids))
+    for a, b in itertools.pairwise(cuts):
+        logits = model([SeqInput(ids[a:b], a, table)], pool)
+    return pool.kv[:, : len(ids) // 16].clone(), logits
+
+
 def test_a_prompts_kv_is_the_same_bits_in_one_forward_or_in_uneven_chunks(bf16_model: LoadedModel) -> None:
     model = bf16_model.model
     text = "Count from one to forty in words, then back again, and explain each step. " * 24
     ids = bf16_model.chat_ids([{"role": "user", "content": text}])[:300]
     assert len(ids) == 300
 
-    def prefill(cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = model.make_pool(16, 32)
-        table = BlockTable([], 0)
-        pool.grow(table, len(ids))
-        for a, b in itertools.pairwise(cuts):
-            logits = model([SeqInput(ids[a:b], a, table)], pool)
-        return pool.kv[:, : len(ids) // 16].clone(), logits
-
-    one, one_logits = prefill([0, len(ids)])
-    cut, cut_logits = prefill([0, 37, 101, 165, 230, len(ids)])
+    one, one_logits = prefill_in_chunks(model, ids, [0, len(ids)])
+    cut, cut_logits = prefill_in_chunks(model, ids, [0, 37, 101, 165, 230, len(ids)])
     assert torch.equal(one, cut) and torch.equal(one_logits, cut_logits)
 
 

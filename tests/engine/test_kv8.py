@@ -14,6 +14,7 @@ import torch
 from kvtier.engine import BlockTable, KVPool, kernels, rowwise
 from kvtier.engine.kernels import NativeDecode, NativePrefill, PagedBlocks, paged_attention, plan_decode, plan_prefill
 from kvtier.layout import KVLayout, quantize_rows
+from tests.engine.test_kernels import shuffled_tables
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -39,16 +40,6 @@ def dequantized(pool: KVPool, layer: int, table: BlockTable, total: int) -> tupl
     kv = pool.layers[layer][ids].double() * pool.scales[layer][ids].double().unsqueeze(-1)
     k, v = (kv[:, i].transpose(0, 1).flatten(1, 2)[:, :total] for i in (0, 1))
     return k, v
-
-
-def shuffled(pool: KVPool, lengths: list[int]) -> list[BlockTable]:
-    ids = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(2)).tolist()
-    tables = []
-    for n in lengths:
-        need = -(-n // pool.block_size)
-        tables.append(BlockTable(ids[:need], n))
-        ids = ids[need:]
-    return tables
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -122,7 +113,7 @@ def test_decode_reads_the_quants_and_scales(
 ) -> None:
     pool = int8_pool(kv_heads=kv_heads, head_dim=head_dim, block=block)
     lengths = [5, block, block + 1, 130, 300][: 3 if block == 32 else 5]
-    tables = shuffled(pool, lengths)
+    tables = shuffled_tables(pool, lengths)
     q = queries(len(lengths), heads, head_dim, dtype)
     blocks = PagedBlocks.of(tables, lengths, pool.block_size)
     for layer in range(2):
@@ -138,7 +129,7 @@ def test_decode_reads_the_quants_and_scales(
 def test_decode_with_a_window_reads_only_inside_it(impl: str) -> None:
     pool = int8_pool()
     lengths, window = [40, 300], 37
-    tables = shuffled(pool, lengths)
+    tables = shuffled_tables(pool, lengths)
     q = queries(2, 9, 64, torch.float32)
     got = paged_attention(pool.layers[0], PagedBlocks.of(tables, lengths, 16), q, impl=impl, window=window)
     for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
@@ -154,7 +145,7 @@ def test_prefill_reads_the_quants_and_scales(
     impl: str, dtype: torch.dtype, start: int, tokens: int, window: int | None
 ) -> None:
     pool = int8_pool()
-    (table,) = shuffled(pool, [start + tokens])
+    (table,) = shuffled_tables(pool, [start + tokens])
     q = queries(tokens, 9, 64, dtype)
     got = NativePrefill(pool.layers, table, start, tokens, 9, impl=impl, window=window).attend(1, q)
     assert got.dtype == dtype
@@ -171,7 +162,7 @@ def test_prefill_reads_the_quants_and_scales(
 def test_prefill_gives_a_token_the_same_bits_however_the_prompt_was_cut(impl: str, dtype: torch.dtype) -> None:
     """What makes 8-bit reuse exact: a token's output does not depend on the chunk it came in."""
     pool = int8_pool()
-    (table,) = shuffled(pool, [300])
+    (table,) = shuffled_tables(pool, [300])
     q = queries(300, 9, 64, dtype)
     whole = NativePrefill(pool.layers, table, 0, 300, 9, impl=impl).attend(0, q)
     for cut in (1, 16, 131):
@@ -182,7 +173,7 @@ def test_prefill_gives_a_token_the_same_bits_however_the_prompt_was_cut(impl: st
 
 def test_an_int8_pool_is_planned_on_the_kernels_from_position_zero() -> None:
     pool = int8_pool()
-    (table,) = shuffled(pool, [100])
+    (table,) = shuffled_tables(pool, [100])
     assert isinstance(plan_prefill(pool, table, 0, 100, num_heads=9), NativePrefill)
     assert isinstance(plan_decode(pool, [table], [100], num_heads=9), NativeDecode)
     with pytest.raises(ValueError, match="does not fit"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import threading
 from pathlib import Path
 
@@ -21,11 +20,10 @@ import torch
 
 from kvtier.bench.redis_server import RedisServer
 from kvtier.config import Config
-from kvtier.engine.llama import SeqInput
-from kvtier.engine.pool import BlockTable
 from kvtier.engine.runtime import LoadedModel, cache_decoded, kv_dtype, make_engine, open_cache
 from kvtier.layout import KVLayout
 from kvtier.service import CacheService
+from tests.engine.test_bf16_reuse import prefill_in_chunks
 from tests.engine.test_engine import check_reuse, config, converse
 from tests.remote import remote_section
 
@@ -57,16 +55,10 @@ def test_a_prompts_kv_is_the_same_bytes_in_one_forward_or_in_uneven_chunks(kv8_m
     model = kv8_model.model
     ids = kv8_model.chat_ids([{"role": "user", "content": "Name the planets, then the moons of each. " * 20}])[:200]
 
-    def prefill(cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = model.make_pool(16, 16)
-        table = BlockTable([], 0)
-        pool.grow(table, len(ids))
-        for a, b in itertools.pairwise(cuts):
-            logits = model([SeqInput(ids[a:b], a, table)], pool)
-        return pool.kv[:, : len(ids) // 16].clone(), logits
-
-    one, one_logits = prefill([0, len(ids)])
-    cut, cut_logits = prefill([0, 37, 130, len(ids)])  # (a one-token chunk is a decode step: other kernels)
+    one, one_logits = prefill_in_chunks(model, ids, [0, len(ids)])
+    cut, cut_logits = prefill_in_chunks(
+        model, ids, [0, 37, 130, len(ids)]
+    )  # (a one-token chunk is a decode step: other kernels)
     assert one.dtype == torch.uint8 and torch.equal(one, cut) and torch.equal(one_logits, cut_logits)
 
 
