@@ -31,6 +31,9 @@ import torch
 
 from kvtier.layout import KVLayout
 
+SGLANG_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The KV dtypes of SGLang host pools kvtier carries."""
+
 
 class Axis(enum.Enum):
     KV = "kv"  # 0 = K, 1 = V
@@ -119,7 +122,9 @@ class HostPages:
 
     def __init__(self, buffer: torch.Tensor, geometry: PageGeometry) -> None:
         self.geometry = geometry
-        self.layout = geometry.kv_layout  # refuses a dtype kvtier does not store (fp8 and the like)
+        if geometry.dtype not in SGLANG_KV_DTYPES:  # fp8 pages are carried for vLLM only, where they are tested
+            raise ValueError(f"unsupported KV dtype {geometry.dtype} for SGLang: float32, bfloat16 or float16")
+        self.layout = geometry.kv_layout
         g = geometry
         pages = 0
         if buffer.dim() == len(g.buffer_axes):
