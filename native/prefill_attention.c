@@ -84,6 +84,11 @@ static inline float pf_load(const char *base, ptrdiff_t i, int bf16) {
     return bf16 ? kvt_bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+/* An int8 pool's K scales of rows [t0, ...) of the sequence's block b, the unit's KV head (V's at + ss_kv). */
+static inline const float *pf_scales(const pf_job_t *j, const pf_unit_t *u, int b, int t0) {
+    return j->scales + (ptrdiff_t)j->ids[b] * j->ss_block + (ptrdiff_t)u->head * j->ss_head + t0;
+}
+
 /* The unit's scratch, in floats from the start of a 64-byte aligned buffer. */
 typedef struct {
     int rows, padded;
@@ -158,7 +163,7 @@ static inline void pf_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scrat
     const ptrdiff_t k_off = (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
     const ptrdiff_t v_off = k_off + j->s_kv;
     if (j->kv_i8) { /* quants times their rows' scales: the K/V an 8-bit pool holds */
-        const float *ks = j->scales + (ptrdiff_t)j->ids[b] * j->ss_block + (ptrdiff_t)u->head * j->ss_head + t0;
+        const float *ks = pf_scales(j, u, b, t0);
         const int8_t *kq = (const int8_t *)j->kv + k_off, *vq = (const int8_t *)j->kv + v_off;
         for (int p = 0; p < PF_TILE; p++) {
             const float kp = p < nt ? ks[p] : 0.0f, vp = p < nt ? ks[j->ss_kv + p] : 0.0f;
@@ -363,7 +368,7 @@ PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_s
     if (j->kv_i8 && D % 8 == 0) { /* int8 quants times their rows' scales, eight at a time */
         const ptrdiff_t k_off =
             (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
-        const float *ks = j->scales + (ptrdiff_t)j->ids[b] * j->ss_block + (ptrdiff_t)u->head * j->ss_head + t0;
+        const float *ks = pf_scales(j, u, b, t0);
         const int8_t *kq = (const int8_t *)j->kv + k_off, *vq = kq + j->s_kv;
         for (int p = 0; p < PF_TILE; p++) {
             const __m256 kp = _mm256_set1_ps(p < nt ? ks[p] : 0.0f), vp = _mm256_set1_ps(p < nt ? ks[j->ss_kv + p] : 0.0f);
@@ -578,7 +583,7 @@ PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *b
             const uint16_t *k = (const uint16_t *)j->kv + k_off, *v = (const uint16_t *)j->kv + k_off + j->s_kv;
             ptrdiff_t stride = j->s_pos;
             if (j->kv_i8) { /* quants times their rows' scales, rounded to bfloat16 as q is; rows past nt zero */
-                const float *ks = j->scales + (ptrdiff_t)j->ids[b] * j->ss_block + (ptrdiff_t)u->head * j->ss_head + t0;
+                const float *ks = pf_scales(j, u, b, t0);
                 const int8_t *kq = (const int8_t *)j->kv + k_off, *vq = kq + j->s_kv;
                 for (int p = 0; p < PF_TILE; p++) {
                     const __m512 kp = _mm512_set1_ps(p < nt ? ks[p] : 0.0f);
