@@ -348,7 +348,8 @@ def _cache_check(args: argparse.Namespace) -> int:
 
 
 EIGHT_BIT_KV = ("int8", "fp8_e4m3", "fp8_e5m2")
-"""KV dtypes a cache service keeps apart from the compute dtype: kvtier's engine's int8, vLLM's fp8 pages."""
+"""KV dtypes a cache service keeps apart from the compute dtype: kvtier's engine's int8 and fp8_e4m3 (with
+row scales, in its layer-major order), vLLM's fp8 pages (head-major, as vLLM holds them)."""
 
 
 def _service_identity(args: argparse.Namespace) -> tuple[Config, KVLayout, str]:
@@ -727,7 +728,8 @@ def _service_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-dtype",
         choices=["auto", *EIGHT_BIT_KV],
         default=None,
-        help="KV dtype: auto = --dtype; int8 (kvtier's engine); fp8_* (vLLM's kv_cache_dtype)",
+        help="KV dtype: auto = --dtype; int8, fp8_e4m3 (kvtier's engine's engine.kv_dtype); with --kv-order "
+        "head_major, fp8_* are vLLM's kv_cache_dtype pages",
     )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default: cache.block_size)")
     parser.add_argument(

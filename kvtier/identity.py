@@ -63,7 +63,9 @@ def kv_identity_for(
     """The layout and fingerprint of KV computed from ``model_path`` (a GGUF file or a Hugging Face directory).
 
     ``dtype`` is the compute dtype (the fingerprint's); ``kv_dtype`` the KV pool's where it differs
-    (``engine.kv_dtype: int8``), else the same.
+    (``engine.kv_dtype: int8``), else the same. An 8-bit pool in kvtier's own layer-major order carries
+    its rows' scales (kvtier's engine writes them); in another order it is that engine's pages as they are
+    (vLLM's fp8).
     """
     from kvtier.model import model_fingerprint, read_gguf_metadata
 
@@ -78,4 +80,6 @@ def kv_identity_for(
         head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads))
         layers = int(meta[f"{arch}.block_count"])
         fingerprint = model_fingerprint(model_path, dtype, data_dir)
-    return KVLayout(layers, kv_heads, head_dim, block_size, kv_dtype or dtype, order), fingerprint
+    kv = kv_dtype or dtype
+    scaled = kv in (torch.int8, torch.float8_e4m3fn) and order is LayoutOrder.LAYER_MAJOR
+    return KVLayout(layers, kv_heads, head_dim, block_size, kv, order, row_scales=scaled), fingerprint

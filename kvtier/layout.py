@@ -11,19 +11,20 @@ vLLM-CPU's ``[num_kv_heads][K|V][block_size][head_dim]`` inside each layer.
 The order is part of :attr:`KVLayout.descriptor`, so blocks of one order are
 never read as the other.
 
-An 8-bit layout (``int8``) keeps each layer's K and V as int8 quants, then
-their scales: ``[K|V][num_kv_heads][block_size][head_dim]`` int8 followed by
-``[K|V][num_kv_heads][block_size]`` float32, one scale a token and head
-(:func:`quantize_rows`). The scale is a token's, not a block's, so a token's
+An 8-bit layout with row scales (``int8``, or ``fp8_e4m3`` with
+:attr:`KVLayout.row_scales`: kvtier's own engine's) keeps each layer's K and
+V as 8-bit quants, then their scales: ``[K|V][num_kv_heads][block_size][head_dim]``
+int8 or float8 e4m3 followed by ``[K|V][num_kv_heads][block_size]`` float32,
+one scale a token and head (:func:`quantize_rows`). The scale is a token's, not a block's, so a token's
 bytes depend on its own K/V alone: a block filled in two prefill chunks, or
 by a prefill and then decode steps, holds what one prefill would have
 written, and reuse stays exact. The scales sit inside the layer's range, so
 a layer is still one contiguous range and a block one payload.
 
-``fp8_e4m3``/``fp8_e5m2`` are another engine's 8-bit elements as its pages
-hold them (vLLM-CPU's ``kv_cache_dtype="fp8"``): one byte a value, the
-scales per tensor and kept by the engine, so nothing but the values is in
-a block.
+``fp8_e4m3``/``fp8_e5m2`` without row scales are another engine's 8-bit
+elements as its pages hold them (vLLM-CPU's ``kv_cache_dtype="fp8"``): one
+byte a value, the scales per tensor and kept by the engine, so nothing but
+the values is in a block. The descriptor says which, so the two never meet.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ _DTYPES: dict[str, torch.dtype] = {
 
 INT8_MAX = 127.0
 """An int8 quant's largest magnitude: a row's largest |x| maps to it, and -128 is never used (symmetric)."""
+
+E4M3_MAX = 448.0
+"""A float8 e4m3 quant's largest magnitude (e4m3 has no infinities): a row's largest |x| maps to it."""
+
+_QUANT_MAX = {torch.int8: INT8_MAX, torch.float8_e4m3fn: E4M3_MAX}
+"""The 8-bit dtypes a row-scaled layout holds, each with its largest quant."""
 
 
 class LayoutOrder(enum.StrEnum):
@@ -74,11 +81,16 @@ class KVLayout:
     block_size: int
     dtype: torch.dtype
     order: LayoutOrder = LayoutOrder.LAYER_MAJOR
+    row_scales: bool = False  # 8-bit quants with a float32 scale per token and head (int8 always has them)
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)  # validates
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
             raise ValueError(f"every KV layout dimension must be positive: {self}")
+        if self.dtype == torch.int8:
+            object.__setattr__(self, "row_scales", True)
+        if self.row_scales and (self.dtype not in _QUANT_MAX or self.order is not LayoutOrder.LAYER_MAJOR):
+            raise ValueError(f"row scales go with int8 or fp8_e4m3 quants in layer-major order: {self}")
 
     @property
     def itemsize(self) -> int:
@@ -87,7 +99,7 @@ class KVLayout:
     @property
     def quantized(self) -> bool:
         """Whether K/V are 8-bit quants with a float32 scale per token and head (see the module's docstring)."""
-        return self.dtype == torch.int8
+        return self.row_scales
 
     @property
     def scales_offset(self) -> int:
@@ -131,9 +143,10 @@ class KVLayout:
         It is bound into the block-key root and the disk tier's header, so a
         block written under one layout can never be read under another.
         """
+        scaled = ":row_scales" if self.row_scales and self.dtype != torch.int8 else ""  # int8 has them always
         return (
             f"{self.order.value}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-            f":B{self.block_size}:{dtype_name(self.dtype)}"
+            f":B{self.block_size}:{dtype_name(self.dtype)}{scaled}"
         )
 
     def as_blocks(self, flat: torch.Tensor) -> torch.Tensor:
@@ -143,12 +156,12 @@ class KVLayout:
         return flat.view(self.dtype).view(self.block_shape)
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A quantized ``uint8`` payload's quants ``[layers, 2, heads, block, dim]`` int8 and scales
-        ``[layers, 2, heads, block]`` float32, as views (layer-major only)."""
-        if not self.quantized or self.order is not LayoutOrder.LAYER_MAJOR:
+        """A quantized ``uint8`` payload's quants ``[layers, 2, heads, block, dim]`` (int8 or float8 e4m3) and
+        scales ``[layers, 2, heads, block]`` float32, as views."""
+        if not self.quantized:
             raise ValueError(f"{self.descriptor} has no separate quants and scales")
         layers = flat.reshape(-1).view(self.num_layers, self.layer_bytes)
-        quants = layers[:, : self.scales_offset].view(torch.int8)
+        quants = layers[:, : self.scales_offset].view(self.dtype)
         scales = layers[:, self.scales_offset :].view(torch.float32)
         return quants.view(self.block_shape), scales.view(self.block_shape[:-1])
 
@@ -160,16 +173,22 @@ class KVLayout:
         return quants.float() * scales.unsqueeze(-1)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``x [..., head_dim]`` as int8 quants and a float32 scale per row: ``x ≈ quants * scale``.
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [..., head_dim]`` as 8-bit quants and a float32 scale per row: ``x ≈ quants * scale``.
 
-    ``scale = max|x| / 127`` and ``quants = round(x / scale)`` (to nearest,
-    ties to even), all in float32; a row of zeros gets scale 0. Each row's
+    ``scale = max|x| / top`` (127 for int8, 448 for float8 e4m3) and
+    ``quants = x / scale`` rounded to nearest, ties to even (to an integer,
+    or to an e4m3), all in float32; a row of zeros gets scale 0. Each row's
     result depends on that row alone (elementwise steps and an exact max), so
     a token's bytes are the same whichever chunk or step wrote it.
     """
+    top = _QUANT_MAX.get(dtype)
+    if top is None:
+        raise ValueError(f"rows are quantized to int8 or float8_e4m3fn, not {dtype}")
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / INT8_MAX
+    scale = xf.abs().amax(dim=-1) / top
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    quants = torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return quants, scale
+    scaled = xf / safe.unsqueeze(-1)
+    if dtype == torch.int8:
+        scaled = torch.round(scaled)
+    return scaled.clamp_(-top, top).to(dtype), scale

@@ -25,6 +25,36 @@ static inline uint16_t kvt_f32_to_bf16(float f) {
     return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
 }
 
+/* What an 8-bit pool's quants are (a kernel job's kv8): none (a float pool), int8, or float8 e4m3. */
+enum { KVT_KV8_NONE = 0, KVT_KV8_INT8 = 1, KVT_KV8_E4M3 = 2 };
+
+/* float8 e4m3 (no infinities, 448 its largest) as float32, exactly: the byte's magnitude bits moved to
+ * where a float32's exponent and mantissa meet, which reads the value 2^-120 times too small (the
+ * biases differ by 120, subnormals included), then scaled back by a power of two. 0x7f is e4m3's
+ * NaN; kvtier never writes it (kvt_f32_to_e4m3 takes |f| <= 448). */
+static inline float kvt_e4m3_to_f32(uint8_t x) {
+    const uint32_t u = ((uint32_t)(x & 0x80u) << 24) | ((uint32_t)(x & 0x7fu) << 20);
+    float f;
+    memcpy(&f, &u, 4);
+    return f * 0x1p120f;
+}
+
+/* f (|f| <= 448) to the nearest e4m3, ties to even, as torch's float -> float8_e4m3fn rounds:
+ * below 2^-6 the steps are 2^-9 apart (subnormals), above it 3 mantissa bits are kept. */
+static inline uint8_t kvt_f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7fffffffu;
+    if (u < 0x3c800000u) { /* |f| < 2^-6: count the 2^-9 steps, rounded to nearest even (8 is 2^-6's code) */
+        float a;
+        memcpy(&a, &u, 4);
+        return sign | (uint8_t)__builtin_nearbyintf(a * 512.0f);
+    }
+    const uint32_t r = (u + 0x7ffffu + ((u >> 20) & 1u)) >> 20; /* 8 exponent and 3 mantissa bits, rounded */
+    return sign | (uint8_t)(r - ((127u - 7u) << 3));
+}
+
 /* The polynomial's coefficients (Cephes expf), and ln 2 split in two for the reduction:
  * one list for the scalar, 8-wide and 16-wide forms below. */
 #define KVT_EXP_LOG2E 1.44269504088896341f
@@ -95,6 +125,20 @@ __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) 
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(KVT_EXP_P5));
     y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(y, n);
+}
+
+/* kvt_e4m3_to_f32 of 8 bytes widened to 32-bit lanes (the same bits moved, the same power of two). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256 kvt_e4m3_256(__m256i x) {
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, mag)), _mm256_set1_ps(0x1p120f));
+}
+
+/* kvt_e4m3_to_f32 of 16 bytes widened to 32-bit lanes. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m512 kvt_e4m3_512(__m512i x) {
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(sign, mag)), _mm512_set1_ps(0x1p120f));
 }
 
 #endif

@@ -23,6 +23,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "float_math.h"
 #include "kernels.h"
 
 PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n) {
@@ -36,13 +37,13 @@ PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n) {
     return names;
 }
 
-const char *kvt_int8_scales(const char *kv, ptrdiff_t s_block, ptrdiff_t s_kv, ptrdiff_t s_head, int dim,
-                            Py_ssize_t offset, int *kv_i8, const float **scales, ptrdiff_t *ss_block,
-                            ptrdiff_t *ss_kv, ptrdiff_t *ss_head) {
-    *kv_i8 = offset >= 0;
-    if (!*kv_i8) return NULL;
+const char *kvt_kv8_scales(const char *kv, ptrdiff_t s_block, ptrdiff_t s_kv, ptrdiff_t s_head, int dim,
+                           Py_ssize_t offset, int e4m3, int *kv8, const float **scales, ptrdiff_t *ss_block,
+                           ptrdiff_t *ss_kv, ptrdiff_t *ss_head) {
+    *kv8 = offset < 0 ? KVT_KV8_NONE : e4m3 ? KVT_KV8_E4M3 : KVT_KV8_INT8;
+    if (*kv8 == KVT_KV8_NONE) return e4m3 ? "fp8 names an 8-bit pool's quants: it needs its scales offset" : NULL;
     if (dim <= 0 || offset % 4 || s_block % 4 || s_kv % dim || s_head % dim)
-        return "an int8 pool's block stride and scales offset must be multiples of 4, its K/V and head strides of "
+        return "an 8-bit pool's block stride and scales offset must be multiples of 4, its K/V and head strides of "
                "head_dim";
     *scales = (const float *)(kv + offset);
     *ss_block = s_block / 4;
@@ -76,7 +77,7 @@ static PyMethodDef methods[] = {
      "GIL; returns how many. The addresses are trusted: the caller owns both sides and keeps them alive."},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))kvt_py_paged_decode_attention, METH_VARARGS | METH_KEYWORDS,
      "paged_decode_attention(kv, strides, num_blocks, bf16, q, out, tables, starts, lengths, num_seqs, kv_heads, "
-     "group, head_dim, block_size, scale, threads, window=0, int8_scales=-1) -> None\n\n"
+     "group, head_dim, block_size, scale, threads, window=0, int8_scales=-1, fp8=False) -> None\n\n"
      "Decode attention read in place from a paged KV pool layer (see kvtier/engine/kernels.py, which wraps it): "
      "out[s, h] = softmax(scale * q[s, h] . K[s, h // group]) V[s, h // group] over the first lengths[s] "
      "positions of sequence s, whose blocks are tables[starts[s]:starts[s + 1]]. kv, q, out, tables, starts and "
@@ -84,18 +85,20 @@ static PyMethodDef methods[] = {
      "strides in elements; bf16 says the pool, q and out are bfloat16 (else float32); tables, starts and lengths "
      "are int32. Block ids and counts are checked against num_blocks and the lengths; the GIL is released. "
      "int8_scales >= 0: the pool holds int8 quants (strides in bytes) and each block's layer range has its "
-     "scales [K|V][kv_heads][block_size] float32 that many bytes from its start; bf16 then says q and out only."},
+     "scales [K|V][kv_heads][block_size] float32 that many bytes from its start; bf16 then says q and out only; "
+     "with fp8 the quants are float8 e4m3 instead."},
     {"_paged_decode_attention_using", (PyCFunction)(void (*)(void))kvt_py_paged_decode_attention_using,
      METH_VARARGS | METH_KEYWORDS, "_paged_decode_attention_using(impl, *args): paged_decode_attention on one named "
      "build (one of paged_decode_attention_impls()), for tests."},
     {"paged_prefill_attention", (PyCFunction)(void (*)(void))kvt_py_paged_prefill_attention,
      METH_VARARGS | METH_KEYWORDS,
      "paged_prefill_attention(kv, strides, num_blocks, bf16, q, out, ids, n_ids, start, tokens, kv_heads, group, "
-     "head_dim, block_size, scale, threads, impl=None, window=0, int8_scales=-1) -> None\n\n"
+     "head_dim, block_size, scale, threads, impl=None, window=0, int8_scales=-1, fp8=False) -> None\n\n"
      "One sequence's new tokens q [tokens, kv_heads * group, head_dim] against its positions in a paged KV pool "
      "layer, causally: token t sees positions <= start + t, whose K/V are in blocks ids[0:n_ids] (the new tokens' "
      "own already written). Addresses and strides as for paged_decode_attention; ids are int32, checked against "
-     "num_blocks; impl picks a build by name (see paged_prefill_attention_impls); the GIL is released."},
+     "num_blocks; impl picks a build by name (see paged_prefill_attention_impls); int8_scales and fp8 as for "
+     "paged_decode_attention; the GIL is released."},
     {"paged_prefill_attention_impls", (PyCFunction)kvt_py_paged_prefill_attention_impls, METH_NOARGS,
      "paged_prefill_attention_impls() -> tuple[str, ...]\n\nThe builds of paged_prefill_attention this CPU runs "
      "(avx2, base), best first: the first is the one it uses."},
@@ -109,11 +112,13 @@ static PyMethodDef methods[] = {
      "Addresses of C-contiguous rows (trusted, like copy_regions'); the GIL is released."},
     {"rope_kv", (PyCFunction)(void (*)(void))kvt_py_rope_kv, METH_VARARGS | METH_KEYWORDS,
      "rope_kv(qkv, rows, row_elems, q_heads, kv_heads, head_dim, cos, sin, positions, q_out, kv, strides, blocks, "
-     "offsets, bf16, threads=1, impl=None) -> None\n\n"
+     "offsets, bf16, threads=1, impl=None, int8_scales=-1, fp8=False) -> None\n\n"
      "Rotate-half RoPE of each row's q heads into q_out ([rows, q_heads, head_dim]) and of its k heads in place, "
      "by the cos / sin rows ([positions, head_dim]) at positions[r] (int64); then, when kv is not 0, the rotated k "
      "and the v heads into pool layer kv at block blocks[r], offset offsets[r] (int64), strides (block, K|V, head, "
-     "position) in elements. Addresses trusted; the GIL is released."},
+     "position) in elements; int8_scales >= 0: an 8-bit pool (strides in bytes), k and v written as "
+     "kvtier.layout.quantize_rows writes them (int8, or float8 e4m3 with fp8) with their scales that many bytes "
+     "into each block's layer range. Addresses trusted; the GIL is released."},
     {"silu_mul", (PyCFunction)(void (*)(void))kvt_py_silu_mul, METH_VARARGS | METH_KEYWORDS,
      "silu_mul(gate_up, out, rows, inter, bf16, threads=1, impl=None) -> None\n\n"
      "out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:], rounded as torch rounds. Addresses trusted; the "

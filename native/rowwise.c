@@ -112,6 +112,7 @@ typedef struct {
     const int64_t *blocks, *offsets;       /* rows: each token's slot */
     int bf16;
     int64_t int8_scales; /* >= 0: an 8-bit pool (strides in bytes), each block's scales this far into its range */
+    int fp8;             /* its quants are float8 e4m3, else int8 */
 } rope_job_t;
 
 /* torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype. */
@@ -128,19 +129,22 @@ RW_INLINE void rope_head(const char *src, char *dst, const char *cs, const char 
     for (int i = 0; i < dim; i++) rw_store(dst, i, y[i], bf16);
 }
 
-/* One head's row as int8 quants and its scale, as kvtier.layout.quantize_rows rounds them: scale = max|x| / 127,
- * quants = x / scale rounded to nearest (ties to even), each step in float32; a zero row gets scale 0. */
-RW_INLINE void rope_quantize(const char *src, int8_t *dst, float *scale, int dim, const int bf16) {
+/* One head's row as 8-bit quants and its scale, as kvtier.layout.quantize_rows rounds them: scale = max|x| / top
+ * (127 for int8, 448 for e4m3), quants = x / scale rounded to nearest (ties to even; to an int8, or to an e4m3),
+ * each step in float32; a zero row gets scale 0. */
+RW_INLINE void rope_quantize(const char *src, uint8_t *dst, float *scale, int dim, const int bf16, const int fp8) {
     float amax = 0.0f;
     for (int i = 0; i < dim; i++) {
         const float a = fabsf(rw_load(src, i, bf16));
         amax = a > amax ? a : amax;
     }
-    const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
+    const float top = fp8 ? 448.0f : 127.0f;
+    const float s = amax / top, safe = s > 0.0f ? s : 1.0f;
     for (int i = 0; i < dim; i++) {
-        float q = nearbyintf(rw_load(src, i, bf16) / safe);
-        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-        dst[i] = (int8_t)q;
+        float q = rw_load(src, i, bf16) / safe;
+        if (!fp8) q = nearbyintf(q);
+        q = q > top ? top : q < -top ? -top : q;
+        dst[i] = fp8 ? kvt_f32_to_e4m3(q) : (uint8_t)(int8_t)q;
     }
     *scale = s;
 }
@@ -157,13 +161,13 @@ RW_INLINE void rope_row(const rope_job_t *j, int64_t r, const int bf16) {
     if (j->kv == NULL) return;
     if (j->int8_scales >= 0) { /* strides in bytes; scales [K|V][heads][block] after the quants */
         char *base = j->kv + j->blocks[r] * j->s_block;
-        int8_t *slot = (int8_t *)base + j->offsets[r] * j->s_pos;
+        uint8_t *slot = (uint8_t *)base + j->offsets[r] * j->s_pos;
         float *scales = (float *)(base + j->int8_scales) + j->offsets[r];
         const int64_t sc_kv = j->s_kv / dim, sc_head = j->s_head / dim;
         for (int h = 0; h < j->kv_heads; h++) {
-            rope_quantize(k + h * dim * esz, slot + h * j->s_head, scales + h * sc_head, (int)dim, bf16);
+            rope_quantize(k + h * dim * esz, slot + h * j->s_head, scales + h * sc_head, (int)dim, bf16, j->fp8);
             rope_quantize(v + h * dim * esz, slot + j->s_kv + h * j->s_head, scales + sc_kv + h * sc_head, (int)dim,
-                          bf16);
+                          bf16, j->fp8);
         }
         return;
     }
@@ -308,17 +312,18 @@ PyObject *kvt_py_rope_kv(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
     static char *names[] = {"qkv", "rows", "row_elems", "q_heads", "kv_heads", "head_dim", "cos", "sin", "positions",
                             "q_out", "kv", "strides", "blocks", "offsets", "bf16", "threads", "impl", "int8_scales",
-                            NULL};
+                            "fp8", NULL};
     unsigned long long qkv, cs, sn, pos, q_out, kv, blocks, offsets;
     long long rows, row_elems, s_block, s_kv, s_head, s_pos, int8_scales = -1;
-    int q_heads, kv_heads, head_dim, bf16, threads = 1;
+    int q_heads, kv_heads, head_dim, bf16, threads = 1, fp8 = 0;
     const char *impl = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KLLiiiKKKKK(LLLL)KKp|izL:rope_kv", names, &qkv, &rows, &row_elems,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KLLiiiKKKKK(LLLL)KKp|izLp:rope_kv", names, &qkv, &rows, &row_elems,
                                      &q_heads, &kv_heads, &head_dim, &cs, &sn, &pos, &q_out, &kv, &s_block, &s_kv,
-                                     &s_head, &s_pos, &blocks, &offsets, &bf16, &threads, &impl, &int8_scales))
+                                     &s_head, &s_pos, &blocks, &offsets, &bf16, &threads, &impl, &int8_scales, &fp8))
         return NULL;
+    if (fp8 && int8_scales < 0) return PyErr_Format(PyExc_ValueError, "fp8 names an 8-bit pool's quants: give its scales");
     if (int8_scales >= 0 && (int8_scales % 4 || s_block % 4 || s_kv % head_dim || s_head % head_dim || s_pos != head_dim))
-        return PyErr_Format(PyExc_ValueError, "an int8 pool's strides do not fit its scales");
+        return PyErr_Format(PyExc_ValueError, "an 8-bit pool's strides do not fit its scales");
     if (rw_check_threads(threads) < 0) return NULL;
     if (head_dim <= 0 || head_dim % 2 || head_dim > 512)
         return PyErr_Format(PyExc_ValueError, "head_dim must be even, at most 512");
@@ -348,6 +353,7 @@ PyObject *kvt_py_rope_kv(PyObject *mod, PyObject *args, PyObject *kw) {
         .offsets = (const int64_t *)(uintptr_t)offsets,
         .bf16 = bf16,
         .int8_scales = int8_scales,
+        .fp8 = fp8,
     };
     rw_run(build->rope, &job, rows, threads);
     Py_RETURN_NONE;

@@ -60,6 +60,7 @@ from kvtier.engine.runtime import LoadedModel, load_model, make_engine, open_cac
 from kvtier.engine.sampling import SamplingParams
 from kvtier.hardware import cpu_isa
 from kvtier.keys import KeyHasher
+from kvtier.layout import dtype_name
 from kvtier.promote import PROMOTE_BATCH
 from kvtier.tiers.base import TierKind
 
@@ -232,7 +233,7 @@ def measure(
     hits = tier_hits(loaded, cfg, spec)
     out = {
         "dtype": row.dtype,
-        "kv_dtype": layout.descriptor.rsplit(":", 1)[1],
+        "kv_dtype": dtype_name(layout.dtype),
         "bytes_per_token": layout.bytes_per_token,
         "host_capacity_tokens": int(cfg.host.capacity_bytes) // layout.block_bytes * layout.block_size,
         "agreement_vs_fp32": round(float((argmax == want_argmax).mean()), 4),

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -57,9 +57,13 @@ IMPLS: tuple[str, ...] = _native.paged_decode_attention_impls()
 PREFILL_IMPLS: tuple[str, ...] = _native.paged_prefill_attention_impls()
 """The prefill kernel's builds this CPU runs, best first (``avx2``, ``base``)."""
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
-"""Pools the C kernels read: float32, bfloat16, and 8-bit (int8 quants, each row's scale after its layer's
-quants, :class:`~kvtier.layout.KVLayout`), where q and the output are the model's float32 or bfloat16."""
+EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+"""8-bit pools' quants: int8 or float8 e4m3, each row's scale after its layer's quants
+(:class:`~kvtier.layout.KVLayout`)."""
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, *EIGHT_BIT_DTYPES)
+"""Pools the C kernels read: float32, bfloat16, and 8-bit, where q and the output are the model's float32 or
+bfloat16."""
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 
 
@@ -98,7 +102,7 @@ def native_fits(layer_kv: torch.Tensor, num_heads: int) -> bool:
     return (
         layer_kv.device.type == "cpu"
         and layer_kv.dtype in NATIVE_DTYPES
-        and (layer_kv.dtype != torch.int8 or layer_kv.stride(1) == kv_heads * block * dim)  # scales after quants
+        and (layer_kv.dtype not in EIGHT_BIT_DTYPES or layer_kv.stride(1) == kv_heads * block * dim)  # scales after
         and layer_kv.stride(-1) == 1
         and layer_kv.stride(-2) == dim
         and num_heads % kv_heads == 0
@@ -144,19 +148,21 @@ def gathered_attention(keys: torch.Tensor, values: torch.Tensor, mask: torch.Ten
     return (probs @ values).reshape(s, heads, dim)
 
 
-def _pool_args(layers: Sequence[torch.Tensor]) -> tuple[list[int], tuple[tuple[int, ...], int], int]:
-    """What both C kernels take of a pool: each layer's address, (strides, block count), and where an 8-bit
-    block's scales start in its layer range (its K and V quants' bytes; -1 for a float pool)."""
+def _pool_args(layers: Sequence[torch.Tensor]) -> tuple[list[int], tuple[tuple[int, ...], int], dict[str, Any]]:
+    """What both C kernels take of a pool: each layer's address, (strides, block count), and for an 8-bit
+    pool where a block's scales start in its layer range (its K and V quants' bytes; -1 for a float pool)
+    and whether its quants are float8 e4m3, as the kernels' keywords."""
     first = layers[0]  # all views of one pool tensor: the same shape, strides and dtype
-    scales = 2 * first.stride(1) if first.dtype == torch.int8 else -1
-    return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0]), scales
+    scales = 2 * first.stride(1) if first.dtype in EIGHT_BIT_DTYPES else -1
+    kv8 = {"int8_scales": scales, "fp8": first.dtype == torch.float8_e4m3fn}
+    return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0]), kv8
 
 
 def _q_fits(q: torch.Tensor, want: tuple[torch.dtype, torch.device, torch.Size], pool_dtype: torch.dtype) -> None:
     """Refuses a q of another shape or device than planned, or another dtype than the pool's (an 8-bit pool's
     q is float32 or bfloat16, the model's)."""
     dtype, device, shape = want
-    ok_dtype = q.dtype in (torch.float32, torch.bfloat16) if pool_dtype == torch.int8 else q.dtype == dtype
+    ok_dtype = q.dtype in (torch.float32, torch.bfloat16) if pool_dtype in EIGHT_BIT_DTYPES else q.dtype == dtype
     if not ok_dtype or q.device != device or q.shape != shape:
         raise ValueError(f"q {q.dtype} {tuple(q.shape)} on {q.device} does not fit this plan's {want}")
 
@@ -204,7 +210,7 @@ class NativeDecode:
         _, _, kv_heads, block, dim = first.shape
         self.layers, self.blocks = layers, blocks  # kept alive while C reads them by address
         self._q = (first.dtype, first.device, torch.Size((blocks.num_seqs, num_heads, dim)))
-        self._addrs, self._pool, self._scales = _pool_args(layers)
+        self._addrs, self._pool, self._kv8 = _pool_args(layers)
         self._rest = (
             *(t.data_ptr() for t in (blocks.ids, blocks.starts, blocks.lengths)),
             blocks.num_seqs,
@@ -224,9 +230,9 @@ class NativeDecode:
         bf16 = q.dtype == torch.bfloat16
         args = (self._addrs[layer], *self._pool, bf16, q.data_ptr(), out.data_ptr(), *self._rest)
         if self._impl is None:
-            _native.paged_decode_attention(*args, window=self._window, int8_scales=self._scales)
+            _native.paged_decode_attention(*args, window=self._window, **self._kv8)
         else:
-            _native._paged_decode_attention_using(self._impl, *args, window=self._window, int8_scales=self._scales)
+            _native._paged_decode_attention_using(self._impl, *args, window=self._window, **self._kv8)
         return out
 
 
@@ -278,7 +284,7 @@ class NativePrefill:
         self.layers = layers  # kept alive while C reads them by address
         self.ids = torch.tensor(table.block_ids[: blocks_for(start + tokens, block)], dtype=torch.int32)
         self._q = (first.dtype, first.device, torch.Size((tokens, num_heads, dim)))
-        self._addrs, self._pool, self._scales = _pool_args(layers)
+        self._addrs, self._pool, self._kv8 = _pool_args(layers)
         self._rest = (
             self.ids.data_ptr(),
             len(self.ids),
@@ -307,7 +313,7 @@ class NativePrefill:
             out.data_ptr(),
             *self._rest,
             window=self._window,
-            int8_scales=self._scales,
+            **self._kv8,
         )
         return out
 

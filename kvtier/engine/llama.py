@@ -186,8 +186,9 @@ class LlamaModel:
         decode steps read those instead of the dense matrices. ``q8_decode``:
         their products take the activations rounded to 8 bits a block
         (``engine.decode_activations: q8``; needs :data:`quant.Q8`).
-        ``kv_dtype``: the KV pool's, ``dtype`` (the default) or ``torch.int8``
-        (``engine.kv_dtype``), which needs the CPU's C attention kernels.
+        ``kv_dtype``: the KV pool's, ``dtype`` (the default), ``torch.int8`` or
+        ``torch.float8_e4m3fn`` (``engine.kv_dtype``; 8-bit quants with row
+        scales), which need the CPU's C attention kernels.
         """
         if q8_decode and not quant.Q8:
             raise ValueError("8-bit decode products need AVX-512 VNNI, which this CPU lacks")
@@ -197,8 +198,8 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
-        if self.kv_dtype not in (dtype, torch.int8):
-            raise ValueError(f"a {dtype} model's KV pool holds {dtype} or int8, not {self.kv_dtype}")
+        if self.kv_dtype not in (dtype, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"a {dtype} model's KV pool holds {dtype}, int8 or float8_e4m3fn, not {self.kv_dtype}")
         self.device = torch.device(device)
 
         def w(name: str) -> torch.Tensor:
@@ -277,7 +278,8 @@ class LlamaModel:
     # -- pool ------------------------------------------------------------------
     def kv_layout(self, block_size: int) -> KVLayout:
         c = self.config
-        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, self.kv_dtype)
+        eight_bit = self.kv_dtype.itemsize == 1  # kvtier's 8-bit pools always carry their rows' scales
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, self.kv_dtype, row_scales=eight_bit)
 
     def make_pool(self, block_size: int, num_blocks: int) -> KVPool:
         pool = KVPool(self.kv_layout(block_size), num_blocks, self.device)

@@ -94,7 +94,7 @@ class KVPool:
         if layout.quantized:
             shape = (layout.num_layers, num_blocks, layout.layer_bytes)
             self.kv = torch.zeros(shape, dtype=torch.uint8, device=self.device)
-            quants = self.kv[:, :, : layout.scales_offset].view(torch.int8)
+            quants = self.kv[:, :, : layout.scales_offset].view(layout.dtype)
             scales = self.kv[:, :, layout.scales_offset :].view(torch.float32)
             self.layers = list(quants.view(layout.num_layers, num_blocks, *layout.layer_shape).unbind(0))
             self.scales = list(scales.view(layout.num_layers, num_blocks, *layout.layer_shape[:-1]).unbind(0))
@@ -260,10 +260,10 @@ class KVPool:
         """
         pool = self.layers[layer]
         if self.layout.quantized:
-            scales = self.scales[layer]
+            scales, raw = self.scales[layer], pool.view(torch.uint8)  # torch has no index_put for float8: bytes
             for half, x in enumerate((k, v)):
-                quants, scale = quantize_rows(x)
-                pool[slots.blocks, half, :, slots.offsets] = quants
+                quants, scale = quantize_rows(x, self.layout.dtype)
+                raw[slots.blocks, half, :, slots.offsets] = quants.view(torch.uint8)
                 scales[slots.blocks, half, :, slots.offsets] = scale
             return
         pool[slots.blocks, 0, :, slots.offsets] = k

@@ -175,6 +175,7 @@ class Rope:
         layer = pool.layers[0]
         # An 8-bit pool's quants and scales are written by the same kernel, rounded as quantize_rows rounds them.
         self._scales = 2 * layer.stride(1) if layout.quantized else -1
+        self._fp8 = layout.quantized and layout.dtype == torch.float8_e4m3fn
         pool_fits = layer.device.type == "cpu" and (
             layout.quantized or (layer.dtype == cos.dtype and layer.is_contiguous())
         )
@@ -221,6 +222,7 @@ class Rope:
                 _threads(rows),
                 self._impl,
                 self._scales,
+                self._fp8,
             )
             k = qkv[:, q_dim : q_dim + kv_dim].unflatten(-1, (kv_heads, dim))
             v = qkv[:, q_dim + kv_dim :].unflatten(-1, (kv_heads, dim))

@@ -56,6 +56,7 @@ TOLERANCE: dict[torch.dtype, float] = {
     torch.bfloat16: 2**-3,
     torch.float16: 2**-5,
     torch.int8: 2**-4,  # a quant a step off (1/127 of its row's largest) from last-bit differences before rounding
+    torch.float8_e4m3fn: 2**-3,  # likewise: an e4m3 step next to its row's largest is 1/14 of it
 }
 
 

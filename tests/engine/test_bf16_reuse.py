@@ -69,14 +69,17 @@ def test_greedy_output_with_the_cache_is_the_output_without_it(bf16_model: Loade
         check_reuse(turns, cold, replies_cached=False)  # the prompts' blocks only, never a reply's
 
 
-def test_int8_kv_in_a_bfloat16_engine_keeps_reuse_exact(bf16_model: LoadedModel, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "kv"), [("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)])
+def test_8bit_kv_in_a_bfloat16_engine_keeps_reuse_exact(
+    name: str, kv: torch.dtype, bf16_model: LoadedModel, tmp_path: Path
+) -> None:
     """8-bit KV under bfloat16 compute: the prefill kernel's AVX-512 BF16 build reads the quants too."""
     model = copy.copy(bf16_model.model)
-    model.kv_dtype = torch.int8
+    model.kv_dtype = kv
     kv8 = dataclasses.replace(bf16_model, model=model)
-    cold_cfg = config(tmp_path / "cold", dtype="bfloat16", kv_dtype="int8")
+    cold_cfg = config(tmp_path / "cold", dtype="bfloat16", kv_dtype=name)
     cold = converse(make_engine(kv8, cold_cfg, cache=None, keep_resident=False), kv8)
-    cfg = config(tmp_path / "cached", dtype="bfloat16", kv_dtype="int8", keep_resident=False, max_step_tokens=48)
+    cfg = config(tmp_path / "cached", dtype="bfloat16", kv_dtype=name, keep_resident=False, max_step_tokens=48)
     with open_cache(kv8, cfg) as cache:
         engine = make_engine(kv8, cfg, cache=cache, keep_resident=False)
         assert engine.pool.layout.quantized

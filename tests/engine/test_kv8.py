@@ -17,19 +17,22 @@ from kvtier.layout import KVLayout, quantize_rows
 from tests.engine.test_kernels import shuffled_tables
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+KV8 = pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
 
 
-def int8_pool(*, kv_heads: int = 3, head_dim: int = 64, block: int = 16, layers: int = 2) -> KVPool:
+def kv8_pool(
+    kv: torch.dtype = torch.int8, *, kv_heads: int = 3, head_dim: int = 64, block: int = 16, layers: int = 2
+) -> KVPool:
     """A pool filled through its own write path: random K/V quantized a token at a time."""
-    pool = KVPool(KVLayout(layers, kv_heads, head_dim, block, torch.int8), num_blocks=96)
+    pool = KVPool(KVLayout(layers, kv_heads, head_dim, block, kv, row_scales=True), num_blocks=96)
     g = torch.Generator().manual_seed(1)
     for layer in range(layers):
         for half in range(2):
             x = torch.randn(pool.num_blocks, kv_heads, block, head_dim, generator=g) * torch.rand(
                 pool.num_blocks, kv_heads, block, 1, generator=g
             )
-            quants, scale = quantize_rows(x)
-            pool.layers[layer][:, half] = quants
+            quants, scale = quantize_rows(x, kv)
+            pool.layers[layer].view(torch.uint8)[:, half] = quants.view(torch.uint8)
             pool.scales[layer][:, half] = scale
     return pool
 
@@ -37,7 +40,8 @@ def int8_pool(*, kv_heads: int = 3, head_dim: int = 64, block: int = 16, layers:
 def dequantized(pool: KVPool, layer: int, table: BlockTable, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[kv_heads, total, D]`` in float64, as the pool holds them."""
     ids = torch.tensor(table.block_ids)
-    kv = pool.layers[layer][ids].double() * pool.scales[layer][ids].double().unsqueeze(-1)
+    quants = pool.layers[layer].view(torch.uint8)[ids].view(pool.layout.dtype)
+    kv = quants.double() * pool.scales[layer][ids].double().unsqueeze(-1)
     k, v = (kv[:, i].transpose(0, 1).flatten(1, 2)[:, :total] for i in (0, 1))
     return k, v
 
@@ -101,6 +105,7 @@ def test_pool_write_and_payloads_round_trip() -> None:
         pool.plan_gather([table], [20])
 
 
+@KV8
 @pytest.mark.parametrize("impl", kernels.IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
@@ -109,9 +114,9 @@ def test_pool_write_and_payloads_round_trip() -> None:
     ids=["smollm2", "block24", "dim128-block8", "dim96", "dim48", "group16"],
 )
 def test_decode_reads_the_quants_and_scales(
-    impl: str, dtype: torch.dtype, kv_heads: int, heads: int, head_dim: int, block: int
+    kv: torch.dtype, impl: str, dtype: torch.dtype, kv_heads: int, heads: int, head_dim: int, block: int
 ) -> None:
-    pool = int8_pool(kv_heads=kv_heads, head_dim=head_dim, block=block)
+    pool = kv8_pool(kv, kv_heads=kv_heads, head_dim=head_dim, block=block)
     lengths = [5, block, block + 1, 130, 300][: 3 if block == 32 else 5]
     tables = shuffled_tables(pool, lengths)
     q = queries(len(lengths), heads, head_dim, dtype)
@@ -125,9 +130,10 @@ def test_decode_reads_the_quants_and_scales(
             assert (got[i : i + 1].double() - want).abs().max().item() < TOL[dtype]
 
 
+@KV8
 @pytest.mark.parametrize("impl", kernels.IMPLS)
-def test_decode_with_a_window_reads_only_inside_it(impl: str) -> None:
-    pool = int8_pool()
+def test_decode_with_a_window_reads_only_inside_it(kv: torch.dtype, impl: str) -> None:
+    pool = kv8_pool(kv)
     lengths, window = [40, 300], 37
     tables = shuffled_tables(pool, lengths)
     q = queries(2, 9, 64, torch.float32)
@@ -138,13 +144,14 @@ def test_decode_with_a_window_reads_only_inside_it(impl: str) -> None:
         assert (got[i : i + 1].double() - attention(q[i : i + 1], k, v, allowed)).abs().max().item() < 1e-5
 
 
+@KV8
 @pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("start", "tokens", "window"), [(0, 70, None), (130, 37, None), (200, 90, 50)])
 def test_prefill_reads_the_quants_and_scales(
-    impl: str, dtype: torch.dtype, start: int, tokens: int, window: int | None
+    kv: torch.dtype, impl: str, dtype: torch.dtype, start: int, tokens: int, window: int | None
 ) -> None:
-    pool = int8_pool()
+    pool = kv8_pool(kv)
     (table,) = shuffled_tables(pool, [start + tokens])
     q = queries(tokens, 9, 64, dtype)
     got = NativePrefill(pool.layers, table, start, tokens, 9, impl=impl, window=window).attend(1, q)
@@ -157,11 +164,14 @@ def test_prefill_reads_the_quants_and_scales(
     assert (got.double() - attention(q, k, v, allowed)).abs().max().item() < TOL[dtype]
 
 
+@KV8
 @pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prefill_gives_a_token_the_same_bits_however_the_prompt_was_cut(impl: str, dtype: torch.dtype) -> None:
+def test_prefill_gives_a_token_the_same_bits_however_the_prompt_was_cut(
+    kv: torch.dtype, impl: str, dtype: torch.dtype
+) -> None:
     """What makes 8-bit reuse exact: a token's output does not depend on the chunk it came in."""
-    pool = int8_pool()
+    pool = kv8_pool(kv)
     (table,) = shuffled_tables(pool, [300])
     q = queries(300, 9, 64, dtype)
     whole = NativePrefill(pool.layers, table, 0, 300, 9, impl=impl).attend(0, q)
@@ -171,8 +181,9 @@ def test_prefill_gives_a_token_the_same_bits_however_the_prompt_was_cut(impl: st
         assert torch.equal(torch.cat([head, tail]), whole)
 
 
-def test_an_int8_pool_is_planned_on_the_kernels_from_position_zero() -> None:
-    pool = int8_pool()
+@KV8
+def test_an_8bit_pool_is_planned_on_the_kernels_from_position_zero(kv: torch.dtype) -> None:
+    pool = kv8_pool(kv)
     (table,) = shuffled_tables(pool, [100])
     assert isinstance(plan_prefill(pool, table, 0, 100, num_heads=9), NativePrefill)
     assert isinstance(plan_decode(pool, [table], [100], num_heads=9), NativeDecode)
@@ -180,17 +191,24 @@ def test_an_int8_pool_is_planned_on_the_kernels_from_position_zero() -> None:
         plan_decode(pool, [table], [100], num_heads=9).attend(0, queries(1, 9, 64, torch.float16))
 
 
+@KV8
 @pytest.mark.parametrize("impl", rowwise.IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_rope_kernel_writes_the_quants_quantize_rows_makes(impl: str, dtype: torch.dtype) -> None:
+def test_the_rope_kernel_writes_the_quants_quantize_rows_makes(kv: torch.dtype, impl: str, dtype: torch.dtype) -> None:
     """The C write rounds as :func:`quantize_rows` does: the same bytes as the torch path on the same K/V."""
     heads, kv_heads, dim, n, start = 9, 3, 64, 21, 27
     cos, sin = (t.to(dtype) for t in rowwise.rope_table(dim, 10000.0, 256))
-    pool = KVPool(KVLayout(2, kv_heads, dim, 16, torch.int8), num_blocks=8)
+    pool = KVPool(KVLayout(2, kv_heads, dim, 16, kv, row_scales=True), num_blocks=8)
     table = BlockTable([5, 2, 7], start)
     slots = pool.slots(table, start, n)
     qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
     qkv[3, heads * dim : (heads + 1) * dim] = 0  # a zero row: scale 0, quants 0
+    # V rows (not rotated) from 2^8 down to 2^-23 of their largest, both signs: e4m3's subnormals, ties and
+    # the largest quant all met
+    v0 = (heads + kv_heads) * dim
+    span = 2.0 ** -(torch.arange(dim, dtype=torch.float32) * 31 / dim) * torch.tensor([1.0, -1.0]).repeat(dim // 2)
+    qkv[4, v0 : v0 + dim] = (span * 3.0).to(dtype)
+    qkv[5, v0 : v0 + dim] = (torch.round(span * 512) / 512 + 2.0**-10).to(dtype)
     rope = rowwise.Rope(cos, sin, torch.arange(start, start + n), slots, pool, heads, impl=impl)
     assert rope.native
     _, k, v = rope.apply(1, qkv.clone())
@@ -200,3 +218,28 @@ def test_the_rope_kernel_writes_the_quants_quantize_rows_makes(impl: str, dtype:
     assert torch.count_nonzero(pool.scales[1][2, :, :, : start - 16]) == 0  # nothing before the first slot
     assert torch.count_nonzero(pool.scales[1][2, :, :, start - 16 :]) > 0
     assert torch.count_nonzero(pool.kv[0]) == 0  # layer 0 untouched
+
+
+def test_e4m3_rows_round_as_torch_and_keep_small_values_finer_than_int8() -> None:
+    x = torch.tensor([[448.0, 1.0, -0.3, 3 * 2.0**-11, 0.0], [0.0] * 5])
+    quants, scale = quantize_rows(x, torch.float8_e4m3fn)
+    assert quants.dtype == torch.float8_e4m3fn and scale[0].item() == 1.0 and scale[1].item() == 0.0
+    assert torch.equal(quants[0].float(), x[0].to(torch.float8_e4m3fn).float())  # in range: torch's own rounding
+    assert quants[0].float()[3].item() == 2.0**-9  # the smallest subnormal: 0.75 of it rounds up to it
+    i8, i8_scale = quantize_rows(x)
+    assert (i8[0].float() * i8_scale[0])[2].item() != pytest.approx(-0.3, rel=1e-2)
+    assert (quants[0].float() * scale[0])[2].item() == pytest.approx(-0.3, rel=0.07)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        quantize_rows(x, torch.float8_e5m2)
+
+
+def test_an_e4m3_layout_names_its_scales_apart_from_vllm_pages() -> None:
+    """kvtier's e4m3 blocks (with row scales) and vLLM's fp8 pages (without) never share a key root."""
+    ours = KVLayout(30, 3, 64, 16, torch.float8_e4m3fn, row_scales=True)
+    pages = KVLayout(30, 3, 64, 16, torch.float8_e4m3fn)
+    assert ours.quantized and not pages.quantized
+    assert ours.bytes_per_token == KVLayout(30, 3, 64, 16, torch.int8).bytes_per_token
+    assert ours.bytes_per_token == pages.bytes_per_token * 68 // 64
+    assert ours.descriptor.endswith(":fp8_e4m3:row_scales") and pages.descriptor.endswith(":fp8_e4m3")
+    with pytest.raises(ValueError, match="row scales"):
+        KVLayout(30, 3, 64, 16, torch.bfloat16, row_scales=True)

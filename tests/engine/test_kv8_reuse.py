@@ -1,4 +1,5 @@
-"""``engine.kv_dtype: int8`` on the real model: greedy output with the cache is the output without it.
+"""``engine.kv_dtype: int8`` and ``fp8_e4m3`` on the real model: greedy output with the cache is the output
+without it.
 
 An 8-bit pool rounds a token's KV once, when the engine writes it, and every
 token is attended to as the pool holds it, so a block read back from a tier
@@ -27,18 +28,27 @@ from tests.engine.test_bf16_reuse import prefill_in_chunks
 from tests.engine.test_engine import check_reuse, config, converse
 from tests.remote import remote_section
 
+KV8 = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@pytest.fixture(scope="module", params=list(KV8))
+def kv8(request: pytest.FixtureRequest) -> str:
+    """``engine.kv_dtype``: each 8-bit setting."""
+    return str(request.param)
+
 
 @pytest.fixture(scope="module")
-def kv8_model(loaded_model: LoadedModel) -> LoadedModel:
+def kv8_model(loaded_model: LoadedModel, kv8: str) -> LoadedModel:
     """The session's float32 model over an 8-bit KV pool (the same weights, shared)."""
     model = copy.copy(loaded_model.model)
-    model.kv_dtype = torch.int8
+    model.kv_dtype = KV8[kv8]
     return dataclasses.replace(loaded_model, model=model)
 
 
 def test_the_setting_resolves_and_binds_the_layout(loaded_model: LoadedModel, tmp_path: Path) -> None:
     cfg = config(tmp_path, kv_dtype="int8")
     assert kv_dtype(cfg) == torch.int8 and not cache_decoded(cfg)  # auto caches decoded KV in float32 KV only
+    assert kv_dtype(config(tmp_path, kv_dtype="fp8_e4m3")) == torch.float8_e4m3fn
     assert kv_dtype(config(tmp_path)) == torch.float32 and cache_decoded(config(tmp_path))
     with pytest.raises(ValueError, match="a float KV pool holds the compute dtype"):
         kv_dtype(config(tmp_path, kv_dtype="bfloat16"))
@@ -49,6 +59,11 @@ def test_the_setting_resolves_and_binds_the_layout(loaded_model: LoadedModel, tm
     with open_cache(kv8, config(tmp_path / "int8", kv_dtype="int8")) as int8:
         assert int8.layout.descriptor.endswith(":int8")
         assert int8.hasher.root("default") != fp32_root  # a block of one precision never serves another
+        int8_root = int8.hasher.root("default")
+    kv8.model.kv_dtype = torch.float8_e4m3fn
+    with open_cache(kv8, config(tmp_path / "e4m3", kv_dtype="fp8_e4m3")) as e4m3:
+        assert e4m3.layout.descriptor.endswith(":fp8_e4m3:row_scales")
+        assert e4m3.hasher.root("default") not in (fp32_root, int8_root)
 
 
 def test_a_prompts_kv_is_the_same_bytes_in_one_forward_or_in_uneven_chunks(kv8_model: LoadedModel) -> None:
@@ -62,11 +77,13 @@ def test_a_prompts_kv_is_the_same_bytes_in_one_forward_or_in_uneven_chunks(kv8_m
     assert one.dtype == torch.uint8 and torch.equal(one, cut) and torch.equal(one_logits, cut_logits)
 
 
-def test_greedy_output_with_the_cache_is_the_output_without_it(kv8_model: LoadedModel, tmp_path: Path) -> None:
-    cold_engine = make_engine(kv8_model, config(tmp_path / "cold", kv_dtype="int8"), cache=None, keep_resident=False)
+def test_greedy_output_with_the_cache_is_the_output_without_it(
+    kv8: str, kv8_model: LoadedModel, tmp_path: Path
+) -> None:
+    cold_engine = make_engine(kv8_model, config(tmp_path / "cold", kv_dtype=kv8), cache=None, keep_resident=False)
     cold = converse(cold_engine, kv8_model)
     for keep_resident in (False, True):
-        cfg = config(tmp_path / str(keep_resident), kv_dtype="int8", keep_resident=keep_resident, max_step_tokens=48)
+        cfg = config(tmp_path / str(keep_resident), kv_dtype=kv8, keep_resident=keep_resident, max_step_tokens=48)
         with open_cache(kv8_model, cfg) as cache:
             engine = make_engine(kv8_model, cfg, cache=cache, keep_resident=keep_resident)
             assert engine.pool.layout.quantized and not engine.publisher.cache_decoded
@@ -84,15 +101,15 @@ def with_sections(cfg: Config, **sections: dict[str, object]) -> Config:
 
 
 def test_8bit_blocks_through_the_cache_service_and_redis_give_the_same_output(
-    kv8_model: LoadedModel, tmp_path: Path, redis_server: RedisServer
+    kv8: str, kv8_model: LoadedModel, tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """The service's slab and Redis carry the blocks as the pool holds them, a quarter of float32's bytes."""
-    cold_engine = make_engine(kv8_model, config(tmp_path / "cold", kv_dtype="int8"), cache=None, keep_resident=False)
+    cold_engine = make_engine(kv8_model, config(tmp_path / "cold", kv_dtype=kv8), cache=None, keep_resident=False)
     cold = converse(cold_engine, kv8_model)
     layout = kv8_model.model.kv_layout(16)
     assert layout.bytes_per_token * 4 < KVLayout(30, 3, 64, 16, torch.float32).bytes_per_token * 1.07
     sock = tmp_path / "cache.sock"
-    service_cfg = config(tmp_path / "service", kv_dtype="int8")
+    service_cfg = config(tmp_path / "service", kv_dtype=kv8)
     svc = CacheService(
         service_cfg, layout, model_fingerprint=kv8_model.fingerprint, socket_path=sock, slab_dir=tmp_path
     )
@@ -100,7 +117,7 @@ def test_8bit_blocks_through_the_cache_service_and_redis_give_the_same_output(
     thread.start()
     try:
         cfg = with_sections(
-            config(tmp_path / "client", kv_dtype="int8", keep_resident=False), cache={"service": f"unix://{sock}"}
+            config(tmp_path / "client", kv_dtype=kv8, keep_resident=False), cache={"service": f"unix://{sock}"}
         )
         cache = open_cache(kv8_model, cfg)
         try:
@@ -114,9 +131,9 @@ def test_8bit_blocks_through_the_cache_service_and_redis_give_the_same_output(
 
     secret = {"secret_file": str(tmp_path / "deployment.secret")}
     remote = remote_section(redis_server.url, timeout_ms=5000)
-    writer = with_sections(config(tmp_path / "a", kv_dtype="int8", keep_resident=False), cache=secret, remote=remote)
+    writer = with_sections(config(tmp_path / "a", kv_dtype=kv8, keep_resident=False), cache=secret, remote=remote)
     reader = with_sections(
-        config(tmp_path / "b", kv_dtype="int8", keep_resident=False),
+        config(tmp_path / "b", kv_dtype=kv8, keep_resident=False),
         cache=secret,
         remote=remote,
         disk={"enabled": False},
