@@ -374,7 +374,7 @@ def _service_identity(args: argparse.Namespace) -> tuple[Config, KVLayout, str]:
         config.cache.block_size,
         config.data_dir,
         order=args.kv_order,
-        kv_dtype=dtype_from_name(kv_name) if kv_name in EIGHT_BIT_KV else None,
+        kv_dtype=None if kv_name == "auto" else dtype_from_name(kv_name),
     )
     return config, layout, fingerprint
 
@@ -575,7 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = command(
         "precision",
         _bench_precision,
-        "KV precision (float32, bfloat16, int8): bytes, agreement, exact reuse, decode at 8k, remote/disk hits",
+        "KV precision (float32, bfloat16, float16, int8, fp8_e4m3): bytes, agreement, exact reuse, decode at 8k, "
+        "remote/disk hits",
         reps=(3, medians),
     )
     pr.add_argument("--model", default=None, help="a GGUF (default: engine.model_path, else the embedded SmolLM2)")
@@ -726,9 +727,9 @@ def _service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype")
     parser.add_argument(
         "--kv-dtype",
-        choices=["auto", *EIGHT_BIT_KV],
+        choices=["auto", "float16", *EIGHT_BIT_KV],
         default=None,
-        help="KV dtype: auto = --dtype; int8, fp8_e4m3 (kvtier's engine's engine.kv_dtype); with --kv-order "
+        help="KV dtype: auto = --dtype; float16, int8, fp8_e4m3 (kvtier's engine's engine.kv_dtype); with --kv-order "
         "head_major, fp8_* are vLLM's kv_cache_dtype pages",
     )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default: cache.block_size)")

@@ -220,25 +220,33 @@ class KVDtype(enum.StrEnum):
     0.27x float32's bytes and 0.53x bfloat16's at head_dim 64, in the pool,
     the tiers and on the wire. ``fp8_e4m3``: the same with float8 e4m3
     quants (relative steps instead of even ones: small values kept finer,
-    the largest coarser). Reuse stays exact at any precision: a token's
+    the largest coarser). ``float16``: half of float32's bytes under either
+    compute dtype, finer than bfloat16 (10 mantissa bits, not 7) but
+    bounded at 65,504. Reuse stays exact at any precision: a token's
     KV is rounded once, when the engine writes it, and every token, cached
     or new, is attended to as the pool holds it (the C kernels read the
     quants in place), so the KV an engine computes and the KV a tier returns
     are the same bytes. Precision is part of the layout, which is bound into
     every block key: blocks written at one precision never serve another.
-    The 8-bit ones run on the CPU's C attention kernels (head_dim a multiple
-    of 16, at most 256). ``float32``/``bfloat16`` name the compute dtype itself.
+    float16 and the 8-bit ones run on the CPU's C attention kernels (head_dim
+    a multiple of 16, at most 256). ``float32``/``bfloat16`` name the compute dtype itself.
     """
 
     AUTO = "auto"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
     INT8 = "int8"
     FP8_E4M3 = "fp8_e4m3"
 
     @property
     def eight_bit(self) -> bool:
         return self in (KVDtype.INT8, KVDtype.FP8_E4M3)
+
+    @property
+    def any_compute(self) -> bool:
+        """Whether the kernels take this KV under either compute dtype (the C kernels widen it as they read)."""
+        return self.eight_bit or self is KVDtype.FLOAT16
 
 
 class DecodeWeights(enum.StrEnum):
@@ -327,7 +335,7 @@ class EngineConfig(_Section):
     )
     kv_dtype: KVDtype = Field(
         KVDtype.AUTO,
-        description="The KV pool's and every tier's precision: auto = engine.dtype; int8 or fp8_e4m3 quants.",
+        description="The KV pool's and every tier's precision: auto = engine.dtype; float16; int8 or fp8_e4m3 quants.",
     )
     decode_weights: DecodeWeights = DecodeWeights.GGUF
     decode_activations: DecodeActivations = Field(

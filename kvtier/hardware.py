@@ -63,14 +63,15 @@ def compute_dtype(config: Config) -> ComputeDtype:
 
 def kv_dtype(config: Config) -> str:
     """``engine.kv_dtype`` resolved, by name: ``auto`` is the compute dtype; a float one must be it (the
-    kernels take q and K/V in one dtype), an 8-bit one goes with either. Resolved here for the same reason."""
+    kernels take q and K/V in one dtype), float16 or an 8-bit one goes with either (the kernels widen them as
+    they read). Resolved here for the same reason."""
     chosen, compute = config.engine.kv_dtype, compute_dtype(config)
     if chosen is KVDtype.AUTO:
         return compute.value
-    if not chosen.eight_bit and chosen.value != compute.value:
+    if not chosen.any_compute and chosen.value != compute.value:
         raise ConfigError(
-            f"engine.kv_dtype {chosen.value} with engine.dtype {compute.value}: a float KV pool holds the compute "
-            f"dtype (set kv_dtype auto, {compute.value}, int8 or fp8_e4m3)"
+            f"engine.kv_dtype {chosen.value} with engine.dtype {compute.value}: a float32 or bfloat16 KV pool holds "
+            f"the compute dtype (set kv_dtype auto, {compute.value}, float16, int8 or fp8_e4m3)"
         )
     return chosen.value
 

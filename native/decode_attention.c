@@ -56,8 +56,7 @@
 #define ATTN_TARGET_RUNS 8
 
 /* Row p of a K or V tile as float32: the pool itself for float32, else converted into buf
- * (8-bit quants as they are: the caller applies the row's scale). kv: 0 float32, 1 bfloat16, 2 int8,
- * 3 float8 e4m3. */
+ * (8-bit quants as they are: the caller applies the row's scale). kv: a KVT_* kind. */
 static inline __attribute__((always_inline)) const float *attn_row(const char *base, ptrdiff_t off, int kv, int dim,
                                                                    float *buf) {
     if (kv == 2) {
@@ -65,9 +64,14 @@ static inline __attribute__((always_inline)) const float *attn_row(const char *b
         for (int d = 0; d < dim; d++) buf[d] = (float)x[d];
         return buf;
     }
-    if (kv == 3) {
+    if (kv == KVT_E4M3) {
         const uint8_t *x = (const uint8_t *)base + off;
         for (int d = 0; d < dim; d++) buf[d] = kvt_e4m3_to_f32(x[d]);
+        return buf;
+    }
+    if (kv == KVT_F16) {
+        const uint16_t *x = (const uint16_t *)base + off;
+        for (int d = 0; d < dim; d++) buf[d] = kvt_f16_to_f32(x[d]);
         return buf;
     }
     if (!kv) return (const float *)base + off;
@@ -119,16 +123,16 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
         attn_rows(b, B, first, len, &p0, &n);
         const ptrdiff_t k_off = (ptrdiff_t)ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)p0 * j->s_pos;
         const ptrdiff_t v_off = k_off + j->s_kv;
-        const int esize = kv >= 2 ? 1 : kv ? 2 : 4;
+        const int esize = kvt_kind_bytes(kv);
         if (b + 1 < u->b1) { /* the next block is anywhere in the pool: start fetching it */
             const char *nk = j->kv + ((ptrdiff_t)ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head) * esize;
             __builtin_prefetch(nk);
             __builtin_prefetch(nk + j->s_kv * esize);
         }
-        const float *ks = kv >= 2 ? attn_scales(j, ids[b], u->head, p0) : NULL, *vs = ks ? ks + j->ss_kv : NULL;
+        const float *ks = kvt_kind_scaled(kv) ? attn_scales(j, ids[b], u->head, p0) : NULL, *vs = ks ? ks + j->ss_kv : NULL;
         for (int p = 0; p < n; p++) {
             const float *k = attn_row(j->kv, k_off + p * j->s_pos, kv, D, kbuf);
-            for (int g = 0; g < G; g++) s[g][p] = kv >= 2 ? attn_dot(q + g * D, k, D, lanes) * ks[p] : attn_dot(q + g * D, k, D, lanes);
+            for (int g = 0; g < G; g++) s[g][p] = ks ? attn_dot(q + g * D, k, D, lanes) * ks[p] : attn_dot(q + g * D, k, D, lanes);
         }
         for (int g = 0; g < G; g++) {
             float *sg = s[g];
@@ -155,7 +159,7 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
         for (int p = 0; p < n; p++) {
             const float *v = attn_row(j->kv, v_off + p * j->s_pos, kv, D, vbuf);
             for (int g = 0; g < G; g++) {
-                const float w = kv >= 2 ? s[g][p] * vs[p] : s[g][p];
+                const float w = vs ? s[g][p] * vs[p] : s[g][p];
                 float *a = acc + g * D;
                 for (int d = 0; d < D; d++) a[d] += w * v[d];
             }
@@ -168,8 +172,9 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
 
 #define ATTN_VARIANT(name, attr, lanes)                                                             \
     attr static void name(const attn_job_t *j, const attn_unit_t *u, float *part) {                \
-        if (j->kv8 == KVT_KV8_E4M3) attn_unit_body(j, u, part, j->bf16, 3, lanes);                  \
-        else if (j->kv8) attn_unit_body(j, u, part, j->bf16, 2, lanes);                             \
+        if (j->kv8 == KVT_KV8_E4M3) attn_unit_body(j, u, part, j->bf16, KVT_E4M3, lanes);           \
+        else if (j->kv8) attn_unit_body(j, u, part, j->bf16, KVT_I8, lanes);                        \
+        else if (j->kv_f16) attn_unit_body(j, u, part, j->bf16, KVT_F16, lanes);                    \
         else if (j->bf16) attn_unit_body(j, u, part, 1, 1, lanes);                                  \
         else attn_unit_body(j, u, part, 0, 0, lanes);                                               \
     }
@@ -301,16 +306,16 @@ static size_t attn_plan_units(attn_job_t *j) {
 static PyObject *attn_entry(PyObject *args, PyObject *kw, const char *impl) {
     static char *kwlist[] = {"kv",     "strides", "num_blocks", "bf16",      "q",          "out",   "tables",
                              "starts", "lengths", "num_seqs",   "kv_heads",  "group",      "head_dim",
-                             "block_size", "scale", "threads", "window", "int8_scales", "fp8", NULL};
+                             "block_size", "scale", "threads", "window", "int8_scales", "fp8", "f16", NULL};
     unsigned long long kv, q, out, tables, starts, lengths;
     Py_ssize_t sb, skv, sh, sp, num_blocks;
     Py_ssize_t int8_scales = -1;
-    int bf16, threads, fp8 = 0;
+    int bf16, threads, fp8 = 0, f16 = 0;
     attn_job_t j = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKKKiiiiifi|$inp:paged_decode_attention", kwlist, &kv, &sb, &skv,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKKKiiiiifi|$inpp:paged_decode_attention", kwlist, &kv, &sb, &skv,
                                      &sh, &sp, &num_blocks, &bf16, &q, &out, &tables, &starts, &lengths, &j.num_seqs,
                                      &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &j.window,
-                                     &int8_scales, &fp8))
+                                     &int8_scales, &fp8, &f16))
         return NULL;
     pthread_once(&attn_once, attn_pick);
     attn_unit_fn fn = attn_impls[0].fn;
@@ -329,6 +334,8 @@ static PyObject *attn_entry(PyObject *args, PyObject *kw, const char *impl) {
     const char *bad_scales = kvt_kv8_scales(j.kv, sb, skv, sh, j.dim, int8_scales, fp8, &j.kv8, &j.scales, &j.ss_block,
                                              &j.ss_kv, &j.ss_head);
     if (bad_scales != NULL) return PyErr_Format(PyExc_ValueError, "paged_decode_attention: %s", bad_scales);
+    if (f16 && j.kv8) return PyErr_Format(PyExc_ValueError, "paged_decode_attention: a pool is float16 or 8-bit");
+    j.kv_f16 = f16;
     j.q = (const char *)(uintptr_t)q;
     j.out = (char *)(uintptr_t)out;
     j.tables = (const int32_t *)(uintptr_t)tables;

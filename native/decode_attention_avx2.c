@@ -29,8 +29,10 @@ ATTN256_INLINE __m256 attn256_load(const char *base, ptrdiff_t off, const int bf
         const __m128i x = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + off));
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
     }
-    if (bf16 == 3) /* float8 e4m3 quants, likewise */
+    if (bf16 == KVT_E4M3) /* float8 e4m3 quants, likewise */
         return kvt_e4m3_256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + off))));
+    if (bf16 == KVT_F16)
+        return kvt_f16_256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))));
     if (bf16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -114,8 +116,9 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
     const int len = j->lengths[u->seq];
     const int first = attn_first(j, u->seq);
     const int32_t *ids = j->tables + j->starts[u->seq];
-    const ptrdiff_t esize = bf16 >= 2 ? 1 : bf16 ? 2 : 4;
-    const int q_bf16 = bf16 >= 2 ? j->bf16 : bf16; /* an 8-bit pool's q is the model's dtype */
+    const ptrdiff_t esize = kvt_kind_bytes(bf16);
+    const int q_bf16 = bf16 >= KVT_I8 ? j->bf16 : bf16; /* an 8-bit or float16 pool's q is the model's dtype */
+    const int scaled = kvt_kind_scaled(bf16);
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
     float q[ATTN_MAX_GROUP * ATTN_MAX_DIM] __attribute__((aligned(32)));
     float acc[ATTN_MAX_GROUP * ATTN_MAX_DIM] __attribute__((aligned(32)));
@@ -155,7 +158,7 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
             const __m256 live1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n1), iota));
             const ptrdiff_t krow = k_off + (ptrdiff_t)t0 * D;
             __m256 ks0 = _mm256_set1_ps(1.0f), ks1 = ks0, vs0 = ks0, vs1 = ks0;
-            if (bf16 >= 2) { /* the tile's rows' scales: a score is its row's dot product of quants times K's */
+            if (scaled) { /* the tile's rows' scales: a score is its row's dot product of quants times K's */
                 const float *ks = attn_scales(j, ids[b], u->head, p0 + t0);
                 const __m256i m0 = _mm256_castps_si256(live0), m1 = _mm256_castps_si256(live1);
                 ks0 = _mm256_maskload_ps(ks, m0);
@@ -167,11 +170,11 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
                 __m256 qv[ATTN_MAX_DIM / 8];
                 for (int v = 0; v < nv; v++) qv[v] = _mm256_load_ps(q + g * D + 8 * v);
                 __m256 s0 = attn256_scores(j->kv, krow, D, n0, qv, nv, bf16);
-                if (bf16 >= 2) s0 = _mm256_mul_ps(s0, ks0);
+                if (scaled) s0 = _mm256_mul_ps(s0, ks0);
                 sc[g][0] = _mm256_blendv_ps(ninf, s0, live0);
                 if (n1 > 0) {
                     __m256 s1 = attn256_scores(j->kv, krow + 8 * D, D, n1, qv, nv, bf16);
-                    if (bf16 >= 2) s1 = _mm256_mul_ps(s1, ks1);
+                    if (scaled) s1 = _mm256_mul_ps(s1, ks1);
                     sc[g][1] = _mm256_blendv_ps(ninf, s1, live1);
                 } else {
                     sc[g][1] = ninf;
@@ -189,8 +192,8 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
                 const __m256 e1 = _mm256_and_ps(live1, kvt_exp256(_mm256_sub_ps(sc[g][1], mg)));
                 l[g] = l[g] * c + attn256_hsum(_mm256_add_ps(e0, e1));
                 /* V's quants are summed under weights times their rows' scales */
-                _mm256_store_ps(w + 16 * g, bf16 >= 2 ? _mm256_mul_ps(e0, vs0) : e0);
-                _mm256_store_ps(w + 16 * g + 8, bf16 >= 2 ? _mm256_mul_ps(e1, vs1) : e1);
+                _mm256_store_ps(w + 16 * g, scaled ? _mm256_mul_ps(e0, vs0) : e0);
+                _mm256_store_ps(w + 16 * g + 8, scaled ? _mm256_mul_ps(e1, vs1) : e1);
                 corr[g] = c;
             }
             const ptrdiff_t vrow = v_off + (ptrdiff_t)t0 * D;
@@ -213,9 +216,13 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
 ATTN256 void kvt_attn_unit_avx2(const attn_job_t *j, const attn_unit_t *u, float *part) {
     const int nv = j->dim / 8;
     if (j->kv8 == KVT_KV8_E4M3) {
-        if (nv == 8) attn256_body(j, u, part, 3, 8);
-        else if (nv == 16) attn256_body(j, u, part, 3, 16);
-        else attn256_body(j, u, part, 3, 0);
+        if (nv == 8) attn256_body(j, u, part, KVT_E4M3, 8);
+        else if (nv == 16) attn256_body(j, u, part, KVT_E4M3, 16);
+        else attn256_body(j, u, part, KVT_E4M3, 0);
+    } else if (j->kv_f16) {
+        if (nv == 8) attn256_body(j, u, part, KVT_F16, 8);
+        else if (nv == 16) attn256_body(j, u, part, KVT_F16, 16);
+        else attn256_body(j, u, part, KVT_F16, 0);
     } else if (j->kv8) {
         if (nv == 8) attn256_body(j, u, part, 2, 8);
         else if (nv == 16) attn256_body(j, u, part, 2, 16);

@@ -25,7 +25,7 @@
 #define ATTN512_INLINE static inline __attribute__((always_inline)) ATTN512
 
 /*
- * Vector v of a row that starts at element off, as float32; `bf16` 2 reads int8 quants, 3 float8 e4m3 ones. For float32 and for
+ * Vector v of a row that starts at element off, as float32; `bf16` is a KVT_* kind (8-bit quants read as they are). For float32 and for
  * bfloat16 rows whose length is not a multiple of 32 (`split` 0), elements
  * [16v, 16v + 16). For other bfloat16 rows (`split` 1), each 64-byte run of 32
  * elements gives two vectors without a shuffle: its even elements (v even: each
@@ -38,8 +38,11 @@ ATTN512_INLINE __m512 attn512_load(const char *base, ptrdiff_t off, int v, const
         const __m128i x = _mm_loadu_si128((const __m128i *)((const int8_t *)base + off + 16 * v));
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
     }
-    if (bf16 == 3) /* float8 e4m3 quants, likewise */
+    if (bf16 == KVT_E4M3) /* float8 e4m3 quants, likewise */
         return kvt_e4m3_512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + off + 16 * v))));
+    if (bf16 == KVT_F16)
+        return kvt_f16_512(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off + 16 * v))));
     if (split) {
         const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)base + off + 32 * (v >> 1)));
         return _mm512_castsi512_ps((v & 1) ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))
@@ -173,8 +176,9 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
     const int len = j->lengths[u->seq];
     const int first = attn_first(j, u->seq);
     const int32_t *ids = j->tables + j->starts[u->seq];
-    const ptrdiff_t esize = bf16 >= 2 ? 1 : bf16 ? 2 : 4;
-    const int q_bf16 = bf16 >= 2 ? j->bf16 : bf16; /* an 8-bit pool's q is the model's dtype */
+    const ptrdiff_t esize = kvt_kind_bytes(bf16);
+    const int q_bf16 = bf16 >= KVT_I8 ? j->bf16 : bf16; /* an 8-bit or float16 pool's q is the model's dtype */
+    const int scaled = kvt_kind_scaled(bf16);
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
     float q[ATTN_MAX_GROUP * ATTN_MAX_DIM] __attribute__((aligned(64)));
     float acc[ATTN_MAX_GROUP * ATTN_MAX_DIM] __attribute__((aligned(64)));
@@ -212,7 +216,7 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
             const int nt = n - t0 < ATTN_LANES ? n - t0 : ATTN_LANES;
             const __mmask16 live = (__mmask16)((1u << nt) - 1);
             __m512 sc[ATTN_MAX_GROUP], kscale = _mm512_set1_ps(1.0f), vscale = kscale;
-            if (bf16 >= 2) { /* the tile's rows' scales: a score is its row's dot product of quants times K's */
+            if (scaled) { /* the tile's rows' scales: a score is its row's dot product of quants times K's */
                 const float *ks = attn_scales(j, ids[b], u->head, p0 + t0);
                 kscale = _mm512_maskz_loadu_ps(live, ks);
                 vscale = _mm512_maskz_loadu_ps(live, ks + j->ss_kv);
@@ -221,7 +225,7 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
                 __m512 qv[ATTN_MAX_DIM / 16];
                 for (int v = 0; v < nv; v++) qv[v] = _mm512_load_ps(q + g * D + 16 * v);
                 __m512 raw = attn512_scores(j->kv, k_off + t0 * D, D, nt, qv, nv, bf16, split);
-                if (bf16 >= 2) raw = _mm512_mul_ps(raw, kscale);
+                if (scaled) raw = _mm512_mul_ps(raw, kscale);
                 sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, raw);
             }
             for (int g = 0; g < G; g++) {
@@ -235,7 +239,7 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
                 const __m512 e = _mm512_maskz_mov_ps(live, kvt_exp512(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
                 l[g] = l[g] * c + _mm512_reduce_add_ps(e);
                 /* V's quants are summed under weights times their rows' scales */
-                _mm512_store_ps(w + g * ATTN_LANES, bf16 >= 2 ? _mm512_mul_ps(e, vscale) : e);
+                _mm512_store_ps(w + g * ATTN_LANES, scaled ? _mm512_mul_ps(e, vscale) : e);
                 corr[g] = c;
             }
             /* V, read once per row for up to four heads at a time */
@@ -262,9 +266,13 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
 ATTN512 void kvt_attn_unit_avx512(const attn_job_t *j, const attn_unit_t *u, float *part) {
     const int nv = j->dim / 16;
     if (j->kv8 == KVT_KV8_E4M3) {
-        if (nv == 4) attn512_body(j, u, part, 3, 0, 4);
-        else if (nv == 8) attn512_body(j, u, part, 3, 0, 8);
-        else attn512_body(j, u, part, 3, 0, 0);
+        if (nv == 4) attn512_body(j, u, part, KVT_E4M3, 0, 4);
+        else if (nv == 8) attn512_body(j, u, part, KVT_E4M3, 0, 8);
+        else attn512_body(j, u, part, KVT_E4M3, 0, 0);
+    } else if (j->kv_f16) {
+        if (nv == 4) attn512_body(j, u, part, KVT_F16, 0, 4);
+        else if (nv == 8) attn512_body(j, u, part, KVT_F16, 0, 8);
+        else attn512_body(j, u, part, KVT_F16, 0, 0);
     } else if (j->kv8) {
         if (nv == 4) attn512_body(j, u, part, 2, 0, 4);
         else if (nv == 8) attn512_body(j, u, part, 2, 0, 8);

@@ -28,6 +28,46 @@ static inline uint16_t kvt_f32_to_bf16(float f) {
 /* What an 8-bit pool's quants are (a kernel job's kv8): none (a float pool), int8, or float8 e4m3. */
 enum { KVT_KV8_NONE = 0, KVT_KV8_INT8 = 1, KVT_KV8_E4M3 = 2 };
 
+/* What the attention kernels read a pool's elements as (their `kv` argument, a constant in each
+ * variant): the model's float32 or bfloat16, 8-bit quants (times their rows' scales), or float16 KV
+ * under a float32 or bfloat16 model. From KVT_I8 on, the pool's dtype is not q's. */
+enum { KVT_F32 = 0, KVT_BF16 = 1, KVT_I8 = 2, KVT_E4M3 = 3, KVT_F16 = 4 };
+
+static inline int kvt_kind_scaled(int kind) { return kind == KVT_I8 || kind == KVT_E4M3; }
+static inline int kvt_kind_bytes(int kind) { return kind == KVT_F32 ? 4 : kind == KVT_BF16 || kind == KVT_F16 ? 2 : 1; }
+
+/* float16 as float32, exactly: as for e4m3 below, the magnitude bits moved under a float32's
+ * exponent read 2^-112 too small (subnormals included) and are scaled back; infinities and NaNs
+ * (exponent all ones) keep their meaning. */
+static inline float kvt_f16_to_f32(uint16_t h) {
+    const uint32_t mag = h & 0x7fffu;
+    uint32_t u = mag << 13;
+    float f;
+    memcpy(&f, &u, 4);
+    f *= 0x1p112f;
+    memcpy(&u, &f, 4);
+    if (mag >= 0x7c00u) u = 0x7f800000u | (mag & 0x3ffu) << 13;
+    u |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* f to the nearest float16, ties to even, as torch's float -> float16 rounds (its F16C path, NaNs
+ * included): past 65,504 by half a step or more it is an infinity, below 2^-14 steps are 2^-24
+ * apart (subnormals). */
+static inline uint16_t kvt_f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((a >> 13) & 0x3ffu); /* NaN: quieted, payload's top bits kept */
+    if (a >= 0x477ff000u) return sign | 0x7c00u; /* 65,520 and up: infinity */
+    if (a >= 0x38800000u) return sign | (uint16_t)(((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - ((127u - 15u) << 10));
+    float x;
+    memcpy(&x, &a, 4);
+    return sign | (uint16_t)__builtin_nearbyintf(x * 16777216.0f); /* 1024 is 2^-14's code */
+}
+
 /* float8 e4m3 (no infinities, 448 its largest) as float32, exactly: the byte's magnitude bits moved to
  * where a float32's exponent and mantissa meet, which reads the value 2^-120 times too small (the
  * biases differ by 120, subnormals included), then scaled back by a power of two. 0x7f is e4m3's
@@ -132,6 +172,28 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
     const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
     const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
     return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, mag)), _mm256_set1_ps(0x1p120f));
+}
+
+/* kvt_f16_to_f32 of 8 float16s widened to 32-bit lanes (the same bits moved, the same power of two). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256 kvt_f16_256(__m256i x) {
+    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7fff));
+    const __m256i bits = _mm256_slli_epi32(mag, 13);
+    const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p112f));
+    const __m256 special = _mm256_castsi256_ps(_mm256_or_si256(bits, _mm256_set1_epi32(0x7f800000)));
+    const __m256 big = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7bff)));
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x8000)), 16));
+    return _mm256_or_ps(_mm256_blendv_ps(f, special, big), sign);
+}
+
+/* kvt_f16_to_f32 of 16 float16s widened to 32-bit lanes. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m512 kvt_f16_512(__m512i x) {
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff));
+    const __m512i bits = _mm512_slli_epi32(mag, 13);
+    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p112f));
+    const __mmask16 big = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7bff));
+    f = _mm512_mask_mov_ps(f, big, _mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_set1_epi32(0x7f800000))));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x8000)), 16);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
 /* kvt_e4m3_to_f32 of 16 bytes widened to 32-bit lanes. */

@@ -77,7 +77,7 @@ static PyMethodDef methods[] = {
      "GIL; returns how many. The addresses are trusted: the caller owns both sides and keeps them alive."},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))kvt_py_paged_decode_attention, METH_VARARGS | METH_KEYWORDS,
      "paged_decode_attention(kv, strides, num_blocks, bf16, q, out, tables, starts, lengths, num_seqs, kv_heads, "
-     "group, head_dim, block_size, scale, threads, window=0, int8_scales=-1, fp8=False) -> None\n\n"
+     "group, head_dim, block_size, scale, threads, window=0, int8_scales=-1, fp8=False, f16=False) -> None\n\n"
      "Decode attention read in place from a paged KV pool layer (see kvtier/engine/kernels.py, which wraps it): "
      "out[s, h] = softmax(scale * q[s, h] . K[s, h // group]) V[s, h // group] over the first lengths[s] "
      "positions of sequence s, whose blocks are tables[starts[s]:starts[s + 1]]. kv, q, out, tables, starts and "
@@ -86,18 +86,19 @@ static PyMethodDef methods[] = {
      "are int32. Block ids and counts are checked against num_blocks and the lengths; the GIL is released. "
      "int8_scales >= 0: the pool holds int8 quants (strides in bytes) and each block's layer range has its "
      "scales [K|V][kv_heads][block_size] float32 that many bytes from its start; bf16 then says q and out only; "
-     "with fp8 the quants are float8 e4m3 instead."},
+     "with fp8 the quants are float8 e4m3 instead. f16: the pool holds float16 (strides in elements), q and out "
+     "the dtype bf16 says."},
     {"_paged_decode_attention_using", (PyCFunction)(void (*)(void))kvt_py_paged_decode_attention_using,
      METH_VARARGS | METH_KEYWORDS, "_paged_decode_attention_using(impl, *args): paged_decode_attention on one named "
      "build (one of paged_decode_attention_impls()), for tests."},
     {"paged_prefill_attention", (PyCFunction)(void (*)(void))kvt_py_paged_prefill_attention,
      METH_VARARGS | METH_KEYWORDS,
      "paged_prefill_attention(kv, strides, num_blocks, bf16, q, out, ids, n_ids, start, tokens, kv_heads, group, "
-     "head_dim, block_size, scale, threads, impl=None, window=0, int8_scales=-1, fp8=False) -> None\n\n"
+     "head_dim, block_size, scale, threads, impl=None, window=0, int8_scales=-1, fp8=False, f16=False) -> None\n\n"
      "One sequence's new tokens q [tokens, kv_heads * group, head_dim] against its positions in a paged KV pool "
      "layer, causally: token t sees positions <= start + t, whose K/V are in blocks ids[0:n_ids] (the new tokens' "
      "own already written). Addresses and strides as for paged_decode_attention; ids are int32, checked against "
-     "num_blocks; impl picks a build by name (see paged_prefill_attention_impls); int8_scales and fp8 as for "
+     "num_blocks; impl picks a build by name (see paged_prefill_attention_impls); int8_scales, fp8 and f16 as for "
      "paged_decode_attention; the GIL is released."},
     {"paged_prefill_attention_impls", (PyCFunction)kvt_py_paged_prefill_attention_impls, METH_NOARGS,
      "paged_prefill_attention_impls() -> tuple[str, ...]\n\nThe builds of paged_prefill_attention this CPU runs "
@@ -112,13 +113,14 @@ static PyMethodDef methods[] = {
      "Addresses of C-contiguous rows (trusted, like copy_regions'); the GIL is released."},
     {"rope_kv", (PyCFunction)(void (*)(void))kvt_py_rope_kv, METH_VARARGS | METH_KEYWORDS,
      "rope_kv(qkv, rows, row_elems, q_heads, kv_heads, head_dim, cos, sin, positions, q_out, kv, strides, blocks, "
-     "offsets, bf16, threads=1, impl=None, int8_scales=-1, fp8=False) -> None\n\n"
+     "offsets, bf16, threads=1, impl=None, int8_scales=-1, fp8=False, f16=False) -> None\n\n"
      "Rotate-half RoPE of each row's q heads into q_out ([rows, q_heads, head_dim]) and of its k heads in place, "
      "by the cos / sin rows ([positions, head_dim]) at positions[r] (int64); then, when kv is not 0, the rotated k "
      "and the v heads into pool layer kv at block blocks[r], offset offsets[r] (int64), strides (block, K|V, head, "
      "position) in elements; int8_scales >= 0: an 8-bit pool (strides in bytes), k and v written as "
      "kvtier.layout.quantize_rows writes them (int8, or float8 e4m3 with fp8) with their scales that many bytes "
-     "into each block's layer range. Addresses trusted; the GIL is released."},
+     "into each block's layer range; f16: a float16 pool, k and v rounded to it as torch rounds. Addresses "
+     "trusted; the GIL is released."},
     {"silu_mul", (PyCFunction)(void (*)(void))kvt_py_silu_mul, METH_VARARGS | METH_KEYWORDS,
      "silu_mul(gate_up, out, rows, inter, bf16, threads=1, impl=None) -> None\n\n"
      "out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:], rounded as torch rounds. Addresses trusted; the "

@@ -66,6 +66,7 @@ typedef struct pf_job {
     ptrdiff_t s_block, s_kv, s_head, s_pos; /* its strides, in elements */
     int bf16;                               /* pool (unless kv8), q and out are bfloat16, else float32 */
     int kv8;                                /* KVT_KV8_*: 8-bit quants (int8 or e4m3), a float32 scale per row at scales */
+    int kv_f16;                             /* the pool holds float16 (q and out the model's dtype) */
     const float *scales;                    /* the layer's scales (kv8): block b's at scales + b * ss_block */
     ptrdiff_t ss_block, ss_kv, ss_head;     /* their strides, in floats (a row's is 1) */
     const char *q;                          /* [tokens, kv_heads * group, dim] */
@@ -84,8 +85,16 @@ static inline float pf_load(const char *base, ptrdiff_t i, int bf16) {
     return bf16 ? kvt_bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-/* An 8-bit pool's quant as float32: an int8, or a float8 e4m3 (kv8 KVT_KV8_E4M3). */
-static inline float pf_quant(uint8_t x, int kv8) { return kv8 == KVT_KV8_E4M3 ? kvt_e4m3_to_f32(x) : (float)(int8_t)x; }
+/* Element i of a pool that is not the model's dtype, as float32: float16, or an 8-bit quant (int8 or
+ * float8 e4m3) before its row's scale. */
+static inline float pf_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
+    if (j->kv_f16) return kvt_f16_to_f32(((const uint16_t *)base)[i]);
+    const uint8_t x = ((const uint8_t *)base)[i];
+    return j->kv8 == KVT_KV8_E4M3 ? kvt_e4m3_to_f32(x) : (float)(int8_t)x;
+}
+
+/* Bytes of one element of the pool. */
+static inline ptrdiff_t pf_esize(const pf_job_t *j) { return j->kv8 ? 1 : j->bf16 || j->kv_f16 ? 2 : 4; }
 
 /* An 8-bit pool's K scales of rows [t0, ...) of the sequence's block b, the unit's KV head (V's at + ss_kv). */
 static inline const float *pf_scales(const pf_job_t *j, const pf_unit_t *u, int b, int t0) {
@@ -165,15 +174,14 @@ static inline void pf_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scrat
     const int D = j->dim;
     const ptrdiff_t k_off = (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
     const ptrdiff_t v_off = k_off + j->s_kv;
-    if (j->kv8) { /* quants times their rows' scales: the K/V an 8-bit pool holds */
-        const float *ks = pf_scales(j, u, b, t0);
-        const uint8_t *kq = (const uint8_t *)j->kv + k_off, *vq = (const uint8_t *)j->kv + v_off;
+    if (j->kv8 || j->kv_f16) { /* quants times their rows' scales (the K/V an 8-bit pool holds), or float16 */
+        const float *ks = j->kv8 ? pf_scales(j, u, b, t0) : NULL;
         for (int p = 0; p < PF_TILE; p++) {
-            const float kp = p < nt ? ks[p] : 0.0f, vp = p < nt ? ks[j->ss_kv + p] : 0.0f;
+            const float kp = p < nt ? (ks ? ks[p] : 1.0f) : 0.0f, vp = p < nt ? (ks ? ks[j->ss_kv + p] : 1.0f) : 0.0f;
             for (int d = 0; d < D; d++) {
                 const ptrdiff_t at = (ptrdiff_t)p * j->s_pos + d;
-                w->kt[p * D + d] = p < nt ? pf_quant(kq[at], j->kv8) * kp : 0.0f;
-                w->vt[p * D + d] = p < nt ? pf_quant(vq[at], j->kv8) * vp : 0.0f;
+                w->kt[p * D + d] = p < nt ? pf_wide(j, j->kv, k_off + at) * kp : 0.0f;
+                w->vt[p * D + d] = p < nt ? pf_wide(j, j->kv, v_off + at) * vp : 0.0f;
             }
         }
         *k = w->kt;
@@ -366,29 +374,30 @@ PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int m
  * anything else goes through pf_tile. Every unit widens every tile it reads, so this
  * runs as often as the score products do.
  */
-/* Eight 8-bit quants as float32: int8, or float8 e4m3 (kv8 KVT_KV8_E4M3). */
-PF_AVX2_INLINE __m256 pf256_quants(const uint8_t *at, int kv8) {
-    const __m128i x = _mm_loadl_epi64((const __m128i *)at);
-    if (kv8 == KVT_KV8_E4M3) return kvt_e4m3_256(_mm256_cvtepu8_epi32(x));
+/* pf_wide of elements [i, i + 8). */
+PF_AVX2_INLINE __m256 pf256_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
+    if (j->kv_f16) return kvt_f16_256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))));
+    const __m128i x = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + i));
+    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_256(_mm256_cvtepu8_epi32(x));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
 }
 
 PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scratch_t *w, int b, int t0, int nt,
                                const float **k, const float **v) {
     const int D = j->dim;
-    if (j->kv8 && D % 8 == 0) { /* 8-bit quants times their rows' scales, eight at a time */
+    if ((j->kv8 || j->kv_f16) && D % 8 == 0) { /* 8-bit quants times their rows' scales, or float16, eight at a time */
         const ptrdiff_t k_off =
             (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
-        const float *ks = pf_scales(j, u, b, t0);
-        const uint8_t *kq = (const uint8_t *)j->kv + k_off, *vq = kq + j->s_kv;
+        const float *ks = j->kv8 ? pf_scales(j, u, b, t0) : NULL;
         for (int p = 0; p < PF_TILE; p++) {
-            const __m256 kp = _mm256_set1_ps(p < nt ? ks[p] : 0.0f), vp = _mm256_set1_ps(p < nt ? ks[j->ss_kv + p] : 0.0f);
+            const __m256 kp = _mm256_set1_ps(p < nt ? (ks ? ks[p] : 1.0f) : 0.0f);
+            const __m256 vp = _mm256_set1_ps(p < nt ? (ks ? ks[j->ss_kv + p] : 1.0f) : 0.0f);
             for (int d = 0; d < D; d += 8) {
-                const ptrdiff_t at = (ptrdiff_t)p * j->s_pos + d;
+                const ptrdiff_t at = k_off + (ptrdiff_t)p * j->s_pos + d;
                 __m256 kx = _mm256_setzero_ps(), vx = _mm256_setzero_ps();
                 if (p < nt) {
-                    kx = pf256_quants(kq + at, j->kv8);
-                    vx = pf256_quants(vq + at, j->kv8);
+                    kx = pf256_wide(j, j->kv, at);
+                    vx = pf256_wide(j, j->kv, at + j->s_kv);
                 }
                 _mm256_storeu_ps(w->kt + p * D + d, _mm256_mul_ps(kx, kp));
                 _mm256_storeu_ps(w->vt + p * D + d, _mm256_mul_ps(vx, vp));
@@ -398,7 +407,7 @@ PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_s
         *v = w->vt;
         return;
     }
-    if (!j->bf16 || j->kv8 || nt != PF_TILE || D % 8) {
+    if (!j->bf16 || j->kv8 || j->kv_f16 || nt != PF_TILE || D % 8) {
         pf_tile(j, u, w, b, t0, nt, k, v);
         return;
     }
@@ -426,7 +435,7 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
         const int n = n_keys - b * B < B ? n_keys - b * B : B;
         if ((b + 1) * B < n_keys) { /* the next block is anywhere in the pool: start fetching it */
             const ptrdiff_t next = (ptrdiff_t)j->ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head;
-            const size_t esize = j->kv8 ? 1 : j->bf16 ? 2 : 4;
+            const size_t esize = (size_t)pf_esize(j);
             const char *nk = j->kv + next * (ptrdiff_t)esize, *nv = j->kv + (next + j->s_kv) * (ptrdiff_t)esize;
             for (size_t o = 0; o < (size_t)PF_TILE * (size_t)D * esize; o += 64) {
                 _mm_prefetch(nk + o, _MM_HINT_T1);
@@ -470,10 +479,12 @@ typedef struct {
     uint16_t *kb, *vb;      /* a partial tile's K and V rows, zero past its end */
 } pf_pairs_t;
 
-/* Sixteen 8-bit quants as float32: int8, or float8 e4m3 (kv8 KVT_KV8_E4M3). */
-PF_BF16_INLINE __m512 pf512_quants(const uint8_t *at, int kv8) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)at);
-    if (kv8 == KVT_KV8_E4M3) return kvt_e4m3_512(_mm512_cvtepu8_epi32(x));
+/* pf_wide of elements [i, i + 16). */
+PF_BF16_INLINE __m512 pf512_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
+    if (j->kv_f16)
+        return kvt_f16_512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))));
+    const __m128i x = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + i));
+    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_512(_mm512_cvtepu8_epi32(x));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
 }
 
@@ -600,18 +611,18 @@ PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *b
                 (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
             const uint16_t *k = (const uint16_t *)j->kv + k_off, *v = (const uint16_t *)j->kv + k_off + j->s_kv;
             ptrdiff_t stride = j->s_pos;
-            if (j->kv8) { /* quants times their rows' scales, rounded to bfloat16 as q is; rows past nt zero */
-                const float *ks = pf_scales(j, u, b, t0);
-                const uint8_t *kq = (const uint8_t *)j->kv + k_off, *vq = kq + j->s_kv;
+            if (j->kv8 || j->kv_f16) { /* quants times their rows' scales, or float16, rounded to bfloat16 as q
+                                        * is; rows past nt zero */
+                const float *ks = j->kv8 ? pf_scales(j, u, b, t0) : NULL;
                 for (int p = 0; p < PF_TILE; p++) {
-                    const __m512 kp = _mm512_set1_ps(p < nt ? ks[p] : 0.0f);
-                    const __m512 vp = _mm512_set1_ps(p < nt ? ks[j->ss_kv + p] : 0.0f);
+                    const __m512 kp = _mm512_set1_ps(p < nt ? (ks ? ks[p] : 1.0f) : 0.0f);
+                    const __m512 vp = _mm512_set1_ps(p < nt ? (ks ? ks[j->ss_kv + p] : 1.0f) : 0.0f);
                     for (int d = 0; d < D; d += 16) {
-                        const ptrdiff_t at = (ptrdiff_t)p * j->s_pos + d;
+                        const ptrdiff_t at = k_off + (ptrdiff_t)p * j->s_pos + d;
                         __m512 kx = _mm512_setzero_ps(), vx = _mm512_setzero_ps();
                         if (p < nt) {
-                            kx = pf512_quants(kq + at, j->kv8);
-                            vx = pf512_quants(vq + at, j->kv8);
+                            kx = pf512_wide(j, j->kv, at);
+                            vx = pf512_wide(j, j->kv, at + j->s_kv);
                         }
                         _mm256_storeu_si256((__m256i *)(x.kb + (size_t)p * D + d),
                                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(kx, kp)));
@@ -711,17 +722,17 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
     (void)mod;
     static char *names[] = {"kv",     "strides",  "num_blocks", "bf16",     "q",          "out",   "ids",
                             "n_ids",  "start",    "tokens",     "kv_heads", "group",      "head_dim",
-                            "block_size", "scale", "threads",   "impl",     "window", "int8_scales", "fp8", NULL};
+                            "block_size", "scale", "threads",   "impl",     "window", "int8_scales", "fp8", "f16", NULL};
     unsigned long long kv, q, out, ids;
     Py_ssize_t sb, skv, sh, sp, num_blocks, n_ids;
     Py_ssize_t int8_scales = -1;
-    int bf16, threads, fp8 = 0;
+    int bf16, threads, fp8 = 0, f16 = 0;
     const char *impl = NULL;
     pf_job_t j = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKniiiiiifi|zinp:paged_prefill_attention", names, &kv, &sb,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K(nnnn)npKKKniiiiiifi|zinpp:paged_prefill_attention", names, &kv, &sb,
                                      &skv, &sh, &sp, &num_blocks, &bf16, &q, &out, &ids, &n_ids, &j.start, &j.tokens,
                                      &j.kv_heads, &j.group, &j.dim, &j.block, &j.scale, &threads, &impl, &j.window,
-                                     &int8_scales, &fp8))
+                                     &int8_scales, &fp8, &f16))
         return NULL;
     pthread_once(&pf_once, pf_pick);
     j.unit_fn = pf_impls[0].fn;
@@ -753,6 +764,8 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
     j.bf16 = bf16;
     bad = kvt_kv8_scales(j.kv, sb, skv, sh, j.dim, int8_scales, fp8, &j.kv8, &j.scales, &j.ss_block, &j.ss_kv, &j.ss_head);
     if (bad != NULL) return PyErr_Format(PyExc_ValueError, "paged_prefill_attention: %s", bad);
+    if (f16 && j.kv8) return PyErr_Format(PyExc_ValueError, "paged_prefill_attention: a pool is float16 or 8-bit");
+    j.kv_f16 = f16;
     j.q = (const char *)(uintptr_t)q;
     j.out = (char *)(uintptr_t)out;
     j.scratch_floats = pf_scratch_floats(j.group, j.dim);

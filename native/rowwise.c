@@ -113,6 +113,7 @@ typedef struct {
     int bf16;
     int64_t int8_scales; /* >= 0: an 8-bit pool (strides in bytes), each block's scales this far into its range */
     int fp8;             /* its quants are float8 e4m3, else int8 */
+    int f16;             /* a float16 pool (strides in elements): k and v rounded to float16 as torch rounds */
 } rope_job_t;
 
 /* torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype. */
@@ -169,6 +170,15 @@ RW_INLINE void rope_row(const rope_job_t *j, int64_t r, const int bf16) {
             rope_quantize(v + h * dim * esz, slot + j->s_kv + h * j->s_head, scales + sc_kv + h * sc_head, (int)dim,
                           bf16, j->fp8);
         }
+        return;
+    }
+    if (j->f16) {
+        uint16_t *slot = (uint16_t *)j->kv + j->blocks[r] * j->s_block + j->offsets[r] * j->s_pos;
+        for (int h = 0; h < j->kv_heads; h++)
+            for (int64_t i = 0; i < dim; i++) {
+                slot[h * j->s_head + i] = kvt_f32_to_f16(rw_load(k + h * dim * esz, i, bf16));
+                slot[j->s_kv + h * j->s_head + i] = kvt_f32_to_f16(rw_load(v + h * dim * esz, i, bf16));
+            }
         return;
     }
     char *slot = j->kv + (j->blocks[r] * j->s_block + j->offsets[r] * j->s_pos) * esz;
@@ -312,16 +322,17 @@ PyObject *kvt_py_rope_kv(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
     static char *names[] = {"qkv", "rows", "row_elems", "q_heads", "kv_heads", "head_dim", "cos", "sin", "positions",
                             "q_out", "kv", "strides", "blocks", "offsets", "bf16", "threads", "impl", "int8_scales",
-                            "fp8", NULL};
+                            "fp8", "f16", NULL};
     unsigned long long qkv, cs, sn, pos, q_out, kv, blocks, offsets;
     long long rows, row_elems, s_block, s_kv, s_head, s_pos, int8_scales = -1;
-    int q_heads, kv_heads, head_dim, bf16, threads = 1, fp8 = 0;
+    int q_heads, kv_heads, head_dim, bf16, threads = 1, fp8 = 0, f16 = 0;
     const char *impl = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KLLiiiKKKKK(LLLL)KKp|izLp:rope_kv", names, &qkv, &rows, &row_elems,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KLLiiiKKKKK(LLLL)KKp|izLpp:rope_kv", names, &qkv, &rows, &row_elems,
                                      &q_heads, &kv_heads, &head_dim, &cs, &sn, &pos, &q_out, &kv, &s_block, &s_kv,
-                                     &s_head, &s_pos, &blocks, &offsets, &bf16, &threads, &impl, &int8_scales, &fp8))
+                                     &s_head, &s_pos, &blocks, &offsets, &bf16, &threads, &impl, &int8_scales, &fp8, &f16))
         return NULL;
     if (fp8 && int8_scales < 0) return PyErr_Format(PyExc_ValueError, "fp8 names an 8-bit pool's quants: give its scales");
+    if (f16 && int8_scales >= 0) return PyErr_Format(PyExc_ValueError, "a pool is float16 or 8-bit");
     if (int8_scales >= 0 && (int8_scales % 4 || s_block % 4 || s_kv % head_dim || s_head % head_dim || s_pos != head_dim))
         return PyErr_Format(PyExc_ValueError, "an 8-bit pool's strides do not fit its scales");
     if (rw_check_threads(threads) < 0) return NULL;
@@ -354,6 +365,7 @@ PyObject *kvt_py_rope_kv(PyObject *mod, PyObject *args, PyObject *kw) {
         .bf16 = bf16,
         .int8_scales = int8_scales,
         .fp8 = fp8,
+        .f16 = f16,
     };
     rw_run(build->rope, &job, rows, threads);
     Py_RETURN_NONE;

@@ -1,11 +1,12 @@
 """`kvtier bench precision`: what each KV precision costs and saves, against float32 KV, in one run.
 
 Each row is the same model (the embedded SmolLM2, or ``--model``) with its
-KV pool, and so every tier, at one precision: ``float32`` and ``int8``
-compute in float32, so only the KV differs between them; ``bfloat16`` is
-the bfloat16 engine (its KV is its compute dtype) and ``int8_bf16_compute``
-that engine over int8 KV (what ``engine.dtype: auto`` gives on a CPU with
-native bf16; read it against the ``bfloat16`` row). Per row:
+KV pool, and so every tier, at one precision: ``float32``, ``int8``,
+``fp8_e4m3`` and ``float16`` compute in float32, so only the KV differs
+between them; ``bfloat16`` is the bfloat16 engine (its KV is its compute
+dtype) and ``int8_bf16_compute`` that engine over int8 KV (what
+``engine.dtype: auto`` gives on a CPU with native bf16; read it against the
+``bfloat16`` row). Per row:
 
 * ``bytes_per_token``: KV bytes a token takes in the pool, every tier and
   on the wire (all layers, K and V, an 8-bit row's scales included), and
@@ -93,6 +94,8 @@ ROWS = (
     Precision("float32", "float32", "auto"),
     Precision("bfloat16", "bfloat16", "auto"),
     Precision("int8", "float32", "int8"),
+    Precision("fp8_e4m3", "float32", "fp8_e4m3"),
+    Precision("float16", "float32", "float16"),
     Precision("int8_bf16_compute", "bfloat16", "int8"),
 )
 

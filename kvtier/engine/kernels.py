@@ -61,9 +61,11 @@ EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 """8-bit pools' quants: int8 or float8 e4m3, each row's scale after its layer's quants
 (:class:`~kvtier.layout.KVLayout`)."""
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16, *EIGHT_BIT_DTYPES)
-"""Pools the C kernels read: float32, bfloat16, and 8-bit, where q and the output are the model's float32 or
-bfloat16."""
+WIDENED_DTYPES = (torch.float16, *EIGHT_BIT_DTYPES)
+"""Pools whose dtype is not the model's: the C kernels widen their K/V to q's float32 or bfloat16 as they read."""
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, *WIDENED_DTYPES)
+"""Pools the C kernels read: the model's own float32 or bfloat16, and the widened ones."""
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 
 
@@ -151,18 +153,18 @@ def gathered_attention(keys: torch.Tensor, values: torch.Tensor, mask: torch.Ten
 def _pool_args(layers: Sequence[torch.Tensor]) -> tuple[list[int], tuple[tuple[int, ...], int], dict[str, Any]]:
     """What both C kernels take of a pool: each layer's address, (strides, block count), and for an 8-bit
     pool where a block's scales start in its layer range (its K and V quants' bytes; -1 for a float pool)
-    and whether its quants are float8 e4m3, as the kernels' keywords."""
+    and whether its quants are float8 e4m3, and whether it is float16, as the kernels' keywords."""
     first = layers[0]  # all views of one pool tensor: the same shape, strides and dtype
     scales = 2 * first.stride(1) if first.dtype in EIGHT_BIT_DTYPES else -1
-    kv8 = {"int8_scales": scales, "fp8": first.dtype == torch.float8_e4m3fn}
+    kv8 = {"int8_scales": scales, "fp8": first.dtype == torch.float8_e4m3fn, "f16": first.dtype == torch.float16}
     return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0]), kv8
 
 
 def _q_fits(q: torch.Tensor, want: tuple[torch.dtype, torch.device, torch.Size], pool_dtype: torch.dtype) -> None:
-    """Refuses a q of another shape or device than planned, or another dtype than the pool's (an 8-bit pool's
+    """Refuses a q of another shape or device than planned, or another dtype than the pool's (a widened pool's
     q is float32 or bfloat16, the model's)."""
     dtype, device, shape = want
-    ok_dtype = q.dtype in (torch.float32, torch.bfloat16) if pool_dtype in EIGHT_BIT_DTYPES else q.dtype == dtype
+    ok_dtype = q.dtype in (torch.float32, torch.bfloat16) if pool_dtype in WIDENED_DTYPES else q.dtype == dtype
     if not ok_dtype or q.device != device or q.shape != shape:
         raise ValueError(f"q {q.dtype} {tuple(q.shape)} on {q.device} does not fit this plan's {want}")
 
@@ -328,9 +330,9 @@ def plan_prefill(
     its reduction order does not depend on where the prompt was cut, so the
     KV of every token is the same bits whatever the chunks were (what makes
     bf16 reuse exact); in float32 SDPA is the faster of the two there. And
-    always for an 8-bit pool: every token must attend to the K/V the pool
-    holds (quants times scales), as a later turn reading them from a tier
-    will, never to the unrounded ones SDPA would be handed.
+    always for a pool not in the model's dtype (8-bit or float16): every
+    token must attend to the K/V the pool holds, as a later turn reading
+    them from a tier will, never to the unrounded ones SDPA would be handed.
     """
     if start == 0 and pool.layers[0].dtype == torch.float32:
         return None

@@ -63,7 +63,7 @@ from kvtier.engine.kernels import DecodePlan, NativePrefill, native_fits, plan_d
 from kvtier.engine.pool import BlockTable, Gather, KVPool, Slots
 from kvtier.engine.quant import QuantMatrix, QuantStack, fuse
 from kvtier.engine.rowwise import Rope, add_rms_norm, head_rms_norm, rope_table, silu_mul
-from kvtier.layout import KVLayout
+from kvtier.layout import KVLayout, dtype_name
 from kvtier.model import QuantBlocks
 from kvtier.model.config import Activation, ModelConfig
 
@@ -186,9 +186,9 @@ class LlamaModel:
         decode steps read those instead of the dense matrices. ``q8_decode``:
         their products take the activations rounded to 8 bits a block
         (``engine.decode_activations: q8``; needs :data:`quant.Q8`).
-        ``kv_dtype``: the KV pool's, ``dtype`` (the default), ``torch.int8`` or
-        ``torch.float8_e4m3fn`` (``engine.kv_dtype``; 8-bit quants with row
-        scales), which need the CPU's C attention kernels.
+        ``kv_dtype``: the KV pool's, ``dtype`` (the default), ``torch.float16``,
+        ``torch.int8`` or ``torch.float8_e4m3fn`` (``engine.kv_dtype``; 8-bit
+        quants with row scales); all but ``dtype`` need the CPU's C attention kernels.
         """
         if q8_decode and not quant.Q8:
             raise ValueError("8-bit decode products need AVX-512 VNNI, which this CPU lacks")
@@ -198,8 +198,10 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
-        if self.kv_dtype not in (dtype, torch.int8, torch.float8_e4m3fn):
-            raise ValueError(f"a {dtype} model's KV pool holds {dtype}, int8 or float8_e4m3fn, not {self.kv_dtype}")
+        if self.kv_dtype not in (dtype, torch.float16, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(
+                f"a {dtype} model's KV pool holds {dtype}, float16, int8 or float8_e4m3fn, not {self.kv_dtype}"
+            )
         self.device = torch.device(device)
 
         def w(name: str) -> torch.Tensor:
@@ -283,9 +285,10 @@ class LlamaModel:
 
     def make_pool(self, block_size: int, num_blocks: int) -> KVPool:
         pool = KVPool(self.kv_layout(block_size), num_blocks, self.device)
-        if pool.layout.quantized and not native_fits(pool.layers[0], self.config.num_heads):
+        if pool.layout.dtype != self.dtype and not native_fits(pool.layers[0], self.config.num_heads):
             raise ValueError(
-                f"8-bit KV is read by the CPU's C attention kernels only, which do not take this pool "
+                f"{dtype_name(pool.layout.dtype)} KV under a {dtype_name(self.dtype)} model is read by the CPU's C "
+                f"attention kernels only, which do not take this pool "
                 f"({pool.device}, head_dim {self.config.head_dim}, {self.config.num_heads} heads over "
                 f"{self.config.num_kv_heads}): set engine.kv_dtype auto"
             )

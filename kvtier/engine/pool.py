@@ -266,8 +266,8 @@ class KVPool:
                 raw[slots.blocks, half, :, slots.offsets] = quants.view(torch.uint8)
                 scales[slots.blocks, half, :, slots.offsets] = scale
             return
-        pool[slots.blocks, 0, :, slots.offsets] = k
-        pool[slots.blocks, 1, :, slots.offsets] = v
+        pool[slots.blocks, 0, :, slots.offsets] = k.to(pool.dtype)  # a float16 pool under a float32 model rounds here
+        pool[slots.blocks, 1, :, slots.offsets] = v.to(pool.dtype)
 
     def plan_gather(self, tables: Sequence[BlockTable], num_tokens: Sequence[int]) -> Gather:
         """Index rows so that one ``index_select`` lands K/V already in attention order.

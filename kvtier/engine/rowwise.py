@@ -176,8 +176,9 @@ class Rope:
         # An 8-bit pool's quants and scales are written by the same kernel, rounded as quantize_rows rounds them.
         self._scales = 2 * layer.stride(1) if layout.quantized else -1
         self._fp8 = layout.quantized and layout.dtype == torch.float8_e4m3fn
+        self._f16 = layout.dtype == torch.float16 and cos.dtype != torch.float16  # K/V rounded to float16 as written
         pool_fits = layer.device.type == "cpu" and (
-            layout.quantized or (layer.dtype == cos.dtype and layer.is_contiguous())
+            layout.quantized or (layer.dtype in (cos.dtype, torch.float16) and layer.is_contiguous())
         )
         self.native = (
             _native_fits(cos, sin)
@@ -223,6 +224,7 @@ class Rope:
                 self._impl,
                 self._scales,
                 self._fp8,
+                self._f16,
             )
             k = qkv[:, q_dim : q_dim + kv_dim].unflatten(-1, (kv_heads, dim))
             v = qkv[:, q_dim + kv_dim :].unflatten(-1, (kv_heads, dim))

@@ -69,11 +69,13 @@ def test_greedy_output_with_the_cache_is_the_output_without_it(bf16_model: Loade
         check_reuse(turns, cold, replies_cached=False)  # the prompts' blocks only, never a reply's
 
 
-@pytest.mark.parametrize(("name", "kv"), [("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)])
-def test_8bit_kv_in_a_bfloat16_engine_keeps_reuse_exact(
+@pytest.mark.parametrize(
+    ("name", "kv"), [("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn), ("float16", torch.float16)]
+)
+def test_narrower_kv_in_a_bfloat16_engine_keeps_reuse_exact(
     name: str, kv: torch.dtype, bf16_model: LoadedModel, tmp_path: Path
 ) -> None:
-    """8-bit KV under bfloat16 compute: the prefill kernel's AVX-512 BF16 build reads the quants too."""
+    """8-bit or float16 KV under bfloat16 compute: the prefill kernel's AVX-512 BF16 build widens them too."""
     model = copy.copy(bf16_model.model)
     model.kv_dtype = kv
     kv8 = dataclasses.replace(bf16_model, model=model)
@@ -82,6 +84,6 @@ def test_8bit_kv_in_a_bfloat16_engine_keeps_reuse_exact(
     cfg = config(tmp_path / "cached", dtype="bfloat16", kv_dtype=name, keep_resident=False, max_step_tokens=48)
     with open_cache(kv8, cfg) as cache:
         engine = make_engine(kv8, cfg, cache=cache, keep_resident=False)
-        assert engine.pool.layout.quantized
+        assert engine.pool.layout.dtype == kv
         turns = converse(engine, kv8)
     check_reuse(turns, cold, replies_cached=False)

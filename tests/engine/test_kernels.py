@@ -248,8 +248,8 @@ def test_a_window_not_yet_reached_changes_no_bit_and_a_sequence_is_alone_in_its_
 
 
 def test_pools_the_kernel_does_not_take_get_the_torch_path() -> None:
-    half = random_pool(torch.float16)
-    assert isinstance(plan_decode(half, shuffled_tables(half, [20]), [20], num_heads=9), TorchDecode)
+    pages = random_pool(torch.float8_e5m2)  # another engine's fp8 pages: no row scales, not kvtier's own
+    assert isinstance(plan_decode(pages, shuffled_tables(pages, [20]), [20], num_heads=9), TorchDecode)
     odd_dim = random_pool(torch.float32, head_dim=24)
     assert isinstance(plan_decode(odd_dim, shuffled_tables(odd_dim, [20]), [20], num_heads=9), TorchDecode)
 
@@ -299,7 +299,7 @@ def test_the_prefill_kernel_is_the_one_in_use_on_cpu() -> None:
     (table,) = shuffled_tables(pool, [100])
     assert isinstance(plan_prefill(pool, table, 36, 64, num_heads=9), NativePrefill)
     assert plan_prefill(pool, table, 0, 100, num_heads=9) is None  # from nothing: SDPA's causal kernel
-    assert plan_prefill(random_pool(torch.float16), table, 36, 64, num_heads=9) is None
+    assert plan_prefill(random_pool(torch.float8_e5m2), table, 36, 64, num_heads=9) is None
 
 
 @pytest.mark.parametrize("impl", kernels.PREFILL_IMPLS)
@@ -387,7 +387,7 @@ def test_prefill_refuses_bad_tables_and_queries() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         plan.attend(0, q[:5])
     with pytest.raises(ValueError, match="does not take"):
-        NativePrefill(random_pool(torch.float16).layers, BlockTable([1, 2], 20), 10, 10, 9)
+        NativePrefill(random_pool(torch.float8_e5m2).layers, BlockTable([1, 2], 20), 10, 10, 9)
 
 
 # -- in the engine -------------------------------------------------------------------

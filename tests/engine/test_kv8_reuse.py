@@ -1,5 +1,5 @@
-"""``engine.kv_dtype: int8`` and ``fp8_e4m3`` on the real model: greedy output with the cache is the output
-without it.
+"""``engine.kv_dtype: int8``, ``fp8_e4m3`` and ``float16`` under a float32 model, on the real model: greedy
+output with the cache is the output without it.
 
 An 8-bit pool rounds a token's KV once, when the engine writes it, and every
 token is attended to as the pool holds it, so a block read back from a tier
@@ -28,18 +28,19 @@ from tests.engine.test_bf16_reuse import prefill_in_chunks
 from tests.engine.test_engine import check_reuse, config, converse
 from tests.remote import remote_section
 
-KV8 = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+KV8 = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "float16": torch.float16}
+BYTES_VS_FP32 = {"int8": 68 / 256, "fp8_e4m3": 68 / 256, "float16": 1 / 2}  # at head_dim 64, scales included
 
 
 @pytest.fixture(scope="module", params=list(KV8))
 def kv8(request: pytest.FixtureRequest) -> str:
-    """``engine.kv_dtype``: each 8-bit setting."""
+    """``engine.kv_dtype``: each setting narrower than the model's float32."""
     return str(request.param)
 
 
 @pytest.fixture(scope="module")
 def kv8_model(loaded_model: LoadedModel, kv8: str) -> LoadedModel:
-    """The session's float32 model over an 8-bit KV pool (the same weights, shared)."""
+    """The session's float32 model over a narrower KV pool (the same weights, shared)."""
     model = copy.copy(loaded_model.model)
     model.kv_dtype = KV8[kv8]
     return dataclasses.replace(loaded_model, model=model)
@@ -49,8 +50,9 @@ def test_the_setting_resolves_and_binds_the_layout(loaded_model: LoadedModel, tm
     cfg = config(tmp_path, kv_dtype="int8")
     assert kv_dtype(cfg) == torch.int8 and not cache_decoded(cfg)  # auto caches decoded KV in float32 KV only
     assert kv_dtype(config(tmp_path, kv_dtype="fp8_e4m3")) == torch.float8_e4m3fn
+    assert kv_dtype(config(tmp_path, kv_dtype="float16")) == torch.float16
     assert kv_dtype(config(tmp_path)) == torch.float32 and cache_decoded(config(tmp_path))
-    with pytest.raises(ValueError, match="a float KV pool holds the compute dtype"):
+    with pytest.raises(ValueError, match="a float32 or bfloat16 KV pool holds the compute dtype"):
         kv_dtype(config(tmp_path, kv_dtype="bfloat16"))
     with open_cache(loaded_model, config(tmp_path / "fp32")) as fp32:
         fp32_root = fp32.hasher.root("default")
@@ -64,6 +66,11 @@ def test_the_setting_resolves_and_binds_the_layout(loaded_model: LoadedModel, tm
     with open_cache(kv8, config(tmp_path / "e4m3", kv_dtype="fp8_e4m3")) as e4m3:
         assert e4m3.layout.descriptor.endswith(":fp8_e4m3:row_scales")
         assert e4m3.hasher.root("default") not in (fp32_root, int8_root)
+        e4m3_root = e4m3.hasher.root("default")
+    kv8.model.kv_dtype = torch.float16
+    with open_cache(kv8, config(tmp_path / "f16", kv_dtype="float16")) as f16:
+        assert f16.layout.descriptor.endswith(":float16")
+        assert f16.hasher.root("default") not in (fp32_root, int8_root, e4m3_root)
 
 
 def test_a_prompts_kv_is_the_same_bytes_in_one_forward_or_in_uneven_chunks(kv8_model: LoadedModel) -> None:
@@ -74,7 +81,7 @@ def test_a_prompts_kv_is_the_same_bytes_in_one_forward_or_in_uneven_chunks(kv8_m
     cut, cut_logits = prefill_in_chunks(
         model, ids, [0, 37, 130, len(ids)]
     )  # (a one-token chunk is a decode step: other kernels)
-    assert one.dtype == torch.uint8 and torch.equal(one, cut) and torch.equal(one_logits, cut_logits)
+    assert torch.equal(one.view(torch.uint8), cut.view(torch.uint8)) and torch.equal(one_logits, cut_logits)
 
 
 def test_greedy_output_with_the_cache_is_the_output_without_it(
@@ -86,7 +93,7 @@ def test_greedy_output_with_the_cache_is_the_output_without_it(
         cfg = config(tmp_path / str(keep_resident), kv_dtype=kv8, keep_resident=keep_resident, max_step_tokens=48)
         with open_cache(kv8_model, cfg) as cache:
             engine = make_engine(kv8_model, cfg, cache=cache, keep_resident=keep_resident)
-            assert engine.pool.layout.quantized and not engine.publisher.cache_decoded
+            assert engine.pool.layout.dtype == KV8[kv8] and not engine.publisher.cache_decoded
             turns = converse(engine, kv8_model)
             stats = cache.stats()
         check_reuse(turns, cold, replies_cached=False)
@@ -103,11 +110,12 @@ def with_sections(cfg: Config, **sections: dict[str, object]) -> Config:
 def test_8bit_blocks_through_the_cache_service_and_redis_give_the_same_output(
     kv8: str, kv8_model: LoadedModel, tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """The service's slab and Redis carry the blocks as the pool holds them, a quarter of float32's bytes."""
+    """The service's slab and Redis carry the blocks as the pool holds them, in a quarter or half float32's bytes."""
     cold_engine = make_engine(kv8_model, config(tmp_path / "cold", kv_dtype=kv8), cache=None, keep_resident=False)
     cold = converse(cold_engine, kv8_model)
     layout = kv8_model.model.kv_layout(16)
-    assert layout.bytes_per_token * 4 < KVLayout(30, 3, 64, 16, torch.float32).bytes_per_token * 1.07
+    fp32 = KVLayout(30, 3, 64, 16, torch.float32)
+    assert layout.bytes_per_token == fp32.bytes_per_token * BYTES_VS_FP32[kv8]
     sock = tmp_path / "cache.sock"
     service_cfg = config(tmp_path / "service", kv_dtype=kv8)
     svc = CacheService(
