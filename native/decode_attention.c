@@ -195,7 +195,7 @@ static void attn_pick(void) {
 #ifdef KVT_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) attn_impls[attn_n_impls++] = (attn_impl_t){"avx512", kvt_attn_unit_avx512};
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         attn_impls[attn_n_impls++] = (attn_impl_t){"avx2", kvt_attn_unit_avx2};
 #endif
     attn_impls[attn_n_impls++] = (attn_impl_t){"base", attn_unit_base};

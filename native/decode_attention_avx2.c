@@ -20,7 +20,7 @@
  * stall per row). By hand it is bound by memory again, as decode attention should be:
  * two threads read K/V near the machine's memory bandwidth.
  */
-#define ATTN256 __attribute__((target("avx2,fma")))
+#define ATTN256 __attribute__((target("avx2,fma,f16c")))
 #define ATTN256_INLINE static inline __attribute__((always_inline)) ATTN256
 
 /* Elements [off, off + 8) of a row as float32 (bfloat16 widened: its bits are a float's top half). */
@@ -30,9 +30,8 @@ ATTN256_INLINE __m256 attn256_load(const char *base, ptrdiff_t off, const int bf
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
     }
     if (bf16 == KVT_E4M3) /* float8 e4m3 quants, likewise */
-        return kvt_e4m3_256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + off))));
-    if (bf16 == KVT_F16)
-        return kvt_f16_256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))));
+        return kvt_e4m3_256((const uint8_t *)base + off);
+    if (bf16 == KVT_F16) return kvt_f16_256((const uint16_t *)base + off);
     if (bf16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

@@ -39,10 +39,8 @@ ATTN512_INLINE __m512 attn512_load(const char *base, ptrdiff_t off, int v, const
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
     }
     if (bf16 == KVT_E4M3) /* float8 e4m3 quants, likewise */
-        return kvt_e4m3_512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + off + 16 * v))));
-    if (bf16 == KVT_F16)
-        return kvt_f16_512(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off + 16 * v))));
+        return kvt_e4m3_512((const uint8_t *)base + off + 16 * v);
+    if (bf16 == KVT_F16) return kvt_f16_512((const uint16_t *)base + off + 16 * v);
     if (split) {
         const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)base + off + 32 * (v >> 1)));
         return _mm512_castsi512_ps((v & 1) ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))

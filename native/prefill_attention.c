@@ -278,7 +278,7 @@ static void pf_unit_base(const pf_job_t *j, const pf_unit_t *u, float *buf) {
 
 /* -- AVX2 + FMA -------------------------------------------------------------------- */
 #if defined(__x86_64__) || defined(__i386__)
-#define PF_AVX2 __attribute__((target("avx2,fma")))
+#define PF_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define PF_AVX2_INLINE static inline __attribute__((always_inline)) PF_AVX2
 
 /* S[p0 + i][r0 .. r0 + 24) = Qt[:, r0 ..] . K[p0 + i] for i < 4: 12 accumulators. */
@@ -376,10 +376,9 @@ PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int m
  */
 /* pf_wide of elements [i, i + 8). */
 PF_AVX2_INLINE __m256 pf256_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
-    if (j->kv_f16) return kvt_f16_256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))));
-    const __m128i x = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + i));
-    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_256(_mm256_cvtepu8_epi32(x));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    if (j->kv_f16) return kvt_f16_256((const uint16_t *)base + i);
+    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_256((const uint8_t *)base + i);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + i))));
 }
 
 PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scratch_t *w, int b, int t0, int nt,
@@ -471,7 +470,7 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
  * An int8 pool (with a bfloat16 model) takes the same path: each tile's quants times
  * their rows' scales, rounded to bfloat16 once into the partial-tile buffers.
  */
-#define PF_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define PF_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 #define PF_BF16_INLINE static inline __attribute__((always_inline)) PF_BF16
 
 typedef struct {
@@ -481,11 +480,9 @@ typedef struct {
 
 /* pf_wide of elements [i, i + 16). */
 PF_BF16_INLINE __m512 pf512_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
-    if (j->kv_f16)
-        return kvt_f16_512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))));
-    const __m128i x = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + i));
-    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_512(_mm512_cvtepu8_epi32(x));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+    if (j->kv_f16) return kvt_f16_512((const uint16_t *)base + i);
+    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_512((const uint8_t *)base + i);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + i))));
 }
 
 PF_BF16_INLINE __m512 pf512_dot(__m512 acc, __m512i a, __m512i b) {
@@ -685,7 +682,7 @@ static void pf_pick(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
         pf_impls[pf_n_impls++] = (pf_impl_t){"avx512bf16", pf_unit_bf16};
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         pf_impls[pf_n_impls++] = (pf_impl_t){"avx2", pf_unit_avx2};
 #endif
     pf_impls[pf_n_impls++] = (pf_impl_t){"base", pf_unit_base};

@@ -34,6 +34,12 @@ def kv8_pool(
             quants, scale = quantize_rows(x, kv)
             pool.layers[layer].view(torch.uint8)[:, half] = quants.view(torch.uint8)
             pool.scales[layer][:, half] = scale
+    if kv == torch.float8_e4m3fn:  # every finite e4m3 code (subnormals too), in K and V rows of block 3
+        codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        rows = torch.zeros(4 * head_dim, dtype=torch.uint8)  # four rows: all 254 codes from head_dim 64 up
+        rows[: min(len(rows), len(codes))] = codes[: len(rows)]
+        for layer in pool.layers:
+            layer.view(torch.uint8)[3, :, 0, :4] = rows.view(4, head_dim)
     return pool
 
 
