@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 import kvtier
-from kvtier import openmp
+from kvtier import hardware, openmp
 from kvtier.bench import ttft
 from kvtier.bench.peer.workload import Trace, Workload
 from kvtier.config import Config
@@ -46,7 +46,7 @@ def run(loaded: LoadedModel, config: Config, workload: Workload) -> dict[str, An
         "version": kvtier.__version__,
         "setup": {
             "weights": loaded.path.name,
-            "compute": f"dequantized to {compute_dtype(config).value}, KV in {compute_dtype(config).value}",
+            "compute": f"dequantized to {compute_dtype(config).value}, KV in {hardware.kv_dtype(config)}",
             "decode_activations": "q8" if loaded.model.q8_decode else "exact",  # engine.decode_activations, as run
             "dtype": compute_dtype(config).value,
             "block_size": config.cache.block_size,
