@@ -25,6 +25,10 @@ def test_the_report_measures_bytes_quality_reuse_and_hits(tmp_path: Path) -> Non
     assert kv8["positions"] == base["positions"] == 256
     assert base["same_output"] is kv8["same_output"] is True  # host, disk and Redis hits against recomputes
     assert kv8["disk_cold"] is True and kv8["remote_fetch_s_4k"] > 0 and kv8["decode_tok_s_8k"] > 0
+    alternating = kv8["decode_fp32_alternating_tok_s_8k"]  # float32's requests between int8's, for the ratio
+    assert result["ratios_vs_fp32"]["int8"]["decode_tok_s_8k"] == pytest.approx(
+        kv8["decode_tok_s_8k"] / alternating, abs=1e-3
+    )
     path, _ = precision.save(result, tmp_path / "out")
     assert json.loads(path.read_text())["dtypes"]["int8"]["same_output"] is True
     assert "int8" in precision.table(result)
