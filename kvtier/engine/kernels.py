@@ -150,14 +150,19 @@ def gathered_attention(keys: torch.Tensor, values: torch.Tensor, mask: torch.Ten
     return (probs @ values).reshape(s, heads, dim)
 
 
+def element_args(layer: torch.Tensor) -> dict[str, Any]:
+    """What a pool layer's elements are, as the C kernels' keywords (attention and the rope writer alike):
+    for an 8-bit pool where a block's scales start in its layer range (its K and V quants' bytes; -1 for a
+    float pool) and whether its quants are float8 e4m3, and whether the pool is float16."""
+    scales = 2 * layer.stride(1) if layer.dtype in EIGHT_BIT_DTYPES else -1
+    return {"int8_scales": scales, "fp8": layer.dtype == torch.float8_e4m3fn, "f16": layer.dtype == torch.float16}
+
+
 def _pool_args(layers: Sequence[torch.Tensor]) -> tuple[list[int], tuple[tuple[int, ...], int], dict[str, Any]]:
-    """What both C kernels take of a pool: each layer's address, (strides, block count), and for an 8-bit
-    pool where a block's scales start in its layer range (its K and V quants' bytes; -1 for a float pool)
-    and whether its quants are float8 e4m3, and whether it is float16, as the kernels' keywords."""
+    """What both C attention kernels take of a pool: each layer's address, (strides, block count), and
+    :func:`element_args`."""
     first = layers[0]  # all views of one pool tensor: the same shape, strides and dtype
-    scales = 2 * first.stride(1) if first.dtype in EIGHT_BIT_DTYPES else -1
-    kv8 = {"int8_scales": scales, "fp8": first.dtype == torch.float8_e4m3fn, "f16": first.dtype == torch.float16}
-    return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0]), kv8
+    return [t.data_ptr() for t in layers], (first.stride()[:4], first.shape[0]), element_args(first)
 
 
 def _q_fits(q: torch.Tensor, want: tuple[torch.dtype, torch.device, torch.Size], pool_dtype: torch.dtype) -> None:

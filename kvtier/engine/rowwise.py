@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier import extension
+from kvtier.engine.kernels import element_args
 from kvtier.engine.pool import KVPool, Slots
 
 _native = extension.kernels
@@ -174,9 +175,7 @@ class Rope:
         self._heads, self._kv_heads, self._dim = num_heads, layout.num_kv_heads, layout.head_dim
         layer = pool.layers[0]
         # An 8-bit pool's quants and scales are written by the same kernel, rounded as quantize_rows rounds them.
-        self._scales = 2 * layer.stride(1) if layout.quantized else -1
-        self._fp8 = layout.quantized and layout.dtype == torch.float8_e4m3fn
-        self._f16 = layout.dtype == torch.float16 and cos.dtype != torch.float16  # K/V rounded to float16 as written
+        self._elements = element_args(layer)
         pool_fits = layer.device.type == "cpu" and (
             layout.quantized or (layer.dtype in (cos.dtype, torch.float16) and layer.is_contiguous())
         )
@@ -222,9 +221,7 @@ class Rope:
                 qkv.dtype == torch.bfloat16,
                 _threads(rows),
                 self._impl,
-                self._scales,
-                self._fp8,
-                self._f16,
+                **self._elements,
             )
             k = qkv[:, q_dim : q_dim + kv_dim].unflatten(-1, (kv_heads, dim))
             v = qkv[:, q_dim + kv_dim :].unflatten(-1, (kv_heads, dim))
