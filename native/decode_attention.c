@@ -172,10 +172,10 @@ static inline __attribute__((always_inline)) void attn_unit_body(const attn_job_
 
 #define ATTN_VARIANT(name, attr, lanes)                                                             \
     attr static void name(const attn_job_t *j, const attn_unit_t *u, float *part) {                \
-        if (j->kv8 == KVT_KV8_E4M3) attn_unit_body(j, u, part, j->bf16, KVT_E4M3, lanes);           \
-        else if (j->kv8) attn_unit_body(j, u, part, j->bf16, KVT_I8, lanes);                        \
-        else if (j->kv_f16) attn_unit_body(j, u, part, j->bf16, KVT_F16, lanes);                    \
-        else if (j->bf16) attn_unit_body(j, u, part, 1, 1, lanes);                                  \
+        if (j->kind == KVT_E4M3) attn_unit_body(j, u, part, j->bf16, KVT_E4M3, lanes);              \
+        else if (j->kind == KVT_I8) attn_unit_body(j, u, part, j->bf16, KVT_I8, lanes);             \
+        else if (j->kind == KVT_F16) attn_unit_body(j, u, part, j->bf16, KVT_F16, lanes);           \
+        else if (j->kind == KVT_BF16) attn_unit_body(j, u, part, 1, KVT_BF16, lanes);               \
         else attn_unit_body(j, u, part, 0, 0, lanes);                                               \
     }
 
@@ -331,11 +331,9 @@ static PyObject *attn_entry(PyObject *args, PyObject *kw, const char *impl) {
     j.s_head = sh;
     j.s_pos = sp;
     j.bf16 = bf16;
-    const char *bad_scales = kvt_kv8_scales(j.kv, sb, skv, sh, j.dim, int8_scales, fp8, &j.kv8, &j.scales, &j.ss_block,
-                                             &j.ss_kv, &j.ss_head);
-    if (bad_scales != NULL) return PyErr_Format(PyExc_ValueError, "paged_decode_attention: %s", bad_scales);
-    if (f16 && j.kv8) return PyErr_Format(PyExc_ValueError, "paged_decode_attention: a pool is float16 or 8-bit");
-    j.kv_f16 = f16;
+    const char *bad_kind = kvt_pool_kind(j.kv, sb, skv, sh, j.dim, bf16, int8_scales, fp8, f16, &j.kind, &j.scales,
+                                         &j.ss_block, &j.ss_kv, &j.ss_head);
+    if (bad_kind != NULL) return PyErr_Format(PyExc_ValueError, "paged_decode_attention: %s", bad_kind);
     j.q = (const char *)(uintptr_t)q;
     j.out = (char *)(uintptr_t)out;
     j.tables = (const int32_t *)(uintptr_t)tables;

@@ -26,10 +26,9 @@ typedef struct {
 typedef struct {
     const char *kv;                         /* the layer's pool */
     ptrdiff_t s_block, s_kv, s_head, s_pos; /* its strides, in elements */
-    int bf16;     /* q, out and (unless kv8) the pool are bfloat16, else float32 */
-    int kv8;      /* KVT_KV8_*: the pool holds 8-bit quants (int8 or e4m3), a float32 scale per (block, K|V, head, row) at scales */
-    int kv_f16;   /* the pool holds float16 (q and out still the model's dtype) */
-    const float *scales;                    /* the layer's scales (kv8): block b's at scales + b * ss_block */
+    int bf16;     /* q and out are bfloat16, else float32 */
+    int kind;     /* KVT_*: the pool's elements; 8-bit ones with a float32 scale per (block, K|V, head, row) */
+    const float *scales;                    /* the layer's scales (8-bit): block b's at scales + b * ss_block */
     ptrdiff_t ss_block, ss_kv, ss_head;     /* their strides, in floats (a row's is 1) */
     const char *q; /* [num_seqs, kv_heads * group, dim], the model dtype */
     char *out;     /* the same shape and dtype */

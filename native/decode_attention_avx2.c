@@ -214,15 +214,15 @@ ATTN256_INLINE void attn256_body(const attn_job_t *j, const attn_unit_t *u, floa
 
 ATTN256 void kvt_attn_unit_avx2(const attn_job_t *j, const attn_unit_t *u, float *part) {
     const int nv = j->dim / 8;
-    if (j->kv8 == KVT_KV8_E4M3) {
+    if (j->kind == KVT_E4M3) {
         if (nv == 8) attn256_body(j, u, part, KVT_E4M3, 8);
         else if (nv == 16) attn256_body(j, u, part, KVT_E4M3, 16);
         else attn256_body(j, u, part, KVT_E4M3, 0);
-    } else if (j->kv_f16) {
+    } else if (j->kind == KVT_F16) {
         if (nv == 8) attn256_body(j, u, part, KVT_F16, 8);
         else if (nv == 16) attn256_body(j, u, part, KVT_F16, 16);
         else attn256_body(j, u, part, KVT_F16, 0);
-    } else if (j->kv8) {
+    } else if (j->kind == KVT_I8) {
         if (nv == 8) attn256_body(j, u, part, 2, 8);
         else if (nv == 16) attn256_body(j, u, part, 2, 16);
         else attn256_body(j, u, part, 2, 0);

@@ -263,15 +263,15 @@ ATTN512_INLINE void attn512_body(const attn_job_t *j, const attn_unit_t *u, floa
 
 ATTN512 void kvt_attn_unit_avx512(const attn_job_t *j, const attn_unit_t *u, float *part) {
     const int nv = j->dim / 16;
-    if (j->kv8 == KVT_KV8_E4M3) {
+    if (j->kind == KVT_E4M3) {
         if (nv == 4) attn512_body(j, u, part, KVT_E4M3, 0, 4);
         else if (nv == 8) attn512_body(j, u, part, KVT_E4M3, 0, 8);
         else attn512_body(j, u, part, KVT_E4M3, 0, 0);
-    } else if (j->kv_f16) {
+    } else if (j->kind == KVT_F16) {
         if (nv == 4) attn512_body(j, u, part, KVT_F16, 0, 4);
         else if (nv == 8) attn512_body(j, u, part, KVT_F16, 0, 8);
         else attn512_body(j, u, part, KVT_F16, 0, 0);
-    } else if (j->kv8) {
+    } else if (j->kind == KVT_I8) {
         if (nv == 4) attn512_body(j, u, part, 2, 0, 4);
         else if (nv == 8) attn512_body(j, u, part, 2, 0, 8);
         else attn512_body(j, u, part, 2, 0, 0);

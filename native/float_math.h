@@ -25,12 +25,10 @@ static inline uint16_t kvt_f32_to_bf16(float f) {
     return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
 }
 
-/* What an 8-bit pool's quants are (a kernel job's kv8): none (a float pool), int8, or float8 e4m3. */
-enum { KVT_KV8_NONE = 0, KVT_KV8_INT8 = 1, KVT_KV8_E4M3 = 2 };
-
-/* What the attention kernels read a pool's elements as (their `kv` argument, a constant in each
- * variant): the model's float32 or bfloat16, 8-bit quants (times their rows' scales), or float16 KV
- * under a float32 or bfloat16 model. From KVT_I8 on, the pool's dtype is not q's. */
+/* What the attention kernels read a pool's elements as (a job's `kind`, and a constant in each
+ * specialised variant): the model's float32 or bfloat16, 8-bit quants (times their rows' scales), or
+ * float16 KV under a float32 or bfloat16 model. From KVT_I8 on, the pool's dtype is not q's: the
+ * kernels widen its elements as they read them. */
 enum { KVT_F32 = 0, KVT_BF16 = 1, KVT_I8 = 2, KVT_E4M3 = 3, KVT_F16 = 4 };
 
 static inline int kvt_kind_scaled(int kind) { return kind == KVT_I8 || kind == KVT_E4M3; }

@@ -38,14 +38,14 @@ PyObject *kvt_py_rope_kv(PyObject *mod, PyObject *args, PyObject *kw);
 PyObject *kvt_py_silu_mul(PyObject *mod, PyObject *args, PyObject *kw);
 PyObject *kvt_py_rowwise_impls(PyObject *mod, PyObject *arg);
 
-/* An 8-bit pool's scales for the attention kernels: with offset >= 0 (the bytes from a block's
- * layer range to its scales [K|V][kv_heads][block] float32), sets *kv8 (e4m3: its quants are
- * float8 e4m3, else int8), *scales and their strides in floats from the pool's strides in
- * bytes; with offset < 0 sets *kv8 to KVT_KV8_NONE. NULL, or why the strides do not fit
- * (kernels_module.c). */
-const char *kvt_kv8_scales(const char *kv, ptrdiff_t s_block, ptrdiff_t s_kv, ptrdiff_t s_head, int dim,
-                           Py_ssize_t offset, int e4m3, int *kv8, const float **scales, ptrdiff_t *ss_block,
-                           ptrdiff_t *ss_kv, ptrdiff_t *ss_head);
+/* What the attention kernels' keywords say a pool holds, as a KVT_* kind (float_math.h): with
+ * offset >= 0 (the bytes from a block's layer range to its scales [K|V][kv_heads][block] float32)
+ * 8-bit quants, e4m3 ones with fp8, and *scales and their strides in floats from the pool's strides
+ * in bytes; else float16 with f16, else the model's bfloat16 (bf16) or float32. NULL, or why the
+ * keywords or strides do not fit (kernels_module.c). */
+const char *kvt_pool_kind(const char *kv, ptrdiff_t s_block, ptrdiff_t s_kv, ptrdiff_t s_head, int dim, int bf16,
+                          Py_ssize_t offset, int fp8, int f16, int *kind, const float **scales, ptrdiff_t *ss_block,
+                          ptrdiff_t *ss_kv, ptrdiff_t *ss_head);
 
 /* The names of a table of builds, as a tuple of str; every entry of the table
  * (entry_bytes apart) starts with its name, a const char * (kernels_module.c). */

@@ -37,11 +37,15 @@ PyObject *kvt_impl_names(const void *table, size_t entry_bytes, int n) {
     return names;
 }
 
-const char *kvt_kv8_scales(const char *kv, ptrdiff_t s_block, ptrdiff_t s_kv, ptrdiff_t s_head, int dim,
-                           Py_ssize_t offset, int e4m3, int *kv8, const float **scales, ptrdiff_t *ss_block,
-                           ptrdiff_t *ss_kv, ptrdiff_t *ss_head) {
-    *kv8 = offset < 0 ? KVT_KV8_NONE : e4m3 ? KVT_KV8_E4M3 : KVT_KV8_INT8;
-    if (*kv8 == KVT_KV8_NONE) return e4m3 ? "fp8 names an 8-bit pool's quants: it needs its scales offset" : NULL;
+const char *kvt_pool_kind(const char *kv, ptrdiff_t s_block, ptrdiff_t s_kv, ptrdiff_t s_head, int dim, int bf16,
+                          Py_ssize_t offset, int fp8, int f16, int *kind, const float **scales, ptrdiff_t *ss_block,
+                          ptrdiff_t *ss_kv, ptrdiff_t *ss_head) {
+    if (offset < 0) {
+        *kind = f16 ? KVT_F16 : bf16 ? KVT_BF16 : KVT_F32;
+        return fp8 ? "fp8 names an 8-bit pool's quants: it needs its scales offset" : NULL;
+    }
+    if (f16) return "a pool is float16 or 8-bit";
+    *kind = fp8 ? KVT_E4M3 : KVT_I8;
     if (dim <= 0 || offset % 4 || s_block % 4 || s_kv % dim || s_head % dim)
         return "an 8-bit pool's block stride and scales offset must be multiples of 4, its K/V and head strides of "
                "head_dim";

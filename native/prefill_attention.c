@@ -64,10 +64,9 @@ typedef struct {
 typedef struct pf_job {
     const char *kv;                         /* the layer's pool */
     ptrdiff_t s_block, s_kv, s_head, s_pos; /* its strides, in elements */
-    int bf16;                               /* pool (unless kv8), q and out are bfloat16, else float32 */
-    int kv8;                                /* KVT_KV8_*: 8-bit quants (int8 or e4m3), a float32 scale per row at scales */
-    int kv_f16;                             /* the pool holds float16 (q and out the model's dtype) */
-    const float *scales;                    /* the layer's scales (kv8): block b's at scales + b * ss_block */
+    int bf16;                               /* q and out are bfloat16, else float32 */
+    int kind;                               /* KVT_*: the pool's elements; 8-bit ones with a float32 scale per row */
+    const float *scales;                    /* the layer's scales (8-bit): block b's at scales + b * ss_block */
     ptrdiff_t ss_block, ss_kv, ss_head;     /* their strides, in floats (a row's is 1) */
     const char *q;                          /* [tokens, kv_heads * group, dim] */
     char *out;                              /* the same shape */
@@ -88,13 +87,11 @@ static inline float pf_load(const char *base, ptrdiff_t i, int bf16) {
 /* Element i of a pool that is not the model's dtype, as float32: float16, or an 8-bit quant (int8 or
  * float8 e4m3) before its row's scale. */
 static inline float pf_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
-    if (j->kv_f16) return kvt_f16_to_f32(((const uint16_t *)base)[i]);
+    if (j->kind == KVT_F16) return kvt_f16_to_f32(((const uint16_t *)base)[i]);
     const uint8_t x = ((const uint8_t *)base)[i];
-    return j->kv8 == KVT_KV8_E4M3 ? kvt_e4m3_to_f32(x) : (float)(int8_t)x;
+    return j->kind == KVT_E4M3 ? kvt_e4m3_to_f32(x) : (float)(int8_t)x;
 }
 
-/* Bytes of one element of the pool. */
-static inline ptrdiff_t pf_esize(const pf_job_t *j) { return j->kv8 ? 1 : j->bf16 || j->kv_f16 ? 2 : 4; }
 
 /* An 8-bit pool's K scales of rows [t0, ...) of the sequence's block b, the unit's KV head (V's at + ss_kv). */
 static inline const float *pf_scales(const pf_job_t *j, const pf_unit_t *u, int b, int t0) {
@@ -174,8 +171,8 @@ static inline void pf_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scrat
     const int D = j->dim;
     const ptrdiff_t k_off = (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
     const ptrdiff_t v_off = k_off + j->s_kv;
-    if (j->kv8 || j->kv_f16) { /* quants times their rows' scales (the K/V an 8-bit pool holds), or float16 */
-        const float *ks = j->kv8 ? pf_scales(j, u, b, t0) : NULL;
+    if (j->kind >= KVT_I8) { /* quants times their rows' scales (the K/V an 8-bit pool holds), or float16 */
+        const float *ks = kvt_kind_scaled(j->kind) ? pf_scales(j, u, b, t0) : NULL;
         for (int p = 0; p < PF_TILE; p++) {
             const float kp = p < nt ? (ks ? ks[p] : 1.0f) : 0.0f, vp = p < nt ? (ks ? ks[j->ss_kv + p] : 1.0f) : 0.0f;
             for (int d = 0; d < D; d++) {
@@ -188,7 +185,7 @@ static inline void pf_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scrat
         *v = w->vt;
         return;
     }
-    if (!j->bf16 && nt == PF_TILE) {
+    if (j->kind == KVT_F32 && nt == PF_TILE) {
         *k = (const float *)j->kv + k_off;
         *v = (const float *)j->kv + v_off;
         return;
@@ -376,18 +373,18 @@ PF_AVX2_INLINE void pf256_softmax(const pf_scratch_t *w, int pos0, int nt, int m
  */
 /* pf_wide of elements [i, i + 8). */
 PF_AVX2_INLINE __m256 pf256_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
-    if (j->kv_f16) return kvt_f16_256((const uint16_t *)base + i);
-    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_256((const uint8_t *)base + i);
+    if (j->kind == KVT_F16) return kvt_f16_256((const uint16_t *)base + i);
+    if (j->kind == KVT_E4M3) return kvt_e4m3_256((const uint8_t *)base + i);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + i))));
 }
 
 PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_scratch_t *w, int b, int t0, int nt,
                                const float **k, const float **v) {
     const int D = j->dim;
-    if ((j->kv8 || j->kv_f16) && D % 8 == 0) { /* 8-bit quants times their rows' scales, or float16, eight at a time */
+    if (j->kind >= KVT_I8 && D % 8 == 0) { /* 8-bit quants times their rows' scales, or float16, eight at a time */
         const ptrdiff_t k_off =
             (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
-        const float *ks = j->kv8 ? pf_scales(j, u, b, t0) : NULL;
+        const float *ks = kvt_kind_scaled(j->kind) ? pf_scales(j, u, b, t0) : NULL;
         for (int p = 0; p < PF_TILE; p++) {
             const __m256 kp = _mm256_set1_ps(p < nt ? (ks ? ks[p] : 1.0f) : 0.0f);
             const __m256 vp = _mm256_set1_ps(p < nt ? (ks ? ks[j->ss_kv + p] : 1.0f) : 0.0f);
@@ -406,7 +403,7 @@ PF_AVX2_INLINE void pf256_tile(const pf_job_t *j, const pf_unit_t *u, const pf_s
         *v = w->vt;
         return;
     }
-    if (!j->bf16 || j->kv8 || j->kv_f16 || nt != PF_TILE || D % 8) {
+    if (j->kind != KVT_BF16 || nt != PF_TILE || D % 8) {
         pf_tile(j, u, w, b, t0, nt, k, v);
         return;
     }
@@ -434,7 +431,7 @@ PF_AVX2 static void pf_unit_avx2(const pf_job_t *j, const pf_unit_t *u, float *b
         const int n = n_keys - b * B < B ? n_keys - b * B : B;
         if ((b + 1) * B < n_keys) { /* the next block is anywhere in the pool: start fetching it */
             const ptrdiff_t next = (ptrdiff_t)j->ids[b + 1] * j->s_block + (ptrdiff_t)u->head * j->s_head;
-            const size_t esize = (size_t)pf_esize(j);
+            const size_t esize = (size_t)kvt_kind_bytes(j->kind);
             const char *nk = j->kv + next * (ptrdiff_t)esize, *nv = j->kv + (next + j->s_kv) * (ptrdiff_t)esize;
             for (size_t o = 0; o < (size_t)PF_TILE * (size_t)D * esize; o += 64) {
                 _mm_prefetch(nk + o, _MM_HINT_T1);
@@ -480,8 +477,8 @@ typedef struct {
 
 /* pf_wide of elements [i, i + 16). */
 PF_BF16_INLINE __m512 pf512_wide(const pf_job_t *j, const char *base, ptrdiff_t i) {
-    if (j->kv_f16) return kvt_f16_512((const uint16_t *)base + i);
-    if (j->kv8 == KVT_KV8_E4M3) return kvt_e4m3_512((const uint8_t *)base + i);
+    if (j->kind == KVT_F16) return kvt_f16_512((const uint16_t *)base + i);
+    if (j->kind == KVT_E4M3) return kvt_e4m3_512((const uint8_t *)base + i);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + i))));
 }
 
@@ -608,9 +605,9 @@ PF_BF16 static void pf_unit_bf16(const pf_job_t *j, const pf_unit_t *u, float *b
                 (ptrdiff_t)j->ids[b] * j->s_block + (ptrdiff_t)u->head * j->s_head + (ptrdiff_t)t0 * j->s_pos;
             const uint16_t *k = (const uint16_t *)j->kv + k_off, *v = (const uint16_t *)j->kv + k_off + j->s_kv;
             ptrdiff_t stride = j->s_pos;
-            if (j->kv8 || j->kv_f16) { /* quants times their rows' scales, or float16, rounded to bfloat16 as q
+            if (j->kind >= KVT_I8) { /* quants times their rows' scales, or float16, rounded to bfloat16 as q
                                         * is; rows past nt zero */
-                const float *ks = j->kv8 ? pf_scales(j, u, b, t0) : NULL;
+                const float *ks = kvt_kind_scaled(j->kind) ? pf_scales(j, u, b, t0) : NULL;
                 for (int p = 0; p < PF_TILE; p++) {
                     const __m512 kp = _mm512_set1_ps(p < nt ? (ks ? ks[p] : 1.0f) : 0.0f);
                     const __m512 vp = _mm512_set1_ps(p < nt ? (ks ? ks[j->ss_kv + p] : 1.0f) : 0.0f);
@@ -759,10 +756,9 @@ PyObject *kvt_py_paged_prefill_attention(PyObject *mod, PyObject *args, PyObject
     j.s_head = sh;
     j.s_pos = sp;
     j.bf16 = bf16;
-    bad = kvt_kv8_scales(j.kv, sb, skv, sh, j.dim, int8_scales, fp8, &j.kv8, &j.scales, &j.ss_block, &j.ss_kv, &j.ss_head);
+    bad = kvt_pool_kind(j.kv, sb, skv, sh, j.dim, bf16, int8_scales, fp8, f16, &j.kind, &j.scales, &j.ss_block,
+                        &j.ss_kv, &j.ss_head);
     if (bad != NULL) return PyErr_Format(PyExc_ValueError, "paged_prefill_attention: %s", bad);
-    if (f16 && j.kv8) return PyErr_Format(PyExc_ValueError, "paged_prefill_attention: a pool is float16 or 8-bit");
-    j.kv_f16 = f16;
     j.q = (const char *)(uintptr_t)q;
     j.out = (char *)(uintptr_t)out;
     j.scratch_floats = pf_scratch_floats(j.group, j.dim);
